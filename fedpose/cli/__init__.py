@@ -1,0 +1,55 @@
+"""The ``fedpose`` command line.
+
+Each subcommand group lives in its own module under ``fedpose/cli/`` and exposes
+``register(subparsers)``; heavy imports (torch, timm, flwr) happen inside the handlers so
+``fedpose --help`` stays fast. Handlers return a process exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Registry of subcommand modules, in the order they appear in --help.
+COMMAND_MODULES: tuple[str, ...] = (
+    "data",
+    "train",
+    "evaluate",
+    "pckh",
+    "privacy",
+    "ldp",
+    "dprp",
+    "simulate",
+    "deploy",
+    "certs",
+    "ledger",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fedpose",
+        description="Federated, differentially private 2D human-pose training.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"fedpose.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"fedpose.cli.{name}":
+                continue  # command group not built yet
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fedpose.cli.common import run_handler
+
+    args = build_parser().parse_args(argv)
+    return run_handler(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

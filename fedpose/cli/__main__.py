@@ -1,0 +1,5 @@
+import sys
+
+from fedpose.cli import main
+
+sys.exit(main())

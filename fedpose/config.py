@@ -1,0 +1,206 @@
+"""Run configuration: pydantic models loaded from TOML, validated once at the edge.
+
+Unknown keys and invalid values are rejected with a message naming the dotted key
+(e.g. ``privacy.basis.k``). ``--set key=value`` overrides are applied before validation.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is invalid; the message names the key."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataConfig(Strict):
+    train: Path | None = Field(None, description="dataset directory with annotations.json (training split)")
+    val: Path | None = Field(None, description="dataset directory used for periodic validation")
+    input_size: tuple[int, int] = Field((256, 192), description="model input (height, width)")
+    flip: bool = Field(True, description="horizontal-flip augmentation (left/right joints swapped)")
+    scale_jitter: float = Field(0.25, ge=0, lt=1, description="random scale factor range ±")
+    rotation: float = Field(30.0, ge=0, le=180, description="random rotation range ± degrees")
+    workers: int = Field(0, ge=0, description="DataLoader worker processes")
+
+    @model_validator(mode="after")
+    def _sizes(self) -> "DataConfig":
+        h, w = self.input_size
+        if h % 32 or w % 32 or h <= 0 or w <= 0:
+            raise ValueError(f"data.input_size must be positive multiples of 32, got {self.input_size}")
+        return self
+
+
+class ModelConfig(Strict):
+    backbone: str = Field("tiny_vit_5m_224", description="timm TinyViT name, or 'tiny_vit_test' (small, for tests)")
+    scenario: Literal["finetune", "full", "scratch"] = "finetune"
+    init_checkpoint: Path | None = Field(None, description="timm state dict or fedpose checkpoint to start from")
+    split_factor: int = Field(2, ge=1, le=8, description="SimCC bins per pixel")
+    label_sigma: float = Field(6.0, gt=0, description="SimCC Gaussian label-smoothing σ, in bins")
+
+
+class OptimConfig(Strict):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    warmup_steps: int = Field(0, ge=0)
+    cosine: bool = True
+
+
+class TrainConfig(Strict):
+    steps: int = Field(1000, ge=1, description="optimizer steps")
+    batch_size: int = Field(16, ge=1, description="(expected) batch size")
+    eval_every: int = Field(200, ge=1)
+    checkpoint_every: int = Field(200, ge=1)
+    eval_samples: int | None = Field(None, ge=1, description="cap on validation samples (None = all)")
+    seed: int = 0
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (None = torch default)")
+    out_dir: Path = Path("runs/train")
+
+
+class BasisConfig(Strict):
+    k: int = Field(50, ge=1, description="projection dimension")
+    public_samples: int = Field(100, ge=1, description="m, public samples per basis computation")
+    refresh_every: int = Field(50, ge=1, description="steps between basis refreshes")
+    public_data: Path | None = Field(None, description="public dataset directory (S_pub)")
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+
+
+class BlurConfig(Strict):
+    kernel_size: int = Field(21, ge=3, description="odd Gaussian kernel size in pixels")
+    sigma: float = Field(6.0, gt=0)
+
+    @model_validator(mode="after")
+    def _odd(self) -> "BlurConfig":
+        if self.kernel_size % 2 == 0:
+            raise ValueError(f"privacy.blur.kernel_size must be odd, got {self.kernel_size}")
+        return self
+
+
+class MaskConfig(Strict):
+    region: Literal["head", "face"] = Field("head", description="private region taken from the annotation")
+    margin: float = Field(0.15, ge=0, description="box enlargement, fraction of its size")
+    fill: Literal["mean", "zero"] = "mean"
+
+
+class PrivacyConfig(Strict):
+    mechanism: Literal["none", "dpsgd", "pdp", "fdp", "fpdp", "maskdp"] = "none"
+    target_epsilon: float | None = Field(None, gt=0)
+    noise_multiplier: float | None = Field(None, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0, description="per-sample clipping bound C")
+    delta: float = Field(1e-5, gt=0, lt=1)
+    secure_rng: bool = Field(False, description="draw noise from a CSPRNG (slower; see docs)")
+    basis: BasisConfig = BasisConfig()
+    blur: BlurConfig = BlurConfig()
+    mask: MaskConfig = MaskConfig()
+
+    @model_validator(mode="after")
+    def _noise(self) -> "PrivacyConfig":
+        if self.mechanism != "none":
+            if (self.target_epsilon is None) == (self.noise_multiplier is None):
+                raise ValueError(
+                    f"privacy: mechanism '{self.mechanism}' needs exactly one of "
+                    "privacy.target_epsilon or privacy.noise_multiplier"
+                )
+        return self
+
+
+class InputPrivacyConfig(Strict):
+    mechanism: Literal["none", "ldp-slicing"] = "none"
+    epsilon: float | None = Field(None, gt=0, description="ε_total per (masked) pixel")
+    ll_prune: bool = True
+    allocation: Literal["sqrt", "uniform"] = "sqrt"
+    seed: int | None = Field(None, description="seed for tests; None = cryptographically secure randomness")
+
+    @model_validator(mode="after")
+    def _eps(self) -> "InputPrivacyConfig":
+        if self.mechanism == "ldp-slicing" and self.epsilon is None:
+            raise ValueError("input_privacy.epsilon is required for mechanism 'ldp-slicing'")
+        return self
+
+
+class RunConfig(Strict):
+    """A central (non-federated) training run: `fedpose train --config ...`."""
+
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
+    input_privacy: InputPrivacyConfig = InputPrivacyConfig()
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` → (["a","b","c"], value); value parsed as TOML when possible, else a string."""
+    if "=" not in item:
+        raise ConfigError(f"--set '{item}': expected key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"--set '{item}': empty key")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = raw
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set '{item}': '{part}' is not a section")
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration in {source}:"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(root)"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key")
+        else:
+            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc})") from exc
+
+
+def validate(model: type[M], raw: dict[str, Any], source: str) -> M:
+    try:
+        return model.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source)) from None
+
+
+def load_config(
+    path: str | Path | None, overrides: list[str] | None = None, model: type[M] = RunConfig  # type: ignore[assignment]
+) -> M:
+    """Load ``model`` from a TOML file (or defaults when ``path`` is None) plus ``--set`` overrides."""
+    raw = load_toml(path) if path is not None else {}
+    raw = apply_overrides(raw, overrides or [])
+    return validate(model, raw, str(path) if path else "defaults")

@@ -1,0 +1,1 @@
+"""Pose data: the annotation schema, the synthetic generator, real-data loaders and transforms."""

@@ -1,0 +1,116 @@
+"""The one annotation schema fedpose reads and writes (MPII, HRNet style).
+
+A dataset directory holds ``annotations.json`` (a list of records) and the images it names,
+relative to the directory (or to ``images/`` inside it). One record per person:
+
+    {"image": "000001.png", "joints": 16×[x, y], "joints_vis": 16×{0,1},
+     "center": [x, y], "scale": s, "headbox": [[x1, y1], [x2, y2]]}
+
+``scale`` follows the MPII convention: the person box is ``200·scale`` pixels tall.
+Synthetic data, MPII and COCO (after joint mapping) all load into :class:`PoseRecord`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fedpose.io import atomic_write_text
+from fedpose.joints import NUM_JOINTS
+
+ANNOTATIONS_FILE = "annotations.json"
+
+
+class AnnotationError(ValueError):
+    """An annotation file or record is malformed; the message names the file, record and field."""
+
+
+@dataclass
+class PoseRecord:
+    image: str
+    joints: np.ndarray  # (16, 2) float32, pixel coordinates in the original image
+    joints_vis: np.ndarray  # (16,) float32 in {0, 1}; 0 = missing or not annotated
+    center: np.ndarray  # (2,) float32
+    scale: float
+    headbox: np.ndarray | None = None  # (2, 2) float32 [[x1, y1], [x2, y2]]
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. synthetic "site", "face_box"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "image": self.image,
+            "joints": np.round(self.joints.astype(float), 4).tolist(),
+            "joints_vis": [int(v) for v in self.joints_vis],
+            "center": np.round(self.center.astype(float), 4).tolist(),
+            "scale": round(float(self.scale), 6),
+        }
+        if self.headbox is not None:
+            out["headbox"] = np.round(self.headbox.astype(float), 4).tolist()
+        out.update(self.extra)
+        return out
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any], where: str = "record") -> "PoseRecord":
+        def need(key: str) -> Any:
+            if key not in raw:
+                raise AnnotationError(f"{where}: missing field '{key}'")
+            return raw[key]
+
+        try:
+            joints = np.asarray(need("joints"), dtype=np.float32)
+            vis = np.asarray(raw.get("joints_vis", [1] * NUM_JOINTS), dtype=np.float32)
+            center = np.asarray(need("center"), dtype=np.float32)
+            scale = float(need("scale"))
+            headbox = np.asarray(raw["headbox"], dtype=np.float32) if raw.get("headbox") is not None else None
+        except (TypeError, ValueError) as exc:
+            raise AnnotationError(f"{where}: non-numeric value ({exc})") from exc
+        if joints.shape != (NUM_JOINTS, 2):
+            raise AnnotationError(f"{where}: 'joints' must be {NUM_JOINTS}×2, got shape {joints.shape}")
+        if vis.shape != (NUM_JOINTS,):
+            raise AnnotationError(f"{where}: 'joints_vis' must have {NUM_JOINTS} entries, got {vis.shape}")
+        if center.shape != (2,):
+            raise AnnotationError(f"{where}: 'center' must be [x, y], got shape {center.shape}")
+        if not scale > 0:
+            raise AnnotationError(f"{where}: 'scale' must be positive, got {scale}")
+        if headbox is not None and headbox.shape != (2, 2):
+            raise AnnotationError(f"{where}: 'headbox' must be [[x1, y1], [x2, y2]], got shape {headbox.shape}")
+        if not np.isfinite(joints).all():
+            raise AnnotationError(f"{where}: 'joints' contains NaN or Inf")
+        known = {"image", "joints", "joints_vis", "center", "scale", "headbox"}
+        extra = {k: v for k, v in raw.items() if k not in known}
+        return cls(str(need("image")), joints, (vis > 0).astype(np.float32), center, scale, headbox, extra)
+
+
+def read_annotations(path: str | Path) -> list[PoseRecord]:
+    """Read an annotations.json file (or a dataset directory containing one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / ANNOTATIONS_FILE
+    if not path.exists():
+        raise AnnotationError(f"{path}: annotation file not found")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise AnnotationError(f"{path}: not valid JSON ({exc})") from exc
+    if not isinstance(raw, list):
+        raise AnnotationError(f"{path}: expected a JSON list of records, got {type(raw).__name__}")
+    return [PoseRecord.from_json(r, where=f"{path} record {i}") for i, r in enumerate(raw)]
+
+
+def write_annotations(path: str | Path, records: list[PoseRecord]) -> None:
+    """Write records atomically: a crash mid-write leaves the previous file intact."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / ANNOTATIONS_FILE
+    atomic_write_text(path, json.dumps([r.to_json() for r in records]))
+
+
+def resolve_image(dataset_dir: Path, image: str) -> Path:
+    """Images live beside annotations.json or in its images/ subfolder."""
+    for candidate in (dataset_dir / image, dataset_dir / "images" / image):
+        if candidate.exists():
+            return candidate
+    raise AnnotationError(f"{dataset_dir}: image '{image}' not found (looked in . and images/)")
