@@ -1,0 +1,134 @@
+"""Federation configuration: one site, the coordinator, and a whole simulated federation.
+
+Reuses the run-config sections of :mod:`fedpose.config` (privacy, input privacy, train, model,
+optim) so a site trains exactly like ``fedpose train`` would, and adds what only a federation has:
+a stable site id, a persisted state directory, a per-site ε budget, rounds, aggregation and the
+basis transport.
+
+Privacy note: ``eps_max`` is a bound on the guarantee named by ``privacy.mechanism`` (record-level
+(ε,δ)-DP for dpsgd/pdp, feature-level DP for fdp/fpdp, MaskDP for maskdp), at δ = ``privacy.delta``,
+RDP accounting, composed over every local step of every round the site joins.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from fedpose.config import (
+    DataConfig,
+    InputPrivacyConfig,
+    ModelConfig,
+    OptimConfig,
+    PrivacyConfig,
+    Strict,
+    TrainConfig,
+)
+
+# A site id is used as a file name, a Prometheus label and a SQLite key: keep it boring.
+SITE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+AggregationName = Literal["fedavg", "fedadam", "fedavgm"]
+BasisTransport = Literal["full", "compact"]
+BasisDtype = Literal["float32", "float16", "bfloat16"]
+
+
+class AggregationConfig(Strict):
+    """Server optimizer applied to the weighted mean update Δ (the pseudo-gradient)."""
+
+    strategy: AggregationName = Field("fedavg", description="fedavg | fedadam | fedavgm")
+    server_lr: float = Field(1.0, gt=0, description="server learning rate η (fedavg: w += η·Δ)")
+    momentum: float = Field(0.9, ge=0, lt=1, description="fedavgm: server momentum β")
+    beta1: float = Field(0.9, ge=0, lt=1, description="fedadam: first-moment decay")
+    beta2: float = Field(0.99, ge=0, lt=1, description="fedadam: second-moment decay")
+    tau: float = Field(1e-3, gt=0, description="fedadam: adaptivity (ε in the denominator)")
+
+
+class BasisTransportConfig(Strict):
+    """How the coordinator ships the public-subspace basis V (p×k) to sites (pdp / fpdp)."""
+
+    refresh_every_rounds: int = Field(1, ge=1, description="recompute V every R rounds on the current global model")
+    transport: BasisTransport = Field(
+        "compact",
+        description="full: send V itself; compact: send a recipe (public sample ids + m×k mixing "
+        "matrix) and let the site rebuild V from its copy of the public set",
+    )
+    dtype: BasisDtype = Field("float32", description="wire dtype of V in full mode")
+
+
+class SiteConfig(Strict):
+    """One clinical site (`sites/` ClientApp). The site is the authority on its own budget."""
+
+    site_id: str = Field(..., pattern=SITE_ID_PATTERN, description="stable site id (budgets are keyed by it, not by Flower's node id)")
+    data: DataConfig = Field(..., description="data.train = the site's training data (dataset dir or COCO json); input size, augmentation")
+    public_data: Path | None = Field(None, description="site copy of S_pub (needed for compact basis transport)")
+    state_dir: Path = Field(..., description="persisted site state: budget ledger, basis cache")
+    eps_max: float = Field(..., gt=0, description="ε budget of this site (guarantee of privacy.mechanism, δ = privacy.delta)")
+    local_steps: int = Field(50, ge=1, description="local optimizer steps per round")
+    model: ModelConfig = ModelConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    privacy: PrivacyConfig = PrivacyConfig()
+    input_privacy: InputPrivacyConfig = InputPrivacyConfig()
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus port (None = no server)")
+
+    @model_validator(mode="after")
+    def _has_data(self) -> "SiteConfig":
+        if self.data.train is None:
+            raise ValueError(f"site '{self.site_id}': data.train (the site's training data) is required")
+        return self
+
+    @property
+    def delta(self) -> float:
+        return self.privacy.delta
+
+
+class CoordinatorConfig(Strict):
+    """The coordinator (`coordinator/` ServerApp)."""
+
+    rounds: int = Field(10, ge=1)
+    min_sites: int = Field(1, ge=1, description="minimum sites that must reply for a round to count")
+    fraction_train: float = Field(1.0, gt=0, le=1, description="fraction of non-exhausted sites asked per round")
+    round_timeout_s: float = Field(600.0, gt=0, description="round timeout; also the message TTL")
+    local_steps: int = Field(50, ge=1, description="local steps each site is asked to run per round")
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    public_data: Path | None = Field(None, description="S_pub for the basis (pdp / fpdp)")
+    aggregation: AggregationConfig = AggregationConfig()
+    update_norm_bound: float | None = Field(None, gt=0, description="reject updates with ‖Δ‖₂ above this (None = no bound)")
+    eps_max: float | None = Field(None, gt=0, description="stop selecting sites whose reported ε reaches this (mirror of the site bound)")
+    basis: BasisTransportConfig = BasisTransportConfig()
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus port (None = no server)")
+    checkpoint_dir: Path = Field(Path("runs/federation/coordinator"), description="global model, server-optimizer state, ledger")
+    ledger_db: Path | None = Field(None, description="SQLite budget ledger (default: <checkpoint_dir>/ledger.sqlite)")
+    seed: int = 0
+
+    @property
+    def ledger_path(self) -> Path:
+        return self.ledger_db if self.ledger_db is not None else self.checkpoint_dir / "ledger.sqlite"
+
+
+class SimulationConfig(Strict):
+    cpus_per_site: float = Field(1.0, gt=0, description="Ray resources per ClientApp (2-core machines: 1)")
+
+
+class FederationConfig(Strict):
+    """`fedpose simulate`: one coordinator and its sites in one config file."""
+
+    run_id: str = Field("fedpose", pattern=SITE_ID_PATTERN, description="stable run id (site budget entries are keyed by (run id, round))")
+    coordinator: CoordinatorConfig = CoordinatorConfig()
+    sites: list[SiteConfig] = Field(..., min_length=1)
+    simulation: SimulationConfig = SimulationConfig()
+
+    @model_validator(mode="after")
+    def _unique_sites(self) -> "FederationConfig":
+        ids = [s.site_id for s in self.sites]
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise ValueError(f"sites: duplicate site_id {duplicates}")
+        states = [s.state_dir.resolve() for s in self.sites]
+        if len(set(states)) != len(states):
+            raise ValueError("sites: every site needs its own state_dir (budgets must not be shared)")
+        return self
