@@ -1,0 +1,147 @@
+"""Site budget guard: refuses past ε_max, survives restarts and failed writes, never resets silently."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import fedpose.io
+from fedpose.federation import site_budget as sb
+from fedpose.federation.site_budget import BudgetExhausted, BudgetStateError, RoundConflict, SiteBudget
+from fedpose.privacy.accountant import epsilon_for
+
+SIGMA, Q, STEPS, DELTA = 1.0, 0.01, 200, 1e-5
+
+
+def _eps_after(rounds: int) -> float:
+    return epsilon_for(SIGMA, Q, rounds * STEPS, DELTA)[0]
+
+
+def _budget(tmp_path, eps_max: float) -> SiteBudget:
+    return SiteBudget(tmp_path / "site-a", "site-a", eps_max=eps_max, delta=DELTA, guarantee="DP")
+
+
+def test_refuses_exactly_the_round_that_would_pass_eps_max(tmp_path):
+    # ε_max between the ε after 3 and after 4 rounds: rounds 1-3 run, round 4 is refused.
+    eps3, eps4 = _eps_after(3), _eps_after(4)
+    budget = _budget(tmp_path, eps_max=(eps3 + eps4) / 2)
+    for r in (1, 2, 3):
+        auth = budget.authorize_round("run", r, SIGMA, Q, STEPS)
+        assert not auth.replayed
+        assert auth.entry.epsilon_after == pytest.approx(_eps_after(r), rel=1e-9)
+    with pytest.raises(BudgetExhausted) as info:
+        budget.authorize_round("run", 4, SIGMA, Q, STEPS)
+    assert info.value.planned == pytest.approx(eps4, rel=1e-9)
+    assert "refuses round 4" in info.value.reason and "ε_max" in info.value.reason and "DP" in info.value.reason
+    # Nothing was spent by the refusal, and it is recorded for audit.
+    assert budget.epsilon == pytest.approx(eps3, rel=1e-9)
+    assert budget.steps == 3 * STEPS
+    assert [e.status for e in budget.entries] == ["spent", "spent", "spent", "refused"]
+    # A smaller round still fits.
+    budget.authorize_round("run", 5, SIGMA, Q, 1)
+    assert budget.steps == 3 * STEPS + 1
+
+
+def test_restart_does_not_reset_the_budget(tmp_path):
+    eps_max = (_eps_after(2) + _eps_after(3)) / 2
+    first = _budget(tmp_path, eps_max)
+    first.authorize_round("run", 1, SIGMA, Q, STEPS)
+    first.authorize_round("run", 2, SIGMA, Q, STEPS)
+    del first
+    restarted = _budget(tmp_path, eps_max)  # a new process: state comes from disk only
+    assert restarted.epsilon == pytest.approx(_eps_after(2), rel=1e-9)
+    with pytest.raises(BudgetExhausted):
+        restarted.authorize_round("run", 3, SIGMA, Q, STEPS)
+    # A new run id on the same site shares the same budget (it is about the site's records).
+    with pytest.raises(BudgetExhausted):
+        _budget(tmp_path, eps_max).authorize_round("another-run", 1, SIGMA, Q, STEPS)
+
+
+def test_replayed_round_is_not_double_counted(tmp_path):
+    budget = _budget(tmp_path, eps_max=10.0)
+    first = budget.authorize_round("run", 1, SIGMA, Q, STEPS)
+    again = _budget(tmp_path, eps_max=10.0).authorize_round("run", 1, SIGMA, Q, STEPS)
+    assert again.replayed and again.entry == first.entry
+    assert _budget(tmp_path, 10.0).steps == STEPS
+    with pytest.raises(RoundConflict):
+        budget.authorize_round("run", 1, SIGMA, Q, STEPS + 1)
+    # Same round number in another run is a different round.
+    budget.authorize_round("run2", 1, SIGMA, Q, STEPS)
+    assert budget.steps == 2 * STEPS
+
+
+def test_two_objects_on_one_state_dir_see_each_others_spend(tmp_path):
+    # Flower starts a new ClientApp process per message: each authorization re-reads the disk.
+    a, b = _budget(tmp_path, 10.0), _budget(tmp_path, 10.0)
+    a.authorize_round("run", 1, SIGMA, Q, STEPS)
+    b.authorize_round("run", 2, SIGMA, Q, STEPS)
+    assert b.steps == 2 * STEPS
+
+
+def test_failed_write_keeps_the_old_state(tmp_path, monkeypatch):
+    budget = _budget(tmp_path, eps_max=10.0)
+    budget.authorize_round("run", 1, SIGMA, Q, STEPS)
+    before = budget.path.read_bytes()
+
+    real_atomic_write = fedpose.io.atomic_write
+
+    def crashing_write_text(path, text):
+        def write_half_then_die(fh):
+            fh.write(text.encode()[: len(text) // 2])
+            raise OSError("disk died mid-write")
+
+        real_atomic_write(path, write_half_then_die)
+
+    monkeypatch.setattr(sb, "atomic_write_text", crashing_write_text)
+    with pytest.raises(OSError, match="mid-write"):
+        budget.authorize_round("run", 2, SIGMA, Q, STEPS)
+    assert budget.path.read_bytes() == before
+    assert budget.steps == STEPS  # memory did not run ahead of disk
+    assert not [p for p in budget.state_dir.iterdir() if p.name.endswith(".tmp")]
+    monkeypatch.undo()
+    reloaded = _budget(tmp_path, eps_max=10.0)
+    assert reloaded.steps == STEPS
+    reloaded.authorize_round("run", 2, SIGMA, Q, STEPS)
+    assert reloaded.steps == 2 * STEPS
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda text: text[: len(text) // 2],  # truncated
+        lambda text: "",  # emptied
+        lambda text: text.replace('"steps": 200', '"steps": 2', 1),  # edited without the checksum
+    ],
+)
+def test_corrupt_state_is_a_clear_error_not_a_reset(tmp_path, damage):
+    budget = _budget(tmp_path, eps_max=10.0)
+    budget.authorize_round("run", 1, SIGMA, Q, STEPS)
+    budget.path.write_text(damage(budget.path.read_text()))
+    with pytest.raises(BudgetStateError, match="corrupt|malformed"):
+        _budget(tmp_path, eps_max=10.0)
+
+
+def test_state_of_another_site_or_guarantee_is_refused(tmp_path):
+    _budget(tmp_path, 10.0).authorize_round("run", 1, SIGMA, Q, STEPS)
+    with pytest.raises(BudgetStateError, match="belongs to site"):
+        SiteBudget(tmp_path / "site-a", "site-b", eps_max=10.0, delta=DELTA)
+    with pytest.raises(BudgetStateError, match="FDP"):
+        SiteBudget(tmp_path / "site-a", "site-a", eps_max=10.0, delta=DELTA, guarantee="FDP")
+
+
+def test_zero_noise_is_refused(tmp_path):
+    budget = _budget(tmp_path, eps_max=100.0)
+    with pytest.raises(BudgetExhausted):
+        budget.authorize_round("run", 1, 0.0, Q, 1)
+    assert budget.epsilon == 0.0
+
+
+def test_report_is_cumulative_and_json_ready(tmp_path):
+    budget = _budget(tmp_path, eps_max=10.0)
+    budget.authorize_round("run", 1, SIGMA, Q, STEPS)
+    budget.authorize_round("run", 2, SIGMA, Q, STEPS)
+    report = json.loads(json.dumps(budget.report()))
+    assert report["epsilon"] == pytest.approx(_eps_after(2), rel=1e-9)
+    assert report["rounds_spent"] == 2 and report["steps"] == 2 * STEPS
+    assert len(report["rdp"]) == len(report["orders"])
