@@ -1,0 +1,218 @@
+"""``PoseDataset``: PoseRecords → normalized input crops with joint targets (torch Dataset).
+
+One sample is one person: the image is cropped around the record's ``center``/``scale``
+(padded by ``padding``, HRNet's 1.25), optionally jittered, rotated and mirrored, resized to
+``input_size`` (H, W), and ImageNet-normalized. Joints are mapped into the crop frame with the
+same matrix; a joint gets ``weight`` 1 only if it is annotated *and* lands inside the crop, so
+targets the network cannot see count in neither loss nor metric.
+
+Keys of a sample (the CONTRACTS.md data contract, extended): ``image`` (3, H, W) float32; ``joints`` (16, 2) crop
+frame; ``weight`` (16,); ``index``; ``center`` (2,) and ``scale`` — the *effective* crop
+parameters (after padding and jitter), so ``crop_to_original(pred, center, scale, input_size,
+rotation)`` maps crop predictions back to the original image; ``rotation`` (degrees, 0 at
+eval) and ``flipped``; ``headbox`` (2, 2) original frame (zeros if absent); ``face_box`` (4,)
+x1, y1, x2, y2 in the crop frame (zeros if neither ``extra["face_box"]`` nor a headbox exists);
+``joints_original`` (16, 2) and ``joints_vis`` (16,) in the original frame, for PCKh.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import Dataset
+
+from fedpose.data.annotations import AnnotationError, PoseRecord, resolve_image
+from fedpose.data.transforms import (
+    Augmentation,
+    affine_points,
+    crop_transform,
+    inside_crop,
+    sample_augmentation,
+    warp_affine,
+)
+from fedpose.joints import flip_permutation
+
+IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
+IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
+
+# HRNet enlarges the annotated person box by 25% so limbs at its border stay inside the crop.
+DEFAULT_PADDING = 1.25
+
+
+class ImageLoadError(AnnotationError):
+    """An image named by a record is missing or cannot be decoded; the message names the file."""
+
+
+def load_image(path: Path) -> Image.Image:
+    """Open and fully decode an image as RGB; missing or corrupt files raise ImageLoadError."""
+    try:
+        with Image.open(path) as img:
+            img.load()
+            return img.convert("RGB")
+    except FileNotFoundError as exc:
+        raise ImageLoadError(f"image file not found: {path}") from exc
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        raise ImageLoadError(f"cannot decode image {path}: {exc}") from exc
+
+
+def normalize(image_uint8: np.ndarray) -> torch.Tensor:
+    """uint8 HWC RGB → float32 CHW tensor, ImageNet-normalized."""
+    # One fused multiply-add in numpy: ~10× faster than the same arithmetic as torch ops
+    # on a 256×192 image (it runs once per sample per step).
+    gain = (1.0 / (255.0 * np.asarray(IMAGENET_STD, dtype=np.float32)))
+    bias = -np.asarray(IMAGENET_MEAN, dtype=np.float32) / np.asarray(IMAGENET_STD, dtype=np.float32)
+    chw = np.asarray(image_uint8, dtype=np.float32).transpose(2, 0, 1)
+    out = chw * gain[:, None, None] + bias[:, None, None]
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
+
+
+def denormalize(image_tensor: torch.Tensor) -> np.ndarray:
+    """Inverse of :func:`normalize`: (3, H, W) tensor → uint8 (H, W, 3) array for overlays."""
+    if image_tensor.ndim != 3 or image_tensor.shape[0] != 3:
+        raise ValueError(f"expected a (3, H, W) image tensor, got shape {tuple(image_tensor.shape)}")
+    mean = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
+    std = torch.tensor(IMAGENET_STD).view(3, 1, 1)
+    pixels = (image_tensor.detach().cpu().float() * std + mean).clamp_(0, 1).mul_(255.0).round_()
+    return pixels.to(torch.uint8).permute(1, 2, 0).numpy()
+
+
+def _box_in_crop(corners: np.ndarray, matrix: np.ndarray) -> np.ndarray:
+    """Axis-aligned box (x1, y1, x2, y2) around the 4 transformed corners of an original-frame box."""
+    (x1, y1), (x2, y2) = corners
+    quad = np.array([[x1, y1], [x2, y1], [x1, y2], [x2, y2]], dtype=np.float64)
+    mapped = affine_points(quad, matrix)
+    return np.concatenate([mapped.min(axis=0), mapped.max(axis=0)]).astype(np.float32)
+
+
+class PoseDataset(Dataset):
+    """Torch dataset of person crops; see the module docstring for the sample dict."""
+
+    def __init__(
+        self,
+        records: Sequence[PoseRecord],
+        root: str | Path,
+        input_size: tuple[int, int] = (256, 192),
+        train: bool = False,
+        flip: bool = True,
+        scale_jitter: float = 0.25,
+        rotation: float = 30.0,
+        seed: int = 0,
+        padding: float = DEFAULT_PADDING,
+        cache_images: bool = False,
+    ) -> None:
+        if len(input_size) != 2 or min(input_size) <= 0:
+            raise ValueError(f"input_size must be (H, W) with positive sides, got {input_size}")
+        if not 0 <= scale_jitter < 1:
+            raise ValueError(f"scale_jitter must be in [0, 1), got {scale_jitter}")
+        if padding <= 0:
+            raise ValueError(f"padding must be positive, got {padding}")
+        self.records = list(records)
+        self.root = Path(root)
+        self.input_size = (int(input_size[0]), int(input_size[1]))
+        self.train = train
+        self.flip = flip
+        self.scale_jitter = scale_jitter
+        self.rotation = rotation
+        self.seed = seed
+        self.padding = padding
+        self.cache_images = cache_images
+        self._cache: dict[str, Image.Image] = {}
+        # Augmentation RNG per process: DataLoader workers re-seed from their own torch seed.
+        self._rng: np.random.Generator = np.random.default_rng(seed)
+        self._rng_pid = os.getpid()
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def image_path(self, index: int) -> Path:
+        return resolve_image_or_raise(self.root, self.records[index].image)
+
+    def _image(self, index: int) -> Image.Image:
+        name = self.records[index].image
+        cached = self._cache.get(name)
+        if cached is not None:
+            return cached
+        image = load_image(self.image_path(index))
+        if self.cache_images:
+            self._cache[name] = image
+        return image
+
+    def _generator(self) -> np.random.Generator:
+        worker = torch.utils.data.get_worker_info()
+        if os.getpid() != self._rng_pid:
+            seed = worker.seed if worker is not None else torch.initial_seed()
+            self._rng = np.random.default_rng([self.seed, seed % (2**63)])
+            self._rng_pid = os.getpid()
+        return self._rng
+
+    def augmentation(self) -> Augmentation:
+        if not self.train:
+            return Augmentation()
+        return sample_augmentation(self._generator(), self.scale_jitter, self.rotation, self.flip)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if not 0 <= index < len(self.records):
+            raise IndexError(f"index {index} out of range for a dataset of {len(self.records)}")
+        record = self.records[index]
+        aug = self.augmentation()
+        scale = float(record.scale) * self.padding
+        center = np.asarray(record.center, dtype=np.float32)
+        matrix = crop_transform(center, scale, self.input_size, aug)
+
+        crop = warp_affine(self._image(index), matrix, self.input_size)
+        joints = affine_points(record.joints, matrix)
+        vis = np.asarray(record.joints_vis, dtype=np.float32)
+        if aug.flip:
+            # The matrix already mirrored x; only the left/right labels remain to swap.
+            perm = flip_permutation()
+            joints, vis = joints[perm], vis[perm]
+        weight = vis * inside_crop(joints, self.input_size).astype(np.float32)
+
+        headbox = record.headbox if record.headbox is not None else np.zeros((2, 2), np.float32)
+        face_source = record.extra.get("face_box")
+        if face_source is not None:
+            face_box = _box_in_crop(np.asarray(face_source, dtype=np.float64).reshape(2, 2), matrix)
+        elif record.headbox is not None:
+            face_box = _box_in_crop(np.asarray(record.headbox, dtype=np.float64), matrix)
+        else:
+            face_box = np.zeros(4, np.float32)
+
+        return {
+            "image": normalize(np.asarray(crop)),
+            "joints": torch.from_numpy(joints.astype(np.float32)),
+            "weight": torch.from_numpy(weight.astype(np.float32)),
+            "index": index,
+            "center": torch.from_numpy(center.copy()),
+            "scale": scale * aug.scale_factor,
+            "rotation": aug.rotation,
+            "flipped": aug.flip,
+            "headbox": torch.from_numpy(np.asarray(headbox, dtype=np.float32).copy()),
+            "face_box": torch.from_numpy(face_box),
+            "joints_original": torch.from_numpy(np.asarray(record.joints, dtype=np.float32).copy()),
+            "joints_vis": torch.from_numpy(np.asarray(record.joints_vis, dtype=np.float32).copy()),
+        }
+
+
+def resolve_image_or_raise(root: Path, image: str) -> Path:
+    """Like :func:`resolve_image` but raising :class:`ImageLoadError` (names the file)."""
+    try:
+        return resolve_image(root, image)
+    except AnnotationError as exc:
+        raise ImageLoadError(str(exc)) from exc
+
+
+__all__ = [
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "DEFAULT_PADDING",
+    "ImageLoadError",
+    "PoseDataset",
+    "denormalize",
+    "load_image",
+    "normalize",
+]
