@@ -1,0 +1,65 @@
+"""``fedpose ledger show|export``: read the coordinator's per-site privacy-budget ledger."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from fedpose.cli.common import UserError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("ledger", help="inspect the coordinator's per-site budget ledger (SQLite)")
+    sub = parser.add_subparsers(dest="ledger_command", metavar="ACTION", required=True)
+
+    show = sub.add_parser("show", help="one line per site: reported ε (guarantee, δ), rounds joined/refused/missing")
+    show.add_argument("--db", required=True, type=Path, help="ledger database (coordinator checkpoint_dir/ledger.sqlite)")
+    show.add_argument("--eps-max", type=float, default=None, help="also mark sites whose reported ε reached this")
+    show.set_defaults(handler=_show)
+
+    export = sub.add_parser("export", help="dump every (site, round) entry")
+    export.add_argument("--db", required=True, type=Path, help="ledger database")
+    export.add_argument("--format", choices=("json", "csv"), default="json")
+    export.add_argument("--out", type=Path, default=None, help="write here (atomically) instead of stdout")
+    export.set_defaults(handler=_export)
+
+
+def _open(path: Path):
+    from fedpose.federation.ledger import BudgetLedger, LedgerError
+
+    try:
+        return BudgetLedger(path, read_only=True)
+    except LedgerError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _show(args: argparse.Namespace) -> int:
+    from fedpose.privacy.report import format_epsilon
+
+    with _open(args.db) as ledger:
+        summaries = ledger.site_summaries()
+        exhausted = ledger.exhausted_sites(args.eps_max)
+    if not summaries:
+        print(f"{args.db}: no entries yet")
+        return 0
+    for s in summaries:
+        eps = "ε not reported" if s.epsilon is None else format_epsilon(s.epsilon, s.delta or 0.0, s.guarantee or "?", "rdp")
+        flag = "  EXHAUSTED" if s.site_id in exhausted else ""
+        print(
+            f"{s.site_id}: {eps}; rounds joined {s.rounds_joined}, refused {s.rounds_refused}, "
+            f"missing {s.rounds_missing}; last round {s.last_round} ({s.last_status}){flag}"
+        )
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    with _open(args.db) as ledger:
+        text = ledger.export(args.format)
+    if args.out is None:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    else:
+        from fedpose.io import atomic_write_text
+
+        atomic_write_text(args.out, text)
+    return 0

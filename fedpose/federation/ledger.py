@@ -1,0 +1,273 @@
+"""The coordinator's budget ledger: a persisted SQLite mirror of what each site reported.
+
+The site is the authority on its own budget (:mod:`fedpose.federation.site_budget`); this ledger
+records what each site *reported* per round so the coordinator can stop selecting exhausted
+sites, survive its own restart, and export an audit trail. One row per (site id, round); writing
+the same (site, round) again replaces the row, so a resumed coordinator that re-records a round
+never double-counts it. ε values are the site's cumulative spend after that round (guarantee and
+δ stored alongside: FDP's ε is not comparable with DP's).
+
+Status per (site, round):
+  ``ok``        the site trained and its update was aggregated;
+  ``rejected``  the site trained (budget spent!) but the update failed validation;
+  ``refused``   the site refused the round (its budget guard said no), nothing spent;
+  ``missing``   no reply before the round timeout (unknown whether the site spent).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Literal
+
+LedgerStatus = Literal["ok", "rejected", "refused", "missing"]
+STATUSES: tuple[str, ...] = ("ok", "rejected", "refused", "missing")
+#: statuses in which the site ran local training (and so spent budget)
+TRAINED_STATUSES: tuple[str, ...] = ("ok", "rejected")
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS site_rounds (
+    site_id     TEXT    NOT NULL,
+    round       INTEGER NOT NULL,
+    status      TEXT    NOT NULL CHECK (status IN ('ok', 'rejected', 'refused', 'missing')),
+    epsilon     REAL,
+    delta       REAL,
+    guarantee   TEXT,
+    accountant  TEXT,
+    steps       INTEGER NOT NULL DEFAULT 0,
+    rdp_json    TEXT,
+    orders_json TEXT,
+    reason      TEXT    NOT NULL DEFAULT '',
+    recorded_at REAL    NOT NULL,
+    PRIMARY KEY (site_id, round)
+);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+class LedgerError(Exception):
+    """The ledger database is missing, unreadable, or of an unknown schema."""
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    """What one site reported for one round."""
+
+    site_id: str
+    round: int
+    status: LedgerStatus
+    epsilon: float | None = None  #: cumulative ε after this round, as reported by the site
+    delta: float | None = None
+    guarantee: str | None = None  #: "DP", "FDP", "MaskDP", ...
+    accountant: str | None = "rdp"
+    steps: int = 0  #: local steps in this round
+    rdp: tuple[float, ...] | None = None  #: cumulative RDP per order
+    orders: tuple[float, ...] | None = None
+    reason: str = ""
+    recorded_at: float = 0.0  #: unix time; 0 = now
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"ledger status must be one of {STATUSES}, got {self.status!r}")
+        if not isinstance(self.site_id, str) or not self.site_id:
+            raise ValueError(f"ledger entry: site_id must be a non-empty string, got {self.site_id!r}")
+        if (self.rdp is None) != (self.orders is None) or (self.rdp is not None and len(self.rdp) != len(self.orders or ())):
+            raise ValueError(f"ledger entry {self.site_id}/{self.round}: rdp and orders must be given together, same length")
+
+
+    @classmethod
+    def from_site_report(
+        cls, round_id: int, report: Mapping, status: LedgerStatus = "ok", steps: int = 0, reason: str = ""
+    ) -> "LedgerEntry":
+        """Entry from a site's :meth:`SiteBudget.report` dict (keys site_id, epsilon, delta, guarantee, rdp, orders)."""
+        rdp, orders = report.get("rdp"), report.get("orders")
+        return cls(
+            site_id=report["site_id"], round=int(round_id), status=status,
+            epsilon=float(report["epsilon"]) if report.get("epsilon") is not None else None,
+            delta=float(report["delta"]) if report.get("delta") is not None else None,
+            guarantee=report.get("guarantee"), accountant=report.get("accountant", "rdp"), steps=int(steps),
+            rdp=tuple(float(x) for x in rdp) if rdp is not None else None,
+            orders=tuple(float(x) for x in orders) if orders is not None else None,
+            reason=reason,
+        )
+
+
+@dataclass(frozen=True)
+class SiteSummary:
+    site_id: str
+    epsilon: float | None  #: latest (= largest) reported cumulative ε
+    delta: float | None
+    guarantee: str | None
+    rounds_joined: int  #: rounds in which the site trained (ok or rejected)
+    rounds_refused: int
+    rounds_missing: int
+    last_round: int
+    last_status: str
+
+
+class BudgetLedger:
+    """SQLite ledger at ``path`` (created if absent). Use as a context manager or call ``close()``."""
+
+    def __init__(self, path: str | Path, read_only: bool = False):
+        self.path = Path(path)
+        if read_only:
+            if not self.path.exists():
+                raise LedgerError(f"ledger database not found: {self.path}")
+            self._db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(self.path)
+        try:
+            if not read_only:
+                with self._db:
+                    self._db.executescript(_SCHEMA)
+                    self._db.execute("INSERT OR IGNORE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            row = self._db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            self._db.close()
+            raise LedgerError(f"{self.path} is not a fedpose ledger database ({exc})") from None
+        if row is None or int(row[0]) != SCHEMA_VERSION:
+            self._db.close()
+            raise LedgerError(f"{self.path}: unknown ledger schema version {row[0] if row else None!r}")
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> "BudgetLedger":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- writing ---------------------------------------------------------------------------------
+    def record(self, entry: LedgerEntry) -> None:
+        self.record_many([entry])
+
+    def record_many(self, entries: Iterable[LedgerEntry]) -> None:
+        """Record a round's entries in one transaction (all or nothing). Same (site, round) replaces."""
+        now = time.time()
+        rows = [
+            (
+                e.site_id, int(e.round), e.status, e.epsilon, e.delta, e.guarantee, e.accountant, int(e.steps),
+                json.dumps(list(e.rdp)) if e.rdp is not None else None,
+                json.dumps(list(e.orders)) if e.orders is not None else None,
+                e.reason, e.recorded_at or now,
+            )
+            for e in entries
+        ]
+        with self._db:
+            self._db.executemany(
+                "INSERT OR REPLACE INTO site_rounds (site_id, round, status, epsilon, delta, guarantee, accountant, "
+                "steps, rdp_json, orders_json, reason, recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                rows,
+            )
+
+    # -- reading ---------------------------------------------------------------------------------
+    def entries(self, site_id: str | None = None) -> list[LedgerEntry]:
+        query = "SELECT site_id, round, status, epsilon, delta, guarantee, accountant, steps, rdp_json, orders_json, reason, recorded_at FROM site_rounds"
+        args: tuple = ()
+        if site_id is not None:
+            query += " WHERE site_id = ?"
+            args = (site_id,)
+        rows = self._db.execute(query + " ORDER BY site_id, round", args).fetchall()
+        return [
+            LedgerEntry(
+                site_id=r[0], round=r[1], status=r[2], epsilon=r[3], delta=r[4], guarantee=r[5], accountant=r[6],
+                steps=r[7], rdp=tuple(json.loads(r[8])) if r[8] else None, orders=tuple(json.loads(r[9])) if r[9] else None,
+                reason=r[10], recorded_at=r[11],
+            )
+            for r in rows
+        ]
+
+    def site_summaries(self) -> list[SiteSummary]:
+        by_site: dict[str, list[LedgerEntry]] = {}
+        for e in self.entries():
+            by_site.setdefault(e.site_id, []).append(e)
+        summaries = []
+        for site_id, rows in by_site.items():
+            reported = [e for e in rows if e.epsilon is not None]
+            latest = max(reported, key=lambda e: (e.epsilon, e.round)) if reported else None
+            last = rows[-1]
+            summaries.append(
+                SiteSummary(
+                    site_id=site_id,
+                    epsilon=latest.epsilon if latest else None,
+                    delta=latest.delta if latest else None,
+                    guarantee=latest.guarantee if latest else None,
+                    rounds_joined=sum(e.status in TRAINED_STATUSES for e in rows),
+                    rounds_refused=sum(e.status == "refused" for e in rows),
+                    rounds_missing=sum(e.status == "missing" for e in rows),
+                    last_round=last.round,
+                    last_status=last.status,
+                )
+            )
+        return summaries
+
+    def exhausted_sites(self, eps_max: float | Mapping[str, float] | None) -> set[str]:
+        """Sites the coordinator should stop selecting.
+
+        A site is exhausted when its reported ε has reached its ``eps_max`` (one value for all, or
+        per site id; sites absent from a mapping are judged by refusals only), or when its latest
+        reply was a refusal — the site's own guard is the authority.
+        """
+        exhausted = set()
+        for s in self.site_summaries():
+            bound = eps_max.get(s.site_id) if isinstance(eps_max, Mapping) else eps_max
+            if s.last_status == "refused":
+                exhausted.add(s.site_id)
+            elif bound is not None and s.epsilon is not None and s.epsilon >= bound:
+                exhausted.add(s.site_id)
+        return exhausted
+
+    def last_round(self) -> int:
+        """Highest round recorded (0 if none) — where a resumed coordinator continues."""
+        row = self._db.execute("SELECT MAX(round) FROM site_rounds").fetchone()
+        return int(row[0] or 0)
+
+    # -- export ----------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "sites": [asdict(s) for s in self.site_summaries()],
+                "entries": [asdict(e) for e in self.entries()],
+            },
+            indent=2,
+        )
+
+    def to_csv(self) -> str:
+        """One row per (site, round); rdp and orders as JSON lists."""
+        out = io.StringIO()
+        names = [f.name for f in fields(LedgerEntry)]
+        writer = csv.DictWriter(out, fieldnames=names, lineterminator="\n")
+        writer.writeheader()
+        for e in self.entries():
+            row = asdict(e)
+            row["rdp"] = json.dumps(list(e.rdp)) if e.rdp is not None else ""
+            row["orders"] = json.dumps(list(e.orders)) if e.orders is not None else ""
+            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+        return out.getvalue()
+
+    EXPORTERS = {"json": to_json, "csv": to_csv}
+
+    def export(self, fmt: str) -> str:
+        try:
+            return self.EXPORTERS[fmt](self)
+        except KeyError:
+            raise ValueError(f"unknown ledger export format {fmt!r}; choose from {sorted(self.EXPORTERS)}") from None
+
+
+@contextmanager
+def open_ledger(path: str | Path, read_only: bool = False) -> Iterator[BudgetLedger]:
+    ledger = BudgetLedger(path, read_only=read_only)
+    try:
+        yield ledger
+    finally:
+        ledger.close()

@@ -1,0 +1,122 @@
+"""Coordinator budget ledger: idempotent per (site, round), survives restart, exports, CLI."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from fedpose.cli import main as cli_main
+from fedpose.federation.ledger import BudgetLedger, LedgerEntry, LedgerError
+
+
+def _ok(site: str, rnd: int, eps: float, steps: int = 10) -> LedgerEntry:
+    return LedgerEntry(site, rnd, "ok", epsilon=eps, delta=1e-5, guarantee="DP", steps=steps,
+                       rdp=(0.1 * rnd, 0.2 * rnd), orders=(2.0, 4.0))
+
+
+def _fill(path) -> None:
+    with BudgetLedger(path) as ledger:
+        ledger.record_many([_ok("a", 1, 0.5), _ok("b", 1, 0.7)])
+        ledger.record_many([_ok("a", 2, 0.9), LedgerEntry("b", 2, "missing", reason="timeout")])
+        ledger.record_many([
+            LedgerEntry("a", 3, "rejected", epsilon=1.2, delta=1e-5, guarantee="DP", steps=10, reason="norm 9.1 > 5"),
+            LedgerEntry("b", 3, "refused", epsilon=0.7, delta=1e-5, guarantee="DP", reason="budget"),
+        ])
+
+
+def test_summaries_and_exhausted_sites(tmp_path):
+    db = tmp_path / "ledger.sqlite"
+    _fill(db)
+    with BudgetLedger(db) as ledger:
+        s = {x.site_id: x for x in ledger.site_summaries()}
+        assert s["a"].epsilon == pytest.approx(1.2) and s["a"].rounds_joined == 3 and s["a"].last_status == "rejected"
+        assert s["b"].epsilon == pytest.approx(0.7) and s["b"].rounds_joined == 1
+        assert s["b"].rounds_missing == 1 and s["b"].rounds_refused == 1
+        # b refused its last round: exhausted whatever the bound; a only once its ε reaches the bound.
+        assert ledger.exhausted_sites(None) == {"b"}
+        assert ledger.exhausted_sites(2.0) == {"b"}
+        assert ledger.exhausted_sites(1.2) == {"a", "b"}
+        assert ledger.exhausted_sites({"a": 1.0}) == {"a", "b"}
+        assert ledger.last_round() == 3
+        entry = ledger.entries("a")[0]
+        assert entry.rdp == (0.1, 0.2) and entry.orders == (2.0, 4.0)
+
+
+def test_resume_rerecording_a_round_does_not_double_count(tmp_path):
+    db = tmp_path / "ledger.sqlite"
+    _fill(db)
+    # A coordinator restarted mid-run replays rounds 2 and 3 and records them again.
+    with BudgetLedger(db) as ledger:
+        ledger.record_many([_ok("a", 2, 0.9), LedgerEntry("b", 2, "missing", reason="timeout")])
+        ledger.record(_ok("a", 3, 1.2))  # this time the update passed validation
+    with BudgetLedger(db) as ledger:
+        a = {x.site_id: x for x in ledger.site_summaries()}["a"]
+        assert a.rounds_joined == 3 and a.last_status == "ok"
+        assert len(ledger.entries()) == 6
+
+
+def test_failed_transaction_records_nothing(tmp_path):
+    db = tmp_path / "ledger.sqlite"
+    with BudgetLedger(db) as ledger:
+        ledger.record(_ok("a", 1, 0.5))
+        bad = LedgerEntry("c", 2, "ok")
+        object.__setattr__(bad, "status", "bogus")  # slips past validation; the SQL CHECK constraint fails
+        with pytest.raises(sqlite3.IntegrityError):
+            ledger.record_many([_ok("a", 2, 0.9), _ok("b", 2, 0.4), bad])
+        assert [e.round for e in ledger.entries()] == [1]
+
+
+def test_bad_status_and_mismatched_rdp_are_rejected():
+    with pytest.raises(ValueError, match="status"):
+        LedgerEntry("a", 1, "fine")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="rdp and orders"):
+        LedgerEntry("a", 1, "ok", rdp=(1.0,), orders=(2.0, 3.0))
+
+
+def test_exports(tmp_path):
+    db = tmp_path / "ledger.sqlite"
+    _fill(db)
+    with BudgetLedger(db, read_only=True) as ledger:
+        doc = json.loads(ledger.export("json"))
+        rows = list(csv.DictReader(io.StringIO(ledger.export("csv"))))
+        with pytest.raises(ValueError, match="format"):
+            ledger.export("xml")
+    assert len(doc["entries"]) == 6 and {s["site_id"] for s in doc["sites"]} == {"a", "b"}
+    assert len(rows) == 6
+    assert rows[0]["site_id"] == "a" and json.loads(rows[0]["rdp"]) == [0.1, 0.2]
+    assert rows[4]["site_id"] == "b" and rows[4]["status"] == "missing" and rows[4]["epsilon"] == ""
+
+
+def test_read_only_open_of_missing_or_foreign_file(tmp_path):
+    with pytest.raises(LedgerError, match="not found"):
+        BudgetLedger(tmp_path / "nope.sqlite", read_only=True)
+    junk = tmp_path / "junk.sqlite"
+    junk.write_bytes(b"this is not sqlite" * 100)
+    with pytest.raises(LedgerError, match="not a fedpose ledger"):
+        BudgetLedger(junk)
+
+
+def test_cli_show_and_export(tmp_path, capsys):
+    db = tmp_path / "ledger.sqlite"
+    _fill(db)
+    assert cli_main(["ledger", "show", "--db", str(db), "--eps-max", "1.0"]) == 0
+    out = capsys.readouterr().out
+    assert "a: ε = 1.2 (DP, δ = 1e-05, RDP)" in out and "EXHAUSTED" in out
+    assert cli_main(["ledger", "export", "--db", str(db), "--format", "csv", "--out", str(tmp_path / "l.csv")]) == 0
+    assert (tmp_path / "l.csv").read_text().startswith("site_id,round,status")
+    assert cli_main(["ledger", "export", "--db", str(tmp_path / "missing.sqlite")]) == 2
+    assert "ledger database not found" in capsys.readouterr().err
+
+
+def test_cli_entry_point_exports_json(tmp_path):
+    db = tmp_path / "ledger.sqlite"
+    _fill(db)
+    proc = subprocess.run([sys.executable, "-m", "fedpose.cli", "ledger", "export", "--db", str(db), "--format", "json"],
+                          capture_output=True, text=True, check=True)
+    assert len(json.loads(proc.stdout)["entries"]) == 6
