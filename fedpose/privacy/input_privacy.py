@@ -1,0 +1,167 @@
+"""Input privatization of a whole dataset directory, exactly once.
+
+A site that trains on LDP-sliced inputs must privatize every image *once*, before any training or
+evaluation touches it. Drawing fresh randomized-response noise for the same image again would
+release a second independent noisy copy and spend the budget again (two releases of an
+ε-LDP mechanism are 2ε-LDP). So :func:`privatize_dataset`:
+
+* writes a privatized copy of ``src_dir`` (``annotations.json`` + images, same schema) to
+  ``dst_dir``, building it in ``<dst_dir>.partial`` and renaming it into place at the end;
+* records the settings in ``<dst_dir>/ldp_manifest.json``; calling it again with the same
+  settings is a no-op that returns the same guarantee record;
+* refuses (``InputPrivacyError``) when ``dst_dir`` holds a copy made with different settings,
+  or from a different source — it never silently re-randomizes;
+* after a crash, resumes the ``.partial`` directory and keeps every image already privatized
+  there (they are not drawn again).
+
+The images are re-encoded as PNG (lossless; a JPEG input becomes ``<stem>.png`` and its records
+are rewritten to point at it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from fedpose.config import InputPrivacyConfig
+from fedpose.data.annotations import ANNOTATIONS_FILE, read_annotations, resolve_image, write_annotations
+from fedpose.io import atomic_write, atomic_write_json
+from fedpose.privacy.ldp_slicing import LdpSlicer
+
+MANIFEST_FILE = "ldp_manifest.json"
+PARTIAL_SUFFIX = ".partial"
+#: Default location of a site's privatized copy, beside its raw data.
+PRIVATIZED_SUFFIX = ".ldp-sliced"
+
+
+class InputPrivacyError(RuntimeError):
+    """Privatized data cannot be produced or reused safely (message says why and what to do)."""
+
+
+def load_rgb(path: Path) -> np.ndarray:
+    """Decode an image file to (H, W, 3) uint8 RGB; a corrupt or unreadable file raises naming the file."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return np.asarray(image.convert("RGB"), dtype=np.uint8)
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        raise InputPrivacyError(f"{path}: cannot decode image ({exc})") from exc
+
+
+def save_png(path: Path, rgb: np.ndarray) -> None:
+    from PIL import Image
+
+    atomic_write(path, lambda fh: Image.fromarray(rgb, mode="RGB").save(fh, format="PNG"))
+
+
+def settings_record(cfg: InputPrivacyConfig) -> dict[str, Any]:
+    """The settings that determine the privatized copy (compared on re-use)."""
+    return {
+        "mechanism": cfg.mechanism,
+        "epsilon": cfg.epsilon,
+        "ll_prune": cfg.ll_prune,
+        "allocation": cfg.allocation,
+        "seed": cfg.seed,
+    }
+
+
+def _slicer(cfg: InputPrivacyConfig) -> LdpSlicer:
+    if cfg.mechanism != "ldp-slicing" or cfg.epsilon is None:
+        raise InputPrivacyError(f"input_privacy.mechanism {cfg.mechanism!r} does not privatize images")
+    return LdpSlicer(cfg.epsilon, ll_prune=cfg.ll_prune, allocation=cfg.allocation, seed=cfg.seed)
+
+
+def guarantee_record(cfg: InputPrivacyConfig) -> dict[str, Any]:
+    """The privacy-report entry for these settings (no randomness drawn)."""
+    return _slicer(cfg).guarantee()
+
+
+def _check_manifest(manifest_path: Path, expected: dict[str, Any], src_dir: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise InputPrivacyError(f"{manifest_path}: unreadable manifest ({exc}); refusing to overwrite privatized data") from exc
+    if manifest.get("settings") != expected:
+        raise InputPrivacyError(
+            f"{manifest_path.parent} was privatized with {manifest.get('settings')}, not {expected}. "
+            "Re-randomizing the same images would spend the privacy budget again; keep the old settings, "
+            "or delete that directory deliberately (its release already counts) and choose a new destination."
+        )
+    if manifest.get("source") != str(src_dir):
+        raise InputPrivacyError(
+            f"{manifest_path.parent} is a privatized copy of {manifest.get('source')}, not of {src_dir}"
+        )
+    return manifest
+
+
+def privatize_dataset(
+    src_dir: str | Path,
+    dst_dir: str | Path,
+    cfg: InputPrivacyConfig,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Write an LDP-sliced copy of the dataset in ``src_dir`` to ``dst_dir`` once; return its guarantee."""
+    src_dir = Path(src_dir).resolve()
+    dst_dir = Path(dst_dir).resolve()
+    if src_dir == dst_dir:
+        raise InputPrivacyError(f"{dst_dir}: destination must differ from the source dataset")
+    expected = settings_record(cfg)
+    manifest_path = dst_dir / MANIFEST_FILE
+    if manifest_path.exists():
+        return _check_manifest(manifest_path, expected, src_dir)["guarantee"]
+    if dst_dir.exists() and any(dst_dir.iterdir()):
+        raise InputPrivacyError(f"{dst_dir}: exists, is not empty and has no {MANIFEST_FILE}; refusing to write into it")
+
+    slicer = _slicer(cfg)
+    guarantee = slicer.guarantee()
+    partial = dst_dir.with_name(dst_dir.name + PARTIAL_SUFFIX)
+    partial_manifest = partial / MANIFEST_FILE
+    if partial_manifest.exists():
+        _check_manifest(partial_manifest, expected, src_dir)  # resume only with identical settings
+    manifest = {"settings": expected, "source": str(src_dir), "guarantee": guarantee}
+    atomic_write_json(partial_manifest, {**manifest, "complete": False})
+
+    records = read_annotations(src_dir)
+    sources = {}
+    for record in records:
+        if record.image not in sources:
+            sources[record.image] = resolve_image(src_dir, record.image)
+    renamed = {name: str(Path(name).with_suffix(".png")) for name in sources}
+    if len(set(renamed.values())) != len(renamed):
+        raise InputPrivacyError(f"{src_dir}: two images map to the same PNG name; rename them first")
+
+    for index, (name, path) in enumerate(sources.items()):
+        target = partial / renamed[name]
+        if not target.exists():  # already privatized in an interrupted run: never draw again
+            save_png(target, slicer(load_rgb(path)).rgb)
+        if progress is not None:
+            progress(index + 1, len(sources))
+    for record in records:
+        record.image = renamed[record.image]
+    write_annotations(partial / ANNOTATIONS_FILE, records)
+    atomic_write_json(partial_manifest, {**manifest, "complete": True, "images": len(sources)})
+
+    if dst_dir.exists():
+        dst_dir.rmdir()  # empty (checked above)
+    os.replace(partial, dst_dir)
+    return guarantee
+
+
+def prepare_site_dataset(
+    data_dir: str | Path, cfg: InputPrivacyConfig, privatized_dir: str | Path | None = None
+) -> tuple[Path, dict[str, Any] | None]:
+    """What a site calls when it loads its data: returns (directory to train/evaluate on, guarantee or None).
+
+    With ``mechanism = "none"`` the raw directory is returned unchanged. Otherwise the privatized
+    copy (default ``<data_dir>.ldp-sliced``) is created once and reused on every later call."""
+    data_dir = Path(data_dir)
+    if cfg.mechanism == "none":
+        return data_dir, None
+    target = Path(privatized_dir) if privatized_dir is not None else data_dir.with_name(data_dir.name + PRIVATIZED_SUFFIX)
+    return target, privatize_dataset(data_dir, target, cfg)
+
