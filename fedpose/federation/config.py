@@ -39,7 +39,9 @@ class AggregationConfig(Strict):
     """Server optimizer applied to the weighted mean update Δ (the pseudo-gradient)."""
 
     strategy: AggregationName = Field("fedavg", description="fedavg | fedadam | fedavgm")
-    server_lr: float = Field(1.0, gt=0, description="server learning rate η (fedavg: w += η·Δ)")
+    server_lr: float | None = Field(
+        None, gt=0, description="server learning rate η (None: 1.0 for fedavg/fedavgm, 0.01 for fedadam)"
+    )
     momentum: float = Field(0.9, ge=0, lt=1, description="fedavgm: server momentum β")
     beta1: float = Field(0.9, ge=0, lt=1, description="fedadam: first-moment decay")
     beta2: float = Field(0.99, ge=0, lt=1, description="fedadam: second-moment decay")
