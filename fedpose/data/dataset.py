@@ -17,7 +17,6 @@ x1, y1, x2, y2 in the crop frame (zeros if neither ``extra["face_box"]`` nor a h
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Sequence
@@ -27,9 +26,8 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
-from fedpose.data.annotations import ANNOTATIONS_FILE, AnnotationError, PoseRecord, resolve_image
-from fedpose.data.coco import DEFAULT_ASPECT_RATIO, find_coco_file, is_coco, load_coco
-from fedpose.data.mpii import load_mpii
+from fedpose.data.annotations import PoseRecord
+from fedpose.data.loaders import ImageLoadError, load_records, resolve_image_or_raise
 from fedpose.data.transforms import (
     Augmentation,
     affine_points,
@@ -45,10 +43,6 @@ IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
 
 # HRNet enlarges the annotated person box by 25% so limbs at its border stay inside the crop.
 DEFAULT_PADDING = 1.25
-
-
-class ImageLoadError(AnnotationError):
-    """An image named by a record is missing or cannot be decoded; the message names the file."""
 
 
 def load_image(path: Path) -> Image.Image:
@@ -90,51 +84,6 @@ def _box_in_crop(corners: np.ndarray, matrix: np.ndarray) -> np.ndarray:
     quad = np.array([[x1, y1], [x2, y1], [x1, y2], [x2, y2]], dtype=np.float64)
     mapped = affine_points(quad, matrix)
     return np.concatenate([mapped.min(axis=0), mapped.max(axis=0)]).astype(np.float32)
-
-
-def load_records(
-    path: str | Path, check_images: bool = False, aspect_ratio: float = DEFAULT_ASPECT_RATIO
-) -> tuple[list[PoseRecord], Path]:
-    """Records in the 16-joint MPII order + the image root, auto-detecting the format.
-
-    - a directory holding ``annotations.json`` → fedpose/MPII/HRNet schema (also synthetic data);
-    - a ``.json`` file holding a list → the same schema (e.g. HRNet's ``valid.json``);
-    - a ``.json`` with ``images`` and ``annotations`` keys, or a directory holding exactly one such
-      file → COCO keypoints (mapped per :mod:`fedpose.data.coco`; ``aspect_ratio`` W/H pads boxes).
-
-    ``check_images`` verifies that every referenced image exists (the dataset decodes lazily, so
-    a corrupt file is reported, with its path, when first read).
-    """
-    path = Path(path)
-    if path.is_dir():
-        if (path / ANNOTATIONS_FILE).exists():
-            records, root = load_mpii(path)
-        elif find_coco_file(path) is not None:
-            records, root = load_coco(path, aspect_ratio=aspect_ratio)
-        else:
-            raise AnnotationError(
-                f"{path}: no {ANNOTATIONS_FILE} and no COCO keypoints json found in this directory"
-            )
-    elif path.is_file():
-        try:
-            raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise AnnotationError(f"{path}: not valid JSON ({exc})") from exc
-        if is_coco(raw):
-            records, root = load_coco(path, aspect_ratio=aspect_ratio)
-        elif isinstance(raw, list):
-            records, root = load_mpii(path)
-        else:
-            raise AnnotationError(
-                f"{path}: neither a list of pose records nor a COCO keypoints file "
-                f"(top-level keys: {sorted(raw)[:8] if isinstance(raw, dict) else type(raw).__name__})"
-            )
-    else:
-        raise AnnotationError(f"{path}: no such file or directory")
-    if check_images:
-        for name in sorted({r.image for r in records}):
-            resolve_image_or_raise(root, name)
-    return records, root
 
 
 class PoseDataset(Dataset):
@@ -244,14 +193,6 @@ class PoseDataset(Dataset):
             "joints_original": torch.from_numpy(np.asarray(record.joints, dtype=np.float32).copy()),
             "joints_vis": torch.from_numpy(np.asarray(record.joints_vis, dtype=np.float32).copy()),
         }
-
-
-def resolve_image_or_raise(root: Path, image: str) -> Path:
-    """Like :func:`resolve_image` but raising :class:`ImageLoadError` (names the file)."""
-    try:
-        return resolve_image(root, image)
-    except AnnotationError as exc:
-        raise ImageLoadError(str(exc)) from exc
 
 
 __all__ = [
