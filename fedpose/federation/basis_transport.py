@@ -1,0 +1,303 @@
+"""Shipping the public-subspace basis V (p×k) from the coordinator to the sites (PDP-SGD / FP-DP).
+
+The coordinator computes V from public data S_pub on the current global weights, every R rounds.
+Because V depends only on public data and the (public) global weights, projecting onto it is
+post-processing, and any site holding the same S_pub can rebuild it. Two transports:
+
+* **full** — V itself, as one numpy array in float32, float16 or bfloat16 (bfloat16 travels as
+  ``uint16`` bit patterns: numpy has no bfloat16). 2.88 M × 50 fp32 = 550 MiB per site.
+* **compact** — a :class:`BasisRecipe`: the public sample ids, the m×k mixing matrix U Λ^-½ of the
+  Gram eigendecomposition G Gᵀ = U Λ Uᵀ, and the digest of the global weights. The site recomputes
+  G (m×p public per-sample gradients at those weights, in the recipe's sample order) and
+  V = Gᵀ · mix — a few tens of KiB on the wire instead of hundreds of MiB, paid for with one
+  public-gradient pass at the site.
+
+Wire format (what the Flower wiring puts in the train message): :class:`BasisMessage` =
+``arrays`` (``dict[str, np.ndarray]`` → an ``ArrayRecord``) + ``config`` (``dict[str, int | str]``
+→ a ``ConfigRecord``). Versions are ints: the round at which the basis was computed. Sites report
+the version they hold; :class:`BasisDistributor` sends a basis only to sites that lack it.
+
+The basis itself: V = Gᵀ U_k Λ_k^-½ with (U, Λ) the top-k eigenpairs of the m×m Gram matrix
+G Gᵀ — the top-k eigenvectors of Gᵀ G (∝ the public second-moment matrix M), orthonormal, never
+forming a p×p matrix (DESIGN.md, PDP-SGD).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from fedpose.io import atomic_write, atomic_write_json
+
+WireDtype = Literal["float32", "float16", "bfloat16"]
+WIRE_DTYPES: dict[str, np.dtype] = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16)}
+
+# keys inside a BasisMessage
+V_KEY = "basis.v"
+IDS_KEY = "basis.public_ids"
+MIX_KEY = "basis.mixing"
+
+
+class BasisTransportError(ValueError):
+    """A basis message is malformed, or a recipe cannot be rebuilt here (other weights / public set)."""
+
+
+# -- digests --------------------------------------------------------------------------------------
+def weights_digest(weights: Mapping[str, np.ndarray]) -> str:
+    """sha256 over names, dtypes, shapes and bytes of the global weights (the weights' version id)."""
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        a = np.ascontiguousarray(weights[name])
+        h.update(f"{name}|{a.dtype.str}|{a.shape}|".encode())
+        h.update(memoryview(a).cast("B"))
+    return h.hexdigest()
+
+
+# -- the basis from public gradients --------------------------------------------------------------
+def _as_numpy(matrix: Any) -> np.ndarray:
+    if hasattr(matrix, "detach"):  # torch tensor
+        matrix = matrix.detach().cpu().numpy()
+    return np.asarray(matrix)
+
+
+def basis_mixing(public_gradients: Any, k: int, rel_tolerance: float = 1e-10) -> np.ndarray:
+    """The m×k' mixing matrix U_k Λ_k^-½ (float32) from G (m×p); k' = min(k, numerical rank of G)."""
+    g = _as_numpy(public_gradients)
+    if g.ndim != 2:
+        raise ValueError(f"public gradients must be an m×p matrix, got shape {g.shape}")
+    gram = np.zeros((g.shape[0], g.shape[0]), dtype=np.float64)
+    chunk = 1 << 18  # columns per chunk: bounded float64 temporaries for large p
+    for start in range(0, g.shape[1], chunk):
+        block = g[:, start : start + chunk].astype(np.float64)
+        gram += block @ block.T
+    eigenvalues, eigenvectors = np.linalg.eigh(gram)
+    order = np.argsort(eigenvalues)[::-1]
+    eigenvalues, eigenvectors = eigenvalues[order], eigenvectors[:, order]
+    keep = min(k, int(np.sum(eigenvalues > rel_tolerance * max(eigenvalues[0], 0.0))))
+    if keep == 0:
+        raise ValueError("public gradients are all zero: no basis")
+    # Fix each eigenvector's sign (largest-magnitude entry positive) so the basis is deterministic.
+    vectors = eigenvectors[:, :keep]
+    signs = np.sign(vectors[np.argmax(np.abs(vectors), axis=0), np.arange(keep)])
+    vectors = vectors * signs
+    return (vectors / np.sqrt(eigenvalues[:keep])).astype(np.float32)
+
+
+def apply_mixing(public_gradients: Any, mixing: np.ndarray) -> np.ndarray:
+    """V = Gᵀ · mix (p×k, float32). Coordinator and sites both build V with this one function."""
+    g = _as_numpy(public_gradients).astype(np.float32, copy=False)
+    if g.shape[0] != mixing.shape[0]:
+        raise BasisTransportError(f"recipe mixes {mixing.shape[0]} public gradients, got {g.shape[0]}")
+    return np.ascontiguousarray(g.T @ mixing.astype(np.float32, copy=False))
+
+
+def basis_from_gradients(public_gradients: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(V p×k' float32 with orthonormal columns, mixing m×k') from public per-sample gradients G."""
+    mixing = basis_mixing(public_gradients, k)
+    return apply_mixing(public_gradients, mixing), mixing
+
+
+# -- wire encoding --------------------------------------------------------------------------------
+def _to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 → bfloat16 bit patterns (uint16), round to nearest even."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return ((bits + rounding) >> np.uint32(16)).astype(np.uint16)
+
+
+def _from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+@dataclass(frozen=True)
+class BasisMessage:
+    """What travels: ``arrays`` for an ArrayRecord, ``config`` (str/int values) for a ConfigRecord."""
+
+    arrays: dict[str, np.ndarray]
+    config: dict[str, int | str]
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes on the wire (array data + config JSON), per site and refresh."""
+        return sum(int(a.nbytes) for a in self.arrays.values()) + len(json.dumps(self.config).encode())
+
+    @property
+    def version(self) -> int:
+        return int(self.config["basis.version"])
+
+    @property
+    def transport(self) -> str:
+        return str(self.config["basis.transport"])
+
+
+def encode_full(basis: Any, version: int, weights_version: str, dtype: WireDtype = "float32") -> BasisMessage:
+    """V itself (p×k) in the wire dtype."""
+    v = _as_numpy(basis).astype(np.float32, copy=False)
+    if v.ndim != 2:
+        raise ValueError(f"basis must be p×k, got shape {v.shape}")
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"basis wire dtype must be one of {sorted(WIRE_DTYPES)}, got {dtype!r}")
+    wire = _to_bfloat16_bits(v) if dtype == "bfloat16" else v.astype(WIRE_DTYPES[dtype])
+    config = {"basis.transport": "full", "basis.version": int(version), "basis.weights": weights_version,
+              "basis.dtype": dtype, "basis.shape": f"{v.shape[0]}x{v.shape[1]}"}
+    return BasisMessage({V_KEY: wire}, config)
+
+
+@dataclass(frozen=True)
+class BasisRecipe:
+    """Everything a site needs to rebuild V from its own copy of the public set."""
+
+    version: int
+    weights_version: str  #: :func:`weights_digest` of the global weights G is taken at
+    public_ids: tuple[int, ...]  #: indices into the public set, in the row order of G
+    mixing: np.ndarray  #: m×k float32, U_k Λ_k^-½
+    public_set: str = ""  #: digest/name of the public set (checked when the site gives its own)
+
+    def encode(self) -> BasisMessage:
+        config = {"basis.transport": "compact", "basis.version": int(self.version), "basis.weights": self.weights_version,
+                  "basis.public_set": self.public_set}
+        return BasisMessage({IDS_KEY: np.asarray(self.public_ids, dtype=np.int64),
+                             MIX_KEY: np.ascontiguousarray(self.mixing, dtype=np.float32)}, config)
+
+    def rebuild(self, public_gradients: Any, weights_version: str, public_set: str | None = None) -> np.ndarray:
+        """V from G recomputed at the site (rows in ``public_ids`` order, at the recipe's weights).
+
+        ``weights_version`` is the digest of the weights the site computed G at; it must match.
+        """
+        if weights_version != self.weights_version:
+            raise BasisTransportError(
+                f"basis recipe v{self.version} is for global weights {self.weights_version[:12]}…, but the site "
+                f"computed public gradients at {weights_version[:12]}…: the rebuilt basis would differ"
+            )
+        if public_set is not None and self.public_set and public_set != self.public_set:
+            raise BasisTransportError(
+                f"basis recipe v{self.version} needs public set '{self.public_set}', the site has '{public_set}'"
+            )
+        g = _as_numpy(public_gradients)
+        if g.shape[0] != len(self.public_ids):
+            raise BasisTransportError(f"recipe lists {len(self.public_ids)} public samples, got {g.shape[0]} gradients")
+        return apply_mixing(g, self.mixing)
+
+
+def make_recipe(
+    public_gradients: Any, k: int, public_ids: Iterable[int], version: int, weights_version: str, public_set: str = ""
+) -> tuple[np.ndarray, BasisRecipe]:
+    """Coordinator side: (V, recipe) from G computed at the global weights on the listed public samples."""
+    ids = tuple(int(i) for i in public_ids)
+    g = _as_numpy(public_gradients)
+    if len(ids) != g.shape[0]:
+        raise ValueError(f"{len(ids)} public ids for {g.shape[0]} gradient rows")
+    basis, mixing = basis_from_gradients(g, k)
+    return basis, BasisRecipe(int(version), weights_version, ids, mixing, public_set)
+
+
+def decode(message_arrays: Mapping[str, np.ndarray], config: Mapping[str, Any]) -> np.ndarray | BasisRecipe:
+    """Full message → V (p×k float32); compact message → :class:`BasisRecipe` (call ``rebuild``)."""
+    try:
+        transport, version = str(config["basis.transport"]), int(config["basis.version"])
+        weights_version = str(config["basis.weights"])
+        if transport == "full":
+            dtype, wire = str(config["basis.dtype"]), message_arrays[V_KEY]
+            if dtype not in WIRE_DTYPES or wire.dtype != WIRE_DTYPES[dtype] or wire.ndim != 2:
+                raise BasisTransportError(f"basis v{version}: array {wire.dtype}{wire.shape} does not match dtype {dtype!r}")
+            if f"{wire.shape[0]}x{wire.shape[1]}" != config["basis.shape"]:
+                raise BasisTransportError(f"basis v{version}: shape {wire.shape} != declared {config['basis.shape']}")
+            return _from_bfloat16_bits(wire) if dtype == "bfloat16" else wire.astype(np.float32)
+        if transport == "compact":
+            ids, mixing = message_arrays[IDS_KEY], message_arrays[MIX_KEY]
+            if ids.ndim != 1 or mixing.ndim != 2 or mixing.shape[0] != ids.shape[0]:
+                raise BasisTransportError(f"basis recipe v{version}: {ids.shape[0]} ids but mixing {mixing.shape}")
+            return BasisRecipe(version, weights_version, tuple(int(i) for i in ids), mixing.astype(np.float32),
+                               str(config.get("basis.public_set", "")))
+    except KeyError as exc:
+        raise BasisTransportError(f"basis message lacks {exc}") from None
+    raise BasisTransportError(f"unknown basis transport {transport!r}")
+
+
+def message_version(config: Mapping[str, Any]) -> int | None:
+    """The basis version a message carries (None: no basis in it)."""
+    return int(config["basis.version"]) if "basis.version" in config else None
+
+
+# -- who needs which version ----------------------------------------------------------------------
+@dataclass
+class BasisDistributor:
+    """Coordinator bookkeeping: when to refresh, and which sites still need the current version.
+
+    Version = the round in which the basis was computed. Refreshes happen in round 1, 1+R, 1+2R, … (R rounds after the last one, also after a resume)
+    A site counts as holding a version only once it *reports* it (its reply), not when sent.
+    """
+
+    refresh_every_rounds: int
+    current_version: int | None = None
+    current_weights: str = ""
+    held: dict[str, int] = field(default_factory=dict)  #: site id → version the site reported
+
+    def needs_refresh(self, round_id: int) -> bool:
+        """True when no basis exists yet or the current one is R or more rounds old."""
+        return self.current_version is None or round_id - self.current_version >= self.refresh_every_rounds
+
+    def publish(self, version: int, weights_version: str) -> None:
+        self.current_version, self.current_weights = int(version), weights_version
+
+    def needs_basis(self, site_id: str) -> bool:
+        return self.current_version is not None and self.held.get(site_id) != self.current_version
+
+    def sites_needing(self, site_ids: Iterable[str]) -> list[str]:
+        return [s for s in site_ids if self.needs_basis(s)]
+
+    def mark_held(self, site_id: str, version: int | None) -> None:
+        if version is not None:
+            self.held[site_id] = int(version)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"refresh_every_rounds": self.refresh_every_rounds, "current_version": self.current_version,
+                "current_weights": self.current_weights, "held": dict(self.held)}
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> "BasisDistributor":
+        return cls(int(state["refresh_every_rounds"]), state["current_version"], str(state["current_weights"]),
+                   {str(k): int(v) for k, v in dict(state["held"]).items()})
+
+
+# -- the site's cache -----------------------------------------------------------------------------
+class BasisCache:
+    """A site's on-disk copy of its current basis (survives the per-message ClientApp process)."""
+
+    def __init__(self, state_dir: str | Path):
+        self.dir = Path(state_dir)
+
+    @property
+    def _meta(self) -> Path:
+        return self.dir / "basis.json"
+
+    @property
+    def _array(self) -> Path:
+        return self.dir / "basis.npy"
+
+    def version(self) -> int | None:
+        if not self._meta.exists():
+            return None
+        return int(json.loads(self._meta.read_text())["version"])
+
+    def store(self, version: int, basis: np.ndarray, weights_version: str = "") -> None:
+        # Array first, then the meta that names it: a crash between leaves the old version number,
+        # so the site re-requests the basis rather than using a mismatched one.
+        self._meta.unlink(missing_ok=True)
+        atomic_write(self._array, lambda fh: np.save(fh, np.ascontiguousarray(basis, dtype=np.float32)))
+        atomic_write_json(self._meta, {"version": int(version), "weights": weights_version, "shape": list(basis.shape)})
+
+    def load(self) -> tuple[int, np.ndarray] | None:
+        if not self._meta.exists():
+            return None
+        meta = json.loads(self._meta.read_text())
+        basis = np.load(self._array, mmap_mode="r")
+        if list(basis.shape) != meta["shape"]:
+            raise BasisTransportError(f"basis cache in {self.dir} is inconsistent: {basis.shape} vs {meta['shape']}")
+        return int(meta["version"]), basis
