@@ -122,7 +122,7 @@ def budgets_as_dict(budgets: np.ndarray) -> dict[str, list[float]]:
 
 def flip_thresholds(budgets: np.ndarray) -> np.ndarray:
     """Integer thresholds T (uint64) with flip probability T / 2³² ≥ 1/(e^ε+1), i.e. rounded towards more noise."""
-    flip = 1.0 / (np.exp(np.asarray(budgets, dtype=np.float64)) + 1.0)
+    flip = np.exp(-np.logaddexp(0.0, np.asarray(budgets, dtype=np.float64)))  # 1/(e^ε+1), no overflow
     thresholds = np.ceil(flip * _THRESHOLD_SCALE).astype(np.uint64)
     # Never more than 1/2 (ε' ≥ 0), never 0 (ε' finite).
     return np.clip(thresholds, 1, _THRESHOLD_SCALE // 2).astype(np.uint64)
