@@ -1,0 +1,118 @@
+"""Dataset privatization: once, idempotent, refuses different settings, resumes without redrawing."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import fedpose.privacy.input_privacy as input_privacy
+from fedpose.config import InputPrivacyConfig
+from fedpose.data.annotations import PoseRecord, read_annotations, resolve_image, write_annotations
+from fedpose.privacy.input_privacy import (
+    MANIFEST_FILE,
+    InputPrivacyError,
+    prepare_site_dataset,
+    privatize_dataset,
+)
+
+
+def _dataset(root, n=3):
+    root.mkdir()
+    records = []
+    for i in range(n):
+        name = f"img{i}.png" if i else "img0.jpg"  # one JPEG: becomes img0.png
+        rgb = np.random.default_rng(i).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+        Image.fromarray(rgb).save(root / name)
+        joints = np.random.default_rng(10 + i).uniform(0, 48, (16, 2)).astype(np.float32)
+        records.append(PoseRecord(name, joints, np.ones(16, np.float32), np.array([32, 24], np.float32), 0.2))
+    records.append(PoseRecord("img1.png", records[1].joints + 1, np.ones(16, np.float32), np.array([30, 20], np.float32), 0.2))
+    write_annotations(root / "annotations.json", records)
+    return root
+
+
+def _snapshot(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+CFG = InputPrivacyConfig(mechanism="ldp-slicing", epsilon=20.0, seed=5)
+
+
+def test_privatized_copy_has_same_schema_and_guarantee(tmp_path):
+    src = _dataset(tmp_path / "site")
+    guarantee = privatize_dataset(src, tmp_path / "private", CFG)
+    assert guarantee["mechanism"] == "ldp-slicing"
+    assert guarantee["guarantee_statement"].startswith("pure ε-LDP per pixel")
+    assert guarantee["epsilon_total"] == 20.0 and guarantee["delta"] == 0.0
+    assert "2×2" in guarantee["block_note"]
+    original, private = read_annotations(src), read_annotations(tmp_path / "private")
+    assert [r.image for r in private] == ["img0.png", "img1.png", "img2.png", "img1.png"]
+    for a, b in zip(original, private):
+        np.testing.assert_array_equal(a.joints, b.joints)
+        raw = np.asarray(Image.open(resolve_image(src, a.image)).convert("RGB"))
+        noisy = np.asarray(Image.open(resolve_image(tmp_path / "private", b.image)))
+        assert noisy.shape == raw.shape and not np.array_equal(noisy, raw)
+    manifest = json.loads((tmp_path / "private" / MANIFEST_FILE).read_text())
+    assert manifest["complete"] and manifest["images"] == 3
+    assert not (tmp_path / "private.partial").exists()
+
+
+def test_rerun_is_a_noop_and_other_settings_are_refused(tmp_path):
+    src = _dataset(tmp_path / "site")
+    dst = tmp_path / "private"
+    first = privatize_dataset(src, dst, CFG)
+    before = _snapshot(dst)
+    assert privatize_dataset(src, dst, CFG) == first
+    assert _snapshot(dst) == before  # no image was randomized again
+    with pytest.raises(InputPrivacyError, match="spend the privacy budget again"):
+        privatize_dataset(src, dst, CFG.model_copy(update={"epsilon": 5.0}))
+    with pytest.raises(InputPrivacyError, match="privatized copy of"):
+        privatize_dataset(_dataset(tmp_path / "other"), dst, CFG)
+    assert _snapshot(dst) == before
+
+
+def test_crash_resumes_without_redrawing(tmp_path, monkeypatch):
+    src = _dataset(tmp_path / "site")
+    dst = tmp_path / "private"
+    real_save = input_privacy.save_png
+    calls = {"n": 0}
+
+    def crash_on_second(path, rgb):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("power cut")
+        real_save(path, rgb)
+
+    monkeypatch.setattr(input_privacy, "save_png", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        privatize_dataset(src, dst, InputPrivacyConfig(mechanism="ldp-slicing", epsilon=20.0))  # CSPRNG
+    partial = tmp_path / "private.partial"
+    kept = (partial / "img0.png").read_bytes()
+    assert not dst.exists()
+    monkeypatch.setattr(input_privacy, "save_png", real_save)
+    with pytest.raises(InputPrivacyError):  # resuming with other settings is refused too
+        privatize_dataset(src, dst, InputPrivacyConfig(mechanism="ldp-slicing", epsilon=3.0))
+    privatize_dataset(src, dst, InputPrivacyConfig(mechanism="ldp-slicing", epsilon=20.0))
+    assert (dst / "img0.png").read_bytes() == kept  # the released image was not drawn again
+    assert len(read_annotations(dst)) == 4
+
+
+def test_prepare_site_dataset(tmp_path):
+    src = _dataset(tmp_path / "site")
+    path, guarantee = prepare_site_dataset(src, InputPrivacyConfig())
+    assert path == src and guarantee is None
+    path, guarantee = prepare_site_dataset(src, CFG)
+    assert path == tmp_path / "site.ldp-sliced" and guarantee["mechanism"] == "ldp-slicing"
+    assert prepare_site_dataset(src, CFG) == (path, guarantee)
+
+
+def test_corrupt_image_is_named_and_nothing_is_published(tmp_path):
+    src = _dataset(tmp_path / "site")
+    (src / "img2.png").write_bytes(b"garbage")
+    with pytest.raises(InputPrivacyError, match="img2.png"):
+        privatize_dataset(src, tmp_path / "private", CFG)
+    assert not (tmp_path / "private").exists()
+    with pytest.raises(InputPrivacyError, match="destination"):
+        privatize_dataset(src, src, CFG)
