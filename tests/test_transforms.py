@@ -1,0 +1,283 @@
+"""Affine crop transforms and PoseDataset geometry on real MPII / COCO files."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fedpose.data.dataset import PoseDataset, denormalize, load_records, normalize
+from fedpose.data.transforms import (
+    Augmentation,
+    affine_points,
+    crop_to_original,
+    crop_transform,
+    flip_joints,
+    get_affine_transform,
+    sample_augmentation,
+    warp_affine,
+)
+from fedpose.joints import FLIP_PAIRS, JOINT_INDEX, NUM_JOINTS
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+INPUT = (128, 96)
+
+
+@pytest.fixture(scope="module")
+def mpii():
+    return load_records(DATA / "mpii-real")
+
+
+@pytest.fixture(scope="module")
+def coco():
+    return load_records(DATA / "coco-real")
+
+
+def hrnet_affine(center, scale_wh, rot, size_wh):
+    """HRNet's three-point construction (cv2.getAffineTransform replaced by a linear solve)."""
+    def get_dir(point, rot_rad):
+        sn, cs = math.sin(rot_rad), math.cos(rot_rad)
+        return np.array([point[0] * cs - point[1] * sn, point[0] * sn + point[1] * cs])
+
+    def third(a, b):
+        direct = a - b
+        return b + np.array([-direct[1], direct[0]])
+
+    src_w = scale_wh[0] * 200.0
+    dst_w, dst_h = size_wh
+    src_dir = get_dir([0, src_w * -0.5], math.radians(rot))
+    dst_dir = np.array([0, dst_w * -0.5])
+    src = np.zeros((3, 2))
+    dst = np.zeros((3, 2))
+    src[0] = center
+    src[1] = center + src_dir
+    dst[0] = [dst_w * 0.5, dst_h * 0.5]
+    dst[1] = dst[0] + dst_dir
+    src[2] = third(src[0], src[1])
+    dst[2] = third(dst[0], dst[1])
+    # Solve dst = M @ [src, 1]
+    a = np.concatenate([src, np.ones((3, 1))], axis=1)
+    return np.linalg.solve(a, dst).T
+
+
+@pytest.mark.parametrize("rot", [0.0, 17.0, -40.0])
+def test_matches_hrnet_get_affine_transform(rot):
+    height, width = 256, 192
+    center, scale = np.array([966.0, 340.0]), 4.7
+    ours = get_affine_transform(center, scale, rot, (height, width))
+    theirs = hrnet_affine(center, [scale * width / height, scale], rot, (width, height))
+    np.testing.assert_allclose(ours, theirs, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("source", ["mpii", "coco"])
+@pytest.mark.parametrize("rot", [0.0, 25.0, -30.0])
+def test_points_into_crop_and_back(source, rot, request):
+    records, _ = request.getfixturevalue(source)
+    for record in records:
+        scale = record.scale * 1.25 * 0.9
+        matrix = get_affine_transform(record.center, scale, rot, INPUT)
+        in_crop = affine_points(record.joints, matrix)
+        back = crop_to_original(in_crop, record.center, scale, INPUT, rot)
+        np.testing.assert_allclose(back, record.joints, atol=1e-3)
+    # batched form, as used for predictions of a whole batch
+    joints = np.stack([r.joints for r in records])
+    centers = np.stack([r.center for r in records])
+    scales = np.array([r.scale for r in records])
+    crops = np.stack([affine_points(j, get_affine_transform(c, s, 0.0, INPUT)) for j, c, s in zip(joints, centers, scales)])
+    np.testing.assert_allclose(crop_to_original(crops, centers, scales, INPUT), joints, atol=1e-3)
+
+
+def test_center_maps_to_crop_center_and_scale_sets_height():
+    matrix = get_affine_transform((100.0, 50.0), 0.5, 0.0, (64, 48))
+    # the crop is 200·0.5 = 100 px tall in the original → 64 px: factor 0.64
+    np.testing.assert_allclose(affine_points(np.array([[100.0, 50.0], [100.0, 100.0]]), matrix),
+                               [[24.0, 32.0], [24.0, 64.0]], atol=1e-5)
+
+
+def test_positive_rotation_turns_content_counterclockwise():
+    # A point straight above the centre moves to the left in the crop for rot > 0 (HRNet).
+    matrix = get_affine_transform((0.0, 0.0), 1.0, 90.0, (200, 200))
+    x, y = affine_points(np.array([[0.0, -50.0]]), matrix)[0]
+    assert x == pytest.approx(50.0, abs=1e-4) and y == pytest.approx(100.0, abs=1e-4)
+
+
+def _bilinear(image: np.ndarray, x: float, y: float) -> np.ndarray:
+    x0, y0 = int(math.floor(x)), int(math.floor(y))
+    fx, fy = x - x0, y - y0
+    top = (1 - fx) * image[y0, x0] + fx * image[y0, x0 + 1]
+    bottom = (1 - fx) * image[y0 + 1, x0] + fx * image[y0 + 1, x0 + 1]
+    return (1 - fy) * top + fy * bottom
+
+
+def test_warp_samples_the_mapped_source_location(mpii):
+    """Each crop pixel equals the original image bilinearly sampled at the inverse-mapped point
+    (cv2.warpAffine's integer-pixel-centre convention) — checks the half-pixel handling."""
+    records, root = mpii
+    record = records[0]
+    image = Image.open(root / "images" / record.image).convert("RGB")
+    original = np.asarray(image, dtype=np.float64)
+    matrix = get_affine_transform(record.center, 0.4, 20.0, INPUT)  # upsampling crop
+    crop = np.asarray(warp_affine(image, matrix, INPUT), dtype=np.float64)
+    inverse = get_affine_transform(record.center, 0.4, 20.0, INPUT, inverse=True)
+    rng = np.random.default_rng(0)
+    errors = []
+    for _ in range(200):
+        cx, cy = rng.integers(0, INPUT[1]), rng.integers(0, INPUT[0])
+        sx, sy = affine_points(np.array([[cx, cy]], dtype=np.float64), inverse)[0]
+        errors.append(np.abs(crop[cy, cx] - _bilinear(original, sx, sy)).max())
+    assert np.median(errors) <= 1.0 and np.max(errors) <= 3.0
+
+
+def test_bright_dot_lands_on_its_mapped_point():
+    image = np.zeros((100, 120, 3), np.uint8)
+    image[40, 70] = 255
+    matrix = get_affine_transform((60.0, 50.0), 0.2, 30.0, (64, 48))  # 40 px → 64 px
+    crop = np.asarray(warp_affine(Image.fromarray(image), matrix, (64, 48)), dtype=np.float64)[..., 0]
+    ys, xs = np.mgrid[:64, :48]
+    weights = crop / crop.sum()
+    expected = affine_points(np.array([[70.0, 40.0]]), matrix)[0]
+    assert (xs * weights).sum() == pytest.approx(expected[0], abs=0.1)
+    assert (ys * weights).sum() == pytest.approx(expected[1], abs=0.1)
+
+
+def test_flip_twice_is_identity_and_swaps_labels(mpii):
+    records, _ = mpii
+    joints, vis = records[0].joints, records[0].joints_vis.copy()
+    vis[JOINT_INDEX["l_wrist"]] = 0
+    once, vis_once = flip_joints(joints, vis, 1280)
+    twice, vis_twice = flip_joints(once, vis_once, 1280)
+    np.testing.assert_allclose(twice, joints)
+    np.testing.assert_array_equal(vis_twice, vis)
+    # what was the right ankle is now the left ankle, mirrored
+    r, l = JOINT_INDEX["r_ankle"], JOINT_INDEX["l_ankle"]
+    assert once[l, 0] == pytest.approx(1279 - joints[r, 0]) and once[l, 1] == joints[r, 1]
+    assert vis_once[JOINT_INDEX["r_wrist"]] == 0 and vis_once[JOINT_INDEX["l_wrist"]] == 1
+    for a, b in FLIP_PAIRS:
+        assert once[a, 0] == pytest.approx(1279 - joints[b, 0])
+
+
+def _draw_until(dataset: PoseDataset, index: int, flipped: bool) -> dict:
+    for _ in range(64):
+        sample = dataset[index]
+        if sample["flipped"] == flipped:
+            return sample
+    raise AssertionError("flip never drawn in 64 tries")
+
+
+def test_dataset_flip_mirrors_image_and_swaps_joints(mpii):
+    records, root = mpii
+    dataset = PoseDataset(records, root, INPUT, train=True, flip=True, scale_jitter=0.0, rotation=0.0, seed=3)
+    plain, mirrored = _draw_until(dataset, 1, False), _draw_until(dataset, 1, True)
+    # Same source locations, mirrored: pixel x of the flipped crop = pixel W-1-x of the plain crop
+    # (up to one grey level from PIL's fixed-point rounding).
+    plain_pixels = denormalize(plain["image"]).astype(int)
+    mirrored_pixels = denormalize(mirrored["image"]).astype(int)
+    assert np.abs(mirrored_pixels - plain_pixels[:, ::-1]).max() <= 1
+    assert np.abs(mirrored_pixels - plain_pixels).max() > 50  # and it is not the same picture
+    plain_joints, mirrored_joints = plain["joints"].numpy(), mirrored["joints"].numpy()
+    for a, b in FLIP_PAIRS:
+        for src, dst in ((a, b), (b, a)):
+            assert mirrored_joints[dst, 0] == pytest.approx(INPUT[1] - 1 - plain_joints[src, 0], abs=1e-3)
+            assert mirrored_joints[dst, 1] == pytest.approx(plain_joints[src, 1], abs=1e-3)
+    for centre in (JOINT_INDEX["pelvis"], JOINT_INDEX["head_top"]):
+        assert mirrored_joints[centre, 0] == pytest.approx(INPUT[1] - 1 - plain_joints[centre, 0], abs=1e-3)
+    # the right wrist is on the image's left for this person; after the flip the *left* wrist is there
+    assert plain["joints"][JOINT_INDEX["r_wrist"], 0] < plain["joints"][JOINT_INDEX["l_wrist"], 0]
+    assert mirrored["joints"][JOINT_INDEX["l_wrist"], 0] > mirrored["joints"][JOINT_INDEX["r_wrist"], 0]
+
+
+def test_joints_outside_crop_and_invisible_joints_get_weight_zero(mpii):
+    records, root = mpii
+    record = records[0]
+    moved = type(record)(record.image, record.joints.copy(), record.joints_vis.copy(), record.center,
+                         record.scale, record.headbox, dict(record.extra))
+    moved.joints[JOINT_INDEX["l_wrist"]] = moved.center + np.array([0.0, 300.0 * moved.scale])  # far below
+    moved.joints_vis[JOINT_INDEX["r_knee"]] = 0
+    sample = PoseDataset([moved], root, INPUT, train=False)[0]
+    weight = sample["weight"].numpy()
+    assert weight[JOINT_INDEX["l_wrist"]] == 0 and sample["joints"][JOINT_INDEX["l_wrist"], 1] > INPUT[0]
+    assert weight[JOINT_INDEX["r_knee"]] == 0
+    others = [j for j in range(NUM_JOINTS) if j not in (JOINT_INDEX["l_wrist"], JOINT_INDEX["r_knee"])]
+    joints = sample["joints"].numpy()[others]
+    inside = (joints[:, 0] >= -0.5) & (joints[:, 0] < INPUT[1] - 0.5) & (joints[:, 1] >= -0.5) & (joints[:, 1] < INPUT[0] - 0.5)
+    np.testing.assert_array_equal(weight[others], inside.astype(np.float32))
+    assert weight[others].sum() >= 12
+
+
+def test_dataset_sample_contract_and_default_collate(coco):
+    records, root = coco
+    dataset = PoseDataset(records, root, INPUT, train=True, seed=1)
+    batch = next(iter(torch.utils.data.DataLoader(dataset, batch_size=4)))
+    assert batch["image"].shape == (4, 3, *INPUT) and batch["image"].dtype == torch.float32
+    assert batch["joints"].shape == (4, NUM_JOINTS, 2) and batch["weight"].shape == (4, NUM_JOINTS)
+    assert batch["headbox"].shape == (4, 2, 2) and batch["face_box"].shape == (4, 4)
+    assert batch["center"].shape == (4, 2) and batch["scale"].shape == (4,)
+    # COCO has no head top / upper neck: never a training target
+    assert batch["weight"][:, JOINT_INDEX["head_top"]].sum() == 0
+    assert batch["weight"][:, JOINT_INDEX["upper_neck"]].sum() == 0
+    # ImageNet normalization: roughly zero-mean, unit-ish spread on real photos
+    assert abs(float(batch["image"].mean())) < 1.0 and 0.3 < float(batch["image"].std()) < 2.0
+
+
+def test_eval_crop_roundtrip_through_dataset(mpii):
+    """Crop-frame joints of an eval sample map back to the annotated joints with the returned
+    center/scale — the path predictions take for PCKh."""
+    records, root = mpii
+    dataset = PoseDataset(records, root, INPUT, train=False)
+    for i in range(len(dataset)):
+        sample = dataset[i]
+        back = crop_to_original(sample["joints"].numpy(), sample["center"].numpy(), sample["scale"], INPUT)
+        np.testing.assert_allclose(back, records[i].joints, atol=1e-2)
+        np.testing.assert_allclose(sample["joints_original"].numpy(), records[i].joints)
+
+
+def test_augmented_roundtrip_with_rotation_and_jitter(coco):
+    records, _ = coco
+    rng = np.random.default_rng(0)
+    for record in records:
+        aug = sample_augmentation(rng, 0.25, 30.0, flip=False)
+        matrix = crop_transform(record.center, record.scale * 1.25, INPUT, aug)
+        crop = affine_points(record.joints, matrix)
+        back = crop_to_original(crop, record.center, record.scale * 1.25 * aug.scale_factor, INPUT, aug.rotation)
+        np.testing.assert_allclose(back, record.joints, atol=1e-3)
+
+
+def test_face_box_follows_the_crop(mpii):
+    records, root = mpii
+    sample = PoseDataset(records[:1], root, INPUT, train=False)[0]
+    matrix = crop_transform(records[0].center, records[0].scale * 1.25, INPUT, Augmentation())
+    corners = affine_points(records[0].headbox, matrix)
+    np.testing.assert_allclose(sample["face_box"].numpy(), corners.reshape(-1), atol=1e-3)
+    # head top lies inside the face/head box in crop space
+    x1, y1, x2, y2 = sample["face_box"].numpy()
+    hx, hy = sample["joints"][JOINT_INDEX["head_top"]].numpy()
+    assert x1 - 1 <= hx <= x2 + 1 and y1 - 1 <= hy <= y2 + 1
+
+
+def test_augmentation_ranges():
+    rng = np.random.default_rng(0)
+    draws = [sample_augmentation(rng, 0.25, 30.0, True) for _ in range(2000)]
+    factors = np.array([d.scale_factor for d in draws])
+    angles = np.array([d.rotation for d in draws])
+    assert factors.min() >= 0.75 and factors.max() <= 1.25 and factors.std() > 0.1
+    assert np.abs(angles).max() <= 30.0
+    assert 0.3 < np.mean(angles == 0.0) < 0.5  # rotation applied with probability 0.6
+    assert 0.45 < np.mean([d.flip for d in draws]) < 0.55
+    assert all(not d.flip for d in (sample_augmentation(rng, 0.25, 30.0, False) for _ in range(100)))
+
+
+def test_train_augmentation_is_seeded(mpii):
+    records, root = mpii
+    a = PoseDataset(records, root, INPUT, train=True, seed=7)
+    b = PoseDataset(records, root, INPUT, train=True, seed=7)
+    for i in range(3):
+        torch.testing.assert_close(a[i]["joints"], b[i]["joints"])
+
+
+def test_normalize_denormalize_roundtrip():
+    pixels = np.random.default_rng(0).integers(0, 256, (16, 12, 3), dtype=np.uint8)
+    np.testing.assert_array_equal(denormalize(normalize(pixels)), pixels)
