@@ -1,0 +1,71 @@
+"""Coordinator and site metrics, scraped over real HTTP from per-process registries."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+
+from fedpose.federation.metrics import CoordinatorMetrics, SiteMetrics, scrape_values, start_metrics_server
+from fedpose.federation.site_budget import BudgetExhausted, SiteBudget
+
+
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return dict(scrape_values(response.read().decode()))
+
+
+def test_coordinator_metrics_over_http():
+    metrics = CoordinatorMetrics()
+    metrics.round.set(3)
+    metrics.participating_sites.set(2)
+    metrics.observe_site_report("site-a", 1.25, 1e-5, "DP")
+    metrics.observe_site_report("site-b", 0.5, 1e-5, "FDP")
+    metrics.update_norm.labels(site="site-a").set(4.5)
+    metrics.rejected_updates.labels(reason="norm").inc()
+    metrics.rejected_updates.labels(reason="norm").inc()
+    metrics.basis_bytes_sent.labels(transport="compact").inc(20_800)
+    metrics.round_duration.observe(12.0)
+    server = start_metrics_server(0, metrics.registry, addr="127.0.0.1")
+    try:
+        values = _scrape(server.port)
+    finally:
+        server.close()
+    assert values["fedpose_round"] == 3 and values["fedpose_participating_sites"] == 2
+    assert values['fedpose_site_epsilon{guarantee="DP",site="site-a"}'] == 1.25
+    assert values['fedpose_site_epsilon{guarantee="FDP",site="site-b"}'] == 0.5
+    assert values['fedpose_site_delta{site="site-a"}'] == 1e-5
+    assert values['fedpose_update_norm{site="site-a"}'] == 4.5
+    assert values['fedpose_rejected_updates_total{reason="norm"}'] == 2
+    assert values['fedpose_basis_bytes_sent_total{transport="compact"}'] == 20_800
+    assert values["fedpose_round_duration_seconds_count"] == 1
+
+
+def test_registries_are_per_instance():
+    a, b = CoordinatorMetrics(), CoordinatorMetrics()  # would raise "Duplicated timeseries" on a shared registry
+    a.round.set(7)
+    assert b.registry.get_sample_value("fedpose_round") == 0
+    assert a.registry.get_sample_value("fedpose_round") == 7
+
+
+def test_site_metrics_read_the_persisted_budget(tmp_path):
+    budget = SiteBudget(tmp_path / "s", "site-a", eps_max=10.0, delta=1e-5, guarantee="DP")
+    metrics = SiteMetrics("site-a", budget=budget)
+    server = start_metrics_server(0, metrics.registry, addr="127.0.0.1")
+    try:
+        assert _scrape(server.port)['fedpose_site_epsilon_spent{guarantee="DP",site="site-a"}'] == 0.0
+        # Another process (a later ClientApp) spends and refuses; the scrape sees it on disk.
+        other = SiteBudget(tmp_path / "s", "site-a", eps_max=10.0, delta=1e-5, guarantee="DP")
+        other.authorize_round("run", 1, 1.0, 0.01, 100)
+        with pytest.raises(BudgetExhausted):
+            other.authorize_round("run", 2, 0.0, 0.01, 100)
+        metrics.observe_round(2, 100)
+        values = _scrape(server.port)
+    finally:
+        server.close()
+    assert values['fedpose_site_epsilon_spent{guarantee="DP",site="site-a"}'] == pytest.approx(other.epsilon)
+    assert values['fedpose_site_epsilon_max{guarantee="DP",site="site-a"}'] == 10.0
+    assert values['fedpose_site_dp_steps_total{site="site-a"}'] == 100
+    assert values['fedpose_site_refusals_total{site="site-a"}'] == 1
+    assert values['fedpose_site_round{site="site-a"}'] == 2
+    assert values['fedpose_site_training_steps_total{site="site-a"}'] == 100
