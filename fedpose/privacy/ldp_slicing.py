@@ -158,9 +158,16 @@ class AesCtrBytes:
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
         self._encryptor = Cipher(algorithms.AES(os.urandom(32)), modes.CTR(os.urandom(16))).encryptor()
+        self._zeros = np.zeros(0, dtype=np.uint8)  # plaintext: the keystream is AES_k(counter) XOR 0
 
     def uint8(self, count: int) -> np.ndarray:
-        return np.frombuffer(self._encryptor.update(bytes(count)), dtype=np.uint8)
+        if self._zeros.size < count:
+            self._zeros = np.zeros(count, dtype=np.uint8)
+        out = np.empty(count + 15, dtype=np.uint8)  # update_into wants block_size - 1 bytes of slack
+        written = self._encryptor.update_into(memoryview(self._zeros)[:count], out)
+        if written != count:  # CTR is a stream cipher: cannot happen, but never return unfilled memory
+            raise RuntimeError(f"AES-CTR produced {written} of {count} bytes")
+        return out[:count]
 
 
 class UrandomBytes:
