@@ -14,9 +14,12 @@ from fedpose.federation.basis_transport import (
     BasisRecipe,
     BasisTransportError,
     basis_from_gradients,
+    build_basis_message,
+    choose_public_ids,
     decode,
     encode_full,
     make_recipe,
+    receive_basis,
     weights_digest,
 )
 
@@ -147,3 +150,21 @@ def test_site_cache_round_trips(tmp_path):
     version, loaded = BasisCache(tmp_path).load()
     assert version == 7
     np.testing.assert_array_equal(loaded, basis)
+
+
+@pytest.mark.parametrize("transport", ["full", "compact"])
+def test_coordinator_to_site_round_trip(transport):
+    coordinator_model = _model(seed=0)
+    version = weights_digest(_weights(coordinator_model))
+    ids = choose_public_ids(40, M, seed=7, version=2)
+    assert ids == choose_public_ids(40, M, seed=7, version=2) != choose_public_ids(40, M, seed=7, version=3)
+    basis, message = build_basis_message(
+        lambda rows: _public_gradients(coordinator_model, list(rows), chunk=M), ids, K, 2, version, transport, "float32", "pub"
+    )
+    site_model = _model(seed=5)
+    site_model.load_state_dict(coordinator_model.state_dict())
+    rebuilt = receive_basis(message.arrays, message.config, weights_digest(_weights(site_model)),
+                            lambda rows: _public_gradients(site_model, list(rows), chunk=4), public_set="pub")
+    np.testing.assert_allclose(rebuilt, basis, rtol=0, atol=1e-5 * np.abs(basis).max())
+    with pytest.raises(BasisTransportError, match="weights"):
+        receive_basis(message.arrays, message.config, "another-version", lambda rows: None)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -218,6 +218,65 @@ def decode(message_arrays: Mapping[str, np.ndarray], config: Mapping[str, Any]) 
     except KeyError as exc:
         raise BasisTransportError(f"basis message lacks {exc}") from None
     raise BasisTransportError(f"unknown basis transport {transport!r}")
+
+
+#: ``public_gradients(ids) -> G``: m×p per-sample gradients of the public loss at the current
+#: weights, one row per id, in the given order (deterministic: no augmentation, no dropout).
+PublicGradientFn = Callable[[Sequence[int]], Any]
+
+
+def choose_public_ids(public_set_size: int, m: int, seed: int, version: int) -> list[int]:
+    """The m public samples of refresh ``version``: a deterministic function of (seed, version)."""
+    if not 0 < m <= public_set_size:
+        raise ValueError(f"need 0 < m <= public set size, got m={m}, size={public_set_size}")
+    rng = np.random.default_rng([int(seed), int(version)])
+    return sorted(int(i) for i in rng.choice(public_set_size, size=m, replace=False))
+
+
+def build_basis_message(
+    public_gradients: PublicGradientFn,
+    public_ids: Sequence[int],
+    k: int,
+    version: int,
+    weights_version: str,
+    transport: str = "compact",
+    dtype: WireDtype = "float32",
+    public_set: str = "",
+) -> tuple[np.ndarray, BasisMessage]:
+    """Coordinator: compute G once, then (V, the message for ``transport`` "full" or "compact")."""
+    g = public_gradients(list(public_ids))
+    basis, recipe = make_recipe(g, k, public_ids, version, weights_version, public_set)
+    if transport == "full":
+        return basis, encode_full(basis, version, weights_version, dtype)
+    if transport == "compact":
+        return basis, recipe.encode()
+    raise ValueError(f"basis transport must be 'full' or 'compact', got {transport!r}")
+
+
+def receive_basis(
+    message_arrays: Mapping[str, np.ndarray],
+    config: Mapping[str, Any],
+    weights_version: str,
+    public_gradients: PublicGradientFn | None = None,
+    public_set: str | None = None,
+) -> np.ndarray:
+    """Site: V from a basis message. Compact messages need ``public_gradients`` at the site's copy of
+    the global weights (digest ``weights_version``) over its copy of the public set."""
+    decoded = decode(message_arrays, config)
+    if isinstance(decoded, np.ndarray):
+        if str(config["basis.weights"]) != weights_version:
+            raise BasisTransportError(
+                f"basis v{message_version(config)} was computed at weights {str(config['basis.weights'])[:12]}…, "
+                f"this round's global weights are {weights_version[:12]}…"
+            )
+        return decoded
+    if public_gradients is None:
+        raise BasisTransportError("compact basis transport: this site has no public set to rebuild the basis from")
+    if public_set is not None and decoded.public_set and public_set != decoded.public_set:
+        raise BasisTransportError(f"basis recipe v{decoded.version} needs public set '{decoded.public_set}', the site has '{public_set}'")
+    if weights_version != decoded.weights_version:
+        decoded.rebuild(np.zeros((0, 0)), weights_version)  # raises the clear mismatch error
+    return decoded.rebuild(public_gradients(list(decoded.public_ids)), weights_version, public_set)
 
 
 def message_version(config: Mapping[str, Any]) -> int | None:
