@@ -258,6 +258,7 @@ def generate_dataset(
             "face_box": "extra.face_box = [x1, y1, x2, y2] of the visible face (head box when facing away)",
         },
     }
+    manifest = json.loads(json.dumps(manifest))  # plain JSON types: what a later reader will see
     atomic_write_json(out / MANIFEST_FILE, manifest)  # last: the dataset is complete
     (out / PROGRESS_FILE).unlink(missing_ok=True)
     return manifest

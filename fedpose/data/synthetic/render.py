@@ -575,3 +575,17 @@ def annotation_fields(scene: Scene, site: str) -> dict[str, Any]:
             **scene.extra,
         },
     }
+
+
+def person_mask(scene: Scene) -> np.ndarray:
+    """Boolean (H, W) silhouette of the person (body parts and head), for tests and analysis."""
+    h, w = scene.size
+    mask = Image.new("L", (w, h), 0)
+    draw = ImageDraw.Draw(mask)
+    for part in _body_parts(scene):
+        if part.shape == "capsule":
+            _capsule(draw, part.points[0], part.points[1], *part.radii)
+        else:
+            draw.polygon([tuple(p) for p in part.points], fill=255)
+    draw.polygon([tuple(p) for p in _ellipse_points(*scene.head_ellipse)], fill=255)
+    return np.asarray(mask) > 0
