@@ -1,0 +1,87 @@
+"""What a privacy number means: guarantee types, unit protected, and how ε is printed.
+
+fedpose never shows a bare ε. Every ε travels with the guarantee it belongs to (DP, FDP,
+MaskDP, ...), its δ and the accountant that produced it; FDP's ε is about the fine detail of
+an image whose blurred version and label are public, so it is not comparable with DP-SGD's ε
+on whole records. ``format_epsilon`` is the single place that turns the numbers into text.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class Guarantee:
+    """The formal statement a mechanism makes (see DESIGN.md, 'Privacy semantics')."""
+
+    name: str  #: short tag printed next to ε: "DP", "FDP", "MaskDP", "none"
+    statement: str  #: the guarantee in words
+    unit: str  #: what one neighbouring dataset changes
+    public: str  #: what is treated as public (never protected)
+
+
+NO_PRIVACY = Guarantee(
+    name="none",
+    statement="no formal privacy guarantee",
+    unit="nothing",
+    public="everything (non-private training)",
+)
+RECORD_DP = Guarantee(
+    name="DP",
+    statement="(ε, δ)-differential privacy, Poisson sampling, RDP accounting",
+    unit="one record (image + keypoints) of the training set",
+    public="nothing",
+)
+PROJECTED_DP = Guarantee(
+    name="DP",
+    statement="(ε, δ)-differential privacy; projection onto a basis computed from public data only is post-processing",
+    unit="one record (image + keypoints) of the training set",
+    public="the public set S_pub that the projection basis is computed from",
+)
+FEATURE_DP = Guarantee(
+    name="FDP",
+    statement="(ε, δ)-feature-level differential privacy: neighbouring datasets share ψ(x) and the label",
+    unit="the fine detail of one image (what the Gaussian blur ψ removes)",
+    public="ψ(x) = Gaussian blur of each image, and the keypoints; the public-loss gradient carries no noise",
+)
+FEATURE_PROJECTED_DP = Guarantee(
+    name="FDP",
+    statement="(ε, δ)-feature-level differential privacy (FP-DP): FDP with public-subspace projection",
+    unit="the fine detail of one image (what the Gaussian blur ψ removes)",
+    public="ψ(x) = Gaussian blur of each image, the keypoints, and S_pub",
+)
+MASK_DP = Guarantee(
+    name="MaskDP",
+    statement="(ε, δ)-MaskDP: neighbouring datasets differ only inside the declared private region of one record",
+    unit="the masked-private region (head/face box) of one record",
+    public="the image outside the private region, and the keypoints; the mask comes from the annotation box only",
+)
+
+
+def format_epsilon(epsilon: float, delta: float, guarantee: str | Guarantee, accountant: str = "rdp") -> str:
+    """``ε = 0.800 (DP, δ = 4e-05, RDP)`` — the only way fedpose prints an ε."""
+    tag = guarantee.name if isinstance(guarantee, Guarantee) else str(guarantee)
+    if tag == "none":
+        return "ε = ∞ (no privacy: non-private training)"
+    eps_text = "∞" if not math.isfinite(epsilon) else f"{epsilon:.4g}"
+    return f"ε = {eps_text} ({tag}, δ = {delta:.3g}, {accountant.upper()})"
+
+
+def describe(report: Mapping[str, Any]) -> str:
+    """Human summary of an ``engine.privacy_report()`` / privacy.json dict, one fact per line."""
+    lines = [f"mechanism: {report['mechanism']}"]
+    if report.get("guarantee") == "none":
+        lines.append(format_epsilon(math.inf, 0.0, "none"))
+        return "\n".join(lines)
+    lines.append(format_epsilon(report["epsilon"], report["delta"], report["guarantee"], report["accountant"]))
+    lines.append(f"guarantee: {report['guarantee_statement']}")
+    lines.append(f"unit protected: {report['unit_protected']}")
+    lines.append(f"treated as public: {report['public']}")
+    lines.append(
+        f"noise multiplier σ = {report['noise_multiplier']:.4g}, clip C = {report['max_grad_norm']:g}, "
+        f"sample rate q = {report['sample_rate']:.4g}, steps = {report['steps']}"
+    )
+    return "\n".join(lines)
