@@ -1,0 +1,1 @@
+"""fedpose coordinator: the Flower ServerApp (thin wiring around fedpose.federation)."""

@@ -1,0 +1,322 @@
+"""The coordinator's round loop over a Flower Grid (works the same in simulation and deployment).
+
+Per round: pick the sites that are not exhausted, send them the global weights (+ the basis when
+they lack its current version) with TTL = round timeout, wait at most the round timeout, validate
+and aggregate the updates that came back (streaming, one in memory at a time), record every
+site's report in the ledger (ok / rejected / refused / missing), evaluate the global model on the
+held-out split, then checkpoint. The numerics are in :mod:`fedpose.federation`; this file only
+moves records.
+
+Checkpoint order per round: ledger rows first (one transaction), then server-optimizer state,
+then the global model + coordinator state (the commit point). ``--resume`` continues after the
+highest round found in either, so a crash in between never re-runs a round a site already spent
+on, and ledger rows are keyed by (site, round) so nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.serverapp import Grid
+
+from fedpose.federation import protocol
+from fedpose.federation.aggregation import (
+    aggregate_round,
+    build_server_optimizer,
+    load_array_checkpoint,
+    load_server_optimizer,
+    save_array_checkpoint,
+    save_server_optimizer,
+)
+from fedpose.federation.deployment import CoordinatorRunConfig
+from fedpose.federation.ledger import BudgetLedger, LedgerEntry
+from fedpose.federation.report import load_history, round_line, save_history, write_report
+
+log = logging.getLogger("fedpose.coordinator")
+
+GLOBAL_CHECKPOINT = "global.npz"
+OPTIMIZER_CHECKPOINT = "server_optimizer.npz"
+NODE_WAIT_POLL_S = 1.0
+
+
+@dataclass
+class CoordinatorState:
+    """Everything the coordinator must remember between rounds (checkpointed every round)."""
+
+    round: int = 0  #: last finished round
+    model_spec: dict[str, Any] = field(default_factory=dict)
+    node_sites: dict[str, str] = field(default_factory=dict)  #: Flower node id → site id (learned from replies)
+    site_basis: dict[str, int] = field(default_factory=dict)  #: site id → basis version the site holds
+    unaffordable: list[str] = field(default_factory=list)  #: sites that said one more round would pass ε_max
+    basis_version: int = -1
+    stopped_reason: str = ""
+
+    def to_meta(self) -> dict[str, Any]:
+        return {"round": self.round, "model_spec": self.model_spec, "node_sites": self.node_sites,
+                "site_basis": self.site_basis, "unaffordable": sorted(set(self.unaffordable)),
+                "basis_version": self.basis_version, "stopped_reason": self.stopped_reason}
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> "CoordinatorState":
+        return cls(int(meta["round"]), dict(meta["model_spec"]), dict(meta["node_sites"]), dict(meta.get("site_basis", {})),
+                   list(meta.get("unaffordable", [])), int(meta.get("basis_version", -1)), str(meta.get("stopped_reason", "")))
+
+
+class Coordinator:
+    def __init__(self, run: CoordinatorRunConfig, resume: bool = False, echo: Any = print):
+        self.run = run
+        self.cfg = run.coordinator
+        self.dir = Path(self.cfg.checkpoint_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.echo = echo
+        self.ledger = BudgetLedger(self.cfg.ledger_path)
+        self.metrics = _coordinator_metrics(self.cfg.metrics_port)
+        self._eval_dataset: Any = None
+        if resume and (self.dir / GLOBAL_CHECKPOINT).exists():
+            arrays, meta = load_array_checkpoint(self.dir / GLOBAL_CHECKPOINT)
+            if meta.get("run_id") != run.run_id:
+                raise ValueError(f"checkpoint in {self.dir} is of run '{meta.get('run_id')}', config says '{run.run_id}'")
+            self.state = CoordinatorState.from_meta(meta["state"])
+            self.global_state = arrays
+            self.optimizer = load_server_optimizer(self.dir / OPTIMIZER_CHECKPOINT, self.cfg.aggregation)
+            self.history = [r for r in load_history(self.dir) if r["round"] <= self.state.round]
+            ledger_round = self.ledger.last_round()
+            if ledger_round > self.state.round:
+                # Killed after recording the ledger but before the model checkpoint: that round's
+                # updates are lost, but sites did spend — never ask them for that round again.
+                log.warning("ledger has round %d, model checkpoint round %d: continuing after round %d", ledger_round, self.state.round, ledger_round)
+                self.state.round = ledger_round
+            self.echo(f"resuming run '{run.run_id}' after round {self.state.round}")
+        else:
+            if resume:
+                self.echo(f"--resume: no checkpoint in {self.dir}, starting at round 1")
+            elif (self.dir / GLOBAL_CHECKPOINT).exists():
+                raise ValueError(f"{self.dir} already holds a checkpoint of run '{run.run_id}': resume it or use another checkpoint_dir")
+            self.state, self.global_state = self._initial_model()
+            self.optimizer = build_server_optimizer(self.cfg.aggregation)
+            self.history = []
+
+    # -- model --------------------------------------------------------------------------------------
+    def _initial_model(self) -> tuple[CoordinatorState, dict[str, np.ndarray]]:
+        import torch
+
+        from fedpose.model import build_model
+        from fedpose.model.checkpoint import model_spec
+
+        torch.manual_seed(self.cfg.seed)
+        model = build_model(self.cfg.model, tuple(self.cfg.data.input_size))
+        spec = model_spec(model)
+        state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+        return CoordinatorState(model_spec=spec), state
+
+    def _model(self) -> Any:
+        import torch
+
+        from fedpose.model import build_model_from_spec
+
+        model = build_model_from_spec(self.state.model_spec)
+        model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in self.global_state.items()})
+        return model
+
+    def evaluate(self) -> dict[str, float] | None:
+        """PCKh of the global model on the held-out split (``coordinator.data.val``)."""
+        if self.cfg.data.val is None:
+            return None
+        from fedpose.train.evaluate import evaluate
+
+        if self._eval_dataset is None:
+            from fedpose.data.dataset import PoseDataset, load_records
+
+            records, root = load_records(self.cfg.data.val)
+            self._eval_dataset = PoseDataset(records, root, input_size=tuple(self.state.model_spec["input_size"]), train=False)
+        model = self._model()
+        return {k: float(v) for k, v in evaluate(model, self._eval_dataset, batch_size=16).items() if isinstance(v, (int, float))}
+
+    # -- selection ------------------------------------------------------------------------------------
+    def exhausted_sites(self) -> set[str]:
+        return self.ledger.exhausted_sites(self.cfg.eps_max) | set(self.state.unaffordable)
+
+    def wait_for_nodes(self, grid: Grid) -> list[int]:
+        deadline = time.monotonic() + self.cfg.round_timeout_s
+        while True:
+            nodes = sorted(grid.get_node_ids())
+            if len(nodes) >= self.cfg.min_sites or time.monotonic() > deadline:
+                return nodes
+            time.sleep(NODE_WAIT_POLL_S)
+
+    def select(self, nodes: list[int], round_id: int) -> list[int]:
+        exhausted = self.exhausted_sites()
+        candidates = [n for n in nodes if self.state.node_sites.get(str(n)) not in exhausted]
+        if not candidates:
+            return []
+        count = max(min(self.cfg.min_sites, len(candidates)), math.ceil(self.cfg.fraction_train * len(candidates)))
+        return sorted(random.Random(self.cfg.seed * 7919 + round_id).sample(candidates, count))
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def run_rounds(self, grid: Grid) -> dict[str, Any]:
+        self._trainable = list(self._model().trainable_parameters())
+        try:
+            for round_id in range(self.state.round + 1, self.cfg.rounds + 1):
+                nodes = self.wait_for_nodes(grid)
+                selected = self.select(nodes, round_id)
+                if not selected:
+                    known = set(self.state.node_sites.values())
+                    self.state.stopped_reason = f"all sites exhausted their privacy budget ({', '.join(sorted(known)) or 'none connected'})"
+                    self.echo(f"stopping before round {round_id}: {self.state.stopped_reason}")
+                    break
+                self.run_round(grid, round_id, selected)
+            else:
+                self.state.stopped_reason = self.state.stopped_reason or f"completed {self.cfg.rounds} rounds"
+            self._save_checkpoint()
+            return self.finish()
+        finally:
+            self.ledger.close()
+            self.metrics.close()
+
+    def _basis_for_round(self, round_id: int) -> tuple[int, dict[str, np.ndarray] | None]:
+        """(version, payload) of the projection basis for pdp / fpdp; (-1, None) when none is used."""
+        from coordinator.basis import basis_for_round
+
+        return basis_for_round(self, round_id)
+
+    def run_round(self, grid: Grid, round_id: int, selected: list[int]) -> None:
+        started = time.perf_counter()
+        basis_version, basis_payload = self._basis_for_round(round_id)
+        global_record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in self.global_state.items()})
+        basis_record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in basis_payload.items()}) if basis_payload else None
+        config = ConfigRecord(protocol.train_config(self.run.run_id, round_id, self.cfg.local_steps, self.state.model_spec, basis_version))
+        messages, bytes_down, basis_bytes = [], {}, 0
+        for node in selected:
+            content = RecordDict({protocol.GLOBAL_RECORD: global_record, protocol.CONFIG_RECORD: config})
+            site_id = self.state.node_sites.get(str(node))
+            down = global_record.count_bytes()
+            if basis_record is not None and (site_id is None or self.state.site_basis.get(site_id) != basis_version):
+                content[protocol.BASIS_RECORD] = basis_record
+                down += basis_record.count_bytes()
+                basis_bytes += basis_record.count_bytes()
+            bytes_down[node] = down
+            messages.append(Message(content, dst_node_id=node, message_type=protocol.MESSAGE_TYPE_TRAIN,
+                                    group_id=str(round_id), ttl=self.cfg.round_timeout_s))
+        replies = list(grid.send_and_receive(messages, timeout=self.cfg.round_timeout_s))
+        round_seconds = time.perf_counter() - started
+
+        entries: list[LedgerEntry] = []
+        sites: dict[str, dict[str, Any]] = {}
+        answered: set[int] = set()
+        updates: list[tuple[str, Any, float, dict[str, Any]]] = []
+        for reply in replies:
+            node = reply.metadata.src_node_id
+            if reply.has_error() or not reply.has_content():
+                continue  # counted as missing below (an error reply comes from the SuperLink, not the site)
+            answered.add(node)
+            metrics = dict(reply.content[protocol.METRICS_RECORD])
+            strings = dict(reply.content[protocol.SITE_RECORD])
+            site_id = str(strings["site-id"])
+            self.state.node_sites[str(node)] = site_id
+            self.state.site_basis[site_id] = int(metrics.get("basis-version", -1))
+            report = protocol.site_report_from_reply(metrics, strings)
+            affordable = bool(metrics.get("next-round-affordable", 1))
+            if not affordable and site_id not in self.state.unaffordable:
+                self.state.unaffordable.append(site_id)
+            info = {"status": strings["status"], "epsilon": report["epsilon"], "delta": report["delta"],
+                    "guarantee": report["guarantee"], "accountant": report["accountant"], "reason": strings.get("reason", ""),
+                    "num_examples": int(metrics.get("num-examples", 0)), "compute_seconds": float(metrics.get("compute-seconds", 0.0)),
+                    "train_loss": metrics.get("train-loss"), "bytes_down": bytes_down.get(node, 0), "bytes_up": 0}
+            sites[site_id] = info
+            if strings["status"] == "refused":
+                log.warning("round %d: %s", round_id, strings.get("reason", ""))
+                entries.append(LedgerEntry.from_site_report(round_id, report, status="refused", reason=strings.get("reason", "")))
+                continue
+            update_record = reply.content.get(protocol.UPDATE_RECORD)
+            info["bytes_up"] = update_record.count_bytes() if update_record is not None else 0
+            updates.append((site_id, update_record, float(metrics.get("num-examples", 0)), report))
+
+        for node in selected:
+            if node not in answered:
+                site_id = self.state.node_sites.get(str(node), f"node-{node}")
+                reason = f"no reply within the round timeout ({self.cfg.round_timeout_s:g} s)"
+                log.warning("round %d: site %s missing: %s", round_id, site_id, reason)
+                sites[site_id] = {"status": "missing", "epsilon": None, "reason": reason, "bytes_down": bytes_down.get(node, 0), "bytes_up": 0}
+                entries.append(LedgerEntry(site_id=site_id, round=round_id, status="missing", reason=reason))
+
+        trainable = {k: self.global_state[k] for k in self._trainable}
+
+        def decoded():
+            for site_id, record, weight, _ in updates:
+                arrays = {k: a.numpy() for k, a in record.items()} if record is not None else {}
+                yield site_id, arrays, weight
+
+        result = aggregate_round(trainable, decoded(), self.optimizer, max_norm=self.cfg.update_norm_bound)
+        reports = {site_id: report for site_id, _, _, report in updates}
+        for check in result.accepted + result.rejected:
+            sites[check.site_id]["update_norm"] = check.norm
+        for check in result.accepted:
+            entries.append(LedgerEntry.from_site_report(round_id, reports[check.site_id], status="ok", steps=self.cfg.local_steps))
+        for check in result.rejected:
+            log.warning("round %d: %s", round_id, check)
+            self.echo(f"round {round_id}: rejected update from site '{check.site_id}': {check.reason}: {check.detail}")
+            sites[check.site_id].update(status="rejected", reason=f"{check.reason}: {check.detail}", reject_reason=check.reason)
+            entries.append(LedgerEntry.from_site_report(round_id, reports[check.site_id], status="rejected",
+                                                        steps=self.cfg.local_steps, reason=f"{check.reason}: {check.detail}"))
+        if result.weights is not None and len(result.accepted) >= self.cfg.min_sites:
+            self.global_state.update(result.weights)
+            aggregated = True
+        else:
+            aggregated = False
+            self.echo(f"round {round_id}: {len(result.accepted)} accepted update(s) < min_sites = {self.cfg.min_sites}: global model unchanged")
+
+        self.ledger.record_many(entries)  # 1) ledger
+        self.state.round = round_id
+        pckh = self.evaluate()
+        entry = {
+            "round": round_id, "pckh": pckh, "aggregated": aggregated, "accepted": len(result.accepted),
+            "rejected": len(result.rejected), "selected": len(selected), "basis_version": basis_version,
+            "wall_seconds": time.perf_counter() - started, "exchange_seconds": round_seconds, "sites": sites,
+            "exhausted": len(self.exhausted_sites()), "basis_bytes": basis_bytes, "basis_transport": self.cfg.basis.transport,
+        }
+        self.history.append(entry)
+        self._save_checkpoint()  # 2) optimizer, 3) model + state (commit point)
+        save_history(self.dir, self.history)
+        self.metrics.observe_round(entry)
+        self.echo(round_line(entry))
+
+    # -- persistence -----------------------------------------------------------------------------------
+    def _save_checkpoint(self) -> None:
+        save_server_optimizer(self.dir / OPTIMIZER_CHECKPOINT, self.optimizer)
+        save_array_checkpoint(self.dir / GLOBAL_CHECKPOINT, self.global_state, {"run_id": self.run.run_id, "state": self.state.to_meta()})
+
+    def finish(self) -> dict[str, Any]:
+        import json
+
+        summary = json.loads(self.ledger.to_json())
+        summary.pop("entries", None)
+        path = write_report(self.dir, {"run_id": self.run.run_id, "stopped_reason": self.state.stopped_reason,
+                                       "aggregation": self.cfg.aggregation.strategy, "model_spec": self.state.model_spec},
+                            self.history, summary)
+        self.echo(f"report: {path} (curves: {path.with_name('curves.png')})")
+        return {"report": str(path), "rounds": len(self.history), "stopped_reason": self.state.stopped_reason}
+
+
+class _NoMetrics:
+    def observe_round(self, entry: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _coordinator_metrics(port: int | None) -> Any:
+    """Prometheus metrics of the coordinator (served over HTTP on ``port``), or a no-op."""
+    if port is None:
+        return _NoMetrics()
+    from coordinator.metrics import CoordinatorMetrics
+
+    return CoordinatorMetrics(port)

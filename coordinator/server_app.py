@@ -1,0 +1,42 @@
+"""The coordinator's Flower ServerApp.
+
+Deployment: ``flwr run . <connection> --run-config 'coordinator-config="/abs/coordinator.toml"'``
+(add ``resume=true`` to continue after the last checkpointed round). Simulation:
+``fedpose simulate`` builds the app with :func:`build_server_app` and the federation TOML.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from flwr.app import Context
+from flwr.serverapp import Grid, ServerApp
+
+from coordinator.rounds import Coordinator
+from fedpose.federation.deployment import load_coordinator_run
+
+
+def _flag(value: object) -> bool:
+    return value is True or str(value).lower() in ("true", "1", "yes")
+
+
+def build_server_app(config_path: str | Path | None = None, resume: bool | None = None, overrides: list[str] | None = None) -> ServerApp:
+    """A ServerApp for ``config_path`` (default: run config ``coordinator-config``)."""
+    server_app = ServerApp()
+
+    @server_app.main()
+    def main(grid: Grid, context: Context) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        path = config_path or context.run_config.get("coordinator-config")
+        if not path:
+            raise ValueError("no coordinator config: pass --run-config 'coordinator-config=\"/abs/path.toml\"'")
+        run = load_coordinator_run(str(path), overrides)
+        do_resume = resume if resume is not None else _flag(context.run_config.get("resume", False))
+        result = Coordinator(run, resume=do_resume, echo=lambda line: print(line, flush=True)).run_rounds(grid)
+        print(f"federation finished: {result['stopped_reason']}; {result['report']}", flush=True)
+
+    return server_app
+
+
+app = build_server_app()

@@ -1,0 +1,102 @@
+"""``fedpose simulate``: the whole federation on one machine (Flower's simulation runtime, Ray).
+
+One coordinator (ServerApp) and one ClientApp per ``[[sites]]`` entry of the federation TOML, the
+same apps as in deployment. The optional ``[synthetic]`` table (read by this command only) names
+the synthetic dataset to generate if absent: ``dir``, ``per_site``, ``public``, ``test``,
+``size = [H, W]``, ``seed``; the sites' ``data.train`` are then ``<dir>/site-<k>``, the
+coordinator's held-out split ``<dir>/test`` and the public set ``<dir>/public``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+from fedpose.cli.common import UserError, add_config_args
+
+SYNTHETIC_KEYS = {"dir", "per_site", "public", "test", "size", "seed"}
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "simulate", help="run a whole federation (coordinator + sites) on this machine",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_config_args(parser)
+    parser.add_argument("--resume", action="store_true", help="continue after the coordinator's last checkpointed round")
+    parser.set_defaults(handler=_handle)
+
+
+def resolve_federation(config: str | Path, overrides: list[str]) -> tuple[Any, dict[str, Any] | None, Path]:
+    """(FederationConfig, synthetic spec or None, path of the resolved TOML the apps read)."""
+    import tomli_w
+
+    from fedpose.config import apply_overrides, load_toml, validate
+    from fedpose.federation.config import FederationConfig
+
+    raw = apply_overrides(load_toml(config), overrides)
+    synthetic = raw.pop("synthetic", None)
+    if synthetic is not None:
+        unknown = set(synthetic) - SYNTHETIC_KEYS
+        if unknown or "dir" not in synthetic:
+            raise UserError(f"{config}: [synthetic] needs 'dir' and accepts {sorted(SYNTHETIC_KEYS)}; unknown {sorted(unknown)}")
+    federation = validate(FederationConfig, raw, str(config))
+    resolved = Path(federation.coordinator.checkpoint_dir) / "federation.resolved.toml"
+    resolved.parent.mkdir(parents=True, exist_ok=True)
+    from fedpose.io import atomic_write_text
+
+    atomic_write_text(resolved, tomli_w.dumps(_tomlable(raw)))
+    return federation, synthetic, resolved
+
+
+def _tomlable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _tomlable(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_tomlable(v) for v in value]
+    return value
+
+
+def ensure_synthetic(synthetic: dict[str, Any], n_sites: int) -> None:
+    from fedpose.data.synthetic import ensure_dataset
+
+    size = tuple(synthetic.get("size", (128, 96)))
+    ensure_dataset(
+        synthetic["dir"], sites=n_sites, per_site=int(synthetic.get("per_site", 200)), public=int(synthetic.get("public", 100)),
+        test=int(synthetic.get("test", 100)), size=size, seed=int(synthetic.get("seed", 0)),
+    )
+
+
+def _handle(args: argparse.Namespace) -> int:
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    federation, synthetic, resolved = resolve_federation(args.config, args.overrides)
+    if synthetic is not None:
+        ensure_synthetic(synthetic, len(federation.sites))
+    for site in federation.sites:
+        if site.data.train is not None and not Path(site.data.train).exists():
+            raise UserError(f"site '{site.site_id}': data.train {site.data.train} does not exist")
+
+    from flwr.simulation import run_simulation
+
+    from coordinator.server_app import build_server_app
+    from sites.client_app import build_client_app
+
+    cpus = os.cpu_count() or 1
+    print(f"simulating run '{federation.run_id}': {len(federation.sites)} sites, {federation.coordinator.rounds} rounds, "
+          f"{federation.simulation.cpus_per_site:g} CPU per site; state in {federation.coordinator.checkpoint_dir}", flush=True)
+    run_simulation(
+        server_app=build_server_app(resolved, resume=args.resume),
+        client_app=build_client_app(resolved),
+        num_supernodes=len(federation.sites),
+        backend_config={
+            "client_resources": {"num_cpus": federation.simulation.cpus_per_site, "num_gpus": 0.0},
+            "init_args": {"num_cpus": cpus, "num_gpus": 0, "logging_level": "ERROR", "log_to_driver": True},
+        },
+    )
+    report = Path(federation.coordinator.checkpoint_dir) / "report.json"
+    if not report.exists():
+        print("fedpose: error: the federation did not finish (no report written); see the log above")
+        return 1
+    return 0

@@ -1,0 +1,119 @@
+"""The federation's round history, final report JSON and curves PNG (Flower-free).
+
+``history.json`` (one entry per finished round) is rewritten atomically after every round; the
+final ``report.json`` adds the per-site privacy summary from the ledger, and ``curves.png``
+plots server-side PCKh@0.5 and each site's cumulative ε over rounds. ε values always travel with
+their guarantee, δ and accountant (FDP's ε is not comparable with DP's), so the ε panel labels
+every site's curve with its guarantee.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from fedpose.io import atomic_write, atomic_write_json
+
+HISTORY_FILE = "history.json"
+REPORT_FILE = "report.json"
+CURVES_FILE = "curves.png"
+
+
+def _finite(value: Any) -> Any:
+    """JSON has no ∞/NaN: write None instead."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def load_history(directory: str | Path) -> list[dict[str, Any]]:
+    path = Path(directory) / HISTORY_FILE
+    if not path.exists():
+        return []
+    return list(json.loads(path.read_text())["rounds"])
+
+
+def save_history(directory: str | Path, rounds: list[dict[str, Any]]) -> None:
+    atomic_write_json(Path(directory) / HISTORY_FILE, {"rounds": _finite(rounds)})
+
+
+def epsilon_text(epsilon: float | None, delta: float | None, guarantee: str | None, accountant: str | None = "rdp") -> str:
+    from fedpose.privacy.report import format_epsilon
+
+    if guarantee in (None, "", "none"):
+        return format_epsilon(math.inf, 0.0, "none")
+    return format_epsilon(math.inf if epsilon is None else float(epsilon), float(delta or 0.0), guarantee, accountant or "rdp")
+
+
+def round_line(entry: dict[str, Any]) -> str:
+    """One human-readable line per round: PCKh and every site's ε with guarantee, δ, accountant."""
+    pckh = entry.get("pckh", {}).get("Mean")
+    parts = [f"round {entry['round']:>3}", f"PCKh@0.5 = {pckh:.2f}" if pckh is not None else "PCKh@0.5 = n/a"]
+    for site_id, site in sorted(entry.get("sites", {}).items()):
+        eps = epsilon_text(site.get("epsilon"), site.get("delta"), site.get("guarantee"), site.get("accountant"))
+        parts.append(f"{site_id}: {site['status']}, {eps}")
+    parts.append(f"{entry.get('wall_seconds', 0.0):.1f} s")
+    return " | ".join(parts)
+
+
+def write_report(directory: str | Path, run_info: dict[str, Any], rounds: list[dict[str, Any]], ledger_summary: dict[str, Any]) -> Path:
+    """Write report.json and curves.png into ``directory``; return the report path."""
+    directory = Path(directory)
+    final = rounds[-1] if rounds else {}
+    report = {
+        **run_info,
+        "rounds_completed": len(rounds),
+        "final_pckh": final.get("pckh"),
+        "sites": ledger_summary.get("sites", []),
+        "privacy_note": (
+            "Each site's ε is its cumulative spend reported by the site itself (the authority on its "
+            "budget), composed with RDP over every local step of every round it joined, at the δ shown; "
+            "'DP' protects one record, 'FDP' the fine detail of one image (blurred image and keypoints "
+            "public) — the two ε are not comparable. Site selection is not secret: no amplification claimed."
+        ),
+        "rounds": rounds,
+    }
+    path = directory / REPORT_FILE
+    atomic_write_json(path, _finite(report))
+    save_curves(directory / CURVES_FILE, rounds)
+    return path
+
+
+def save_curves(path: str | Path, rounds: list[dict[str, Any]]) -> None:
+    """PCKh@0.5 (server-side, held-out split) and per-site cumulative ε over rounds."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_pckh, ax_eps) = plt.subplots(1, 2, figsize=(11, 4))
+    xs = [r["round"] for r in rounds if r.get("pckh")]
+    ax_pckh.plot(xs, [r["pckh"]["Mean"] for r in rounds if r.get("pckh")], marker="o", label="Mean")
+    ax_pckh.plot(xs, [r["pckh"].get("Mean@0.1", float("nan")) for r in rounds if r.get("pckh")], marker=".", label="Mean@0.1")
+    ax_pckh.set(title="global model, held-out split", xlabel="round", ylabel="PCKh (%)")
+    ax_pckh.legend()
+    sites = sorted({s for r in rounds for s in r.get("sites", {})})
+    for site_id in sites:
+        points = [(r["round"], r["sites"][site_id]) for r in rounds if site_id in r.get("sites", {})]
+        points = [(x, s) for x, s in points if s.get("epsilon") is not None]
+        if not points:
+            continue
+        last = points[-1][1]
+        label = f"{site_id} ({last.get('guarantee')}, δ={last.get('delta'):.0e}, {str(last.get('accountant')).upper()})"
+        ax_eps.plot([x for x, _ in points], [s["epsilon"] for _, s in points], marker="o", label=label)
+    ax_eps.set(title="cumulative ε per site (as reported)", xlabel="round", ylabel="ε")
+    if sites:
+        ax_eps.legend(fontsize=8)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    atomic_write(path, lambda fh: fh.write(buf.getvalue()))
