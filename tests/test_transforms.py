@@ -203,7 +203,7 @@ def test_joints_outside_crop_and_invisible_joints_get_weight_zero(mpii):
     assert weight[JOINT_INDEX["r_knee"]] == 0
     others = [j for j in range(NUM_JOINTS) if j not in (JOINT_INDEX["l_wrist"], JOINT_INDEX["r_knee"])]
     joints = sample["joints"].numpy()[others]
-    inside = (joints[:, 0] >= -0.5) & (joints[:, 0] < INPUT[1] - 0.5) & (joints[:, 1] >= -0.5) & (joints[:, 1] < INPUT[0] - 0.5)
+    inside = (joints[:, 0] >= 0) & (joints[:, 0] < INPUT[1]) & (joints[:, 1] >= 0) & (joints[:, 1] < INPUT[0])
     np.testing.assert_array_equal(weight[others], inside.astype(np.float32))
     assert weight[others].sum() >= 12
 
@@ -299,3 +299,20 @@ def test_reduced_jpeg_decoding_matches_full_decode(mpii):
         # the full decode is point-sampled (aliased) at ~1/8 zoom, so expect a few grey levels of blur
         assert aligned < 8.0 and aligned < 0.8 * shifted, (i, aligned, shifted)
     assert reduced_somewhere
+
+
+def test_weight_boundary_is_the_simcc_range(mpii):
+    """A joint mapped to x = -0.01 or x = W is outside (weight 0); x = 0.001 or W - 0.01 is inside
+    (0.001, not 0: the float32 round trip through the original frame is not exact)."""
+    records, root = mpii
+    record = records[2]
+    crop_points = np.array([[-0.01, 50.0], [0.001, 50.0], [INPUT[1] - 0.01, 50.0], [INPUT[1], 50.0],
+                            [40.0, -0.01], [40.0, INPUT[0] - 0.01]])
+    joints = record.joints.copy()
+    names = ["r_ankle", "r_knee", "l_knee", "l_ankle", "r_wrist", "l_wrist"]
+    originals = crop_to_original(crop_points, record.center, record.scale * 1.25, INPUT)
+    for name, point in zip(names, originals):
+        joints[JOINT_INDEX[name]] = point
+    moved = type(record)(record.image, joints, np.ones(NUM_JOINTS, np.float32), record.center, record.scale)
+    weight = PoseDataset([moved], root, INPUT, train=False)[0]["weight"].numpy()
+    assert [weight[JOINT_INDEX[n]] for n in names] == [0.0, 1.0, 1.0, 0.0, 0.0, 1.0]

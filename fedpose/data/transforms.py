@@ -142,10 +142,11 @@ def flip_joints(joints: np.ndarray, vis: np.ndarray, width: int) -> tuple[np.nda
 
 
 def inside_crop(points: np.ndarray, output_size: tuple[int, int]) -> np.ndarray:
-    """Boolean mask of points that fall on a crop pixel (centres in [−0.5, W−0.5) × [−0.5, H−0.5))."""
+    """Boolean mask of points in ``[0, W) × [0, H)`` — the range SimCC's bins cover (RTMPose's
+    rule for zeroing a keypoint's weight)."""
     height, width = output_size
     x, y = points[..., 0], points[..., 1]
-    return (x >= -0.5) & (x < width - 0.5) & (y >= -0.5) & (y < height - 0.5)
+    return (x >= 0) & (x < width) & (y >= 0) & (y < height)
 
 
 @dataclass(frozen=True)
