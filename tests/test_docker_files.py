@@ -1,0 +1,158 @@
+"""docker/: every file, command, flag and config the Dockerfiles and compose.yaml name exists.
+
+No Docker engine here: the files are parsed and every reference is checked against the repo, the
+installed Flower executables (their real ``--help``), ``fedpose certs`` output and the config
+models.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fedpose.config import load_config
+from fedpose.federation.config import SiteConfig
+from fedpose.federation.deployment import load_coordinator_run
+
+REPO = Path(__file__).resolve().parents[1]
+DOCKER = REPO / "docker"
+BIN = Path(sys.executable).parent
+APP_ROOT = "/app"  # WORKDIR of both images: /app/<path> is <repo>/<path>
+
+
+def dockerfile_instructions(path: Path) -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            op, _, rest = line.partition(" ")
+            out.append((op.upper(), rest.strip()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((DOCKER / "compose.yaml").read_text())
+
+
+@pytest.fixture(scope="module")
+def help_text() -> dict[str, str]:
+    texts = {}
+    for exe in ("flower-superlink", "flower-supernode"):
+        result = subprocess.run([str(BIN / exe), "--help"], capture_output=True, text=True, timeout=120,
+                                env={"FLWR_TELEMETRY_ENABLED": "0", "PATH": str(BIN)})
+        texts[exe] = result.stdout + result.stderr
+    return texts
+
+
+@pytest.mark.parametrize("name", ["Dockerfile.coordinator", "Dockerfile.site"])
+def test_dockerfile_copies_existing_paths_and_installs_the_project(name: str) -> None:
+    instructions = dockerfile_instructions(DOCKER / name)
+    assert instructions[0][0] == "FROM"
+    copies = [rest.split() for op, rest in instructions if op == "COPY"]
+    assert copies, "nothing copied into the image"
+    for parts in copies:
+        for source in parts[:-1]:
+            assert (REPO / source).exists(), f"{name}: COPY source {source} does not exist in the repo"
+    runs = " ".join(rest for op, rest in instructions if op == "RUN")
+    assert "pip install" in runs and " ." in runs, f"{name}: the project is not pip-installed"
+    # the Flower app packages must be inside the image: the SuperLink/SuperNode load them from the FAB,
+    # but the installed project provides fedpose itself
+    copied = {parts[0] for parts in copies}
+    assert {"pyproject.toml", "fedpose", "coordinator", "sites", "configs"} <= copied | {p for parts in copies for p in parts[:-1]}
+
+
+def _service_argv(service: dict) -> list[str]:
+    command = service["command"]
+    return shlex.split(command) if isinstance(command, str) else list(command)
+
+
+def _flags(argv: list[str]) -> list[str]:
+    return [a.split("=", 1)[0] for a in argv if a.startswith("--")]
+
+
+def test_compose_builds_from_existing_dockerfiles(compose: dict) -> None:
+    for name, service in compose["services"].items():
+        build = service["build"]
+        context = (DOCKER / build["context"]).resolve()
+        assert context == REPO, f"{name}: build context must be the repo root"
+        assert (context / build["dockerfile"]).exists(), f"{name}: {build['dockerfile']} missing"
+
+
+def test_compose_commands_and_flags_exist(compose: dict, help_text: dict[str, str]) -> None:
+    for name, service in compose["services"].items():
+        argv = _service_argv(service)
+        exe = argv[0]
+        if exe in help_text:
+            assert (BIN / exe).exists()
+            for flag in _flags(argv[1:]):
+                assert re.search(rf"(^|\s|\[){re.escape(flag)}(\s|=|\]|,|$)", help_text[exe], re.M), \
+                    f"{name}: {exe} has no flag {flag}"
+        else:
+            assert exe == "submit-run.sh", f"{name}: unexpected command {exe}"
+            assert (DOCKER / exe).exists() and (DOCKER / exe).stat().st_mode & 0o111, "submit-run.sh missing / not executable"
+
+
+def test_transport_is_grpc_with_tls_and_supernode_auth(compose: dict) -> None:
+    link = _service_argv(compose["services"]["superlink"])
+    assert "--fleet-api-type=grpc-rere" in link and "--enable-supernode-auth" in link
+    assert "--disable-runtime-dependency-installation" in link and "--insecure" not in link
+    sites = [s for s in compose["services"] if s.startswith("site-")]
+    assert len(sites) == 3
+    for name in sites:
+        argv = _service_argv(compose["services"][name])
+        assert "--grpc-rere" in argv and "--insecure" not in argv
+        assert any(a.startswith("--root-certificates=") for a in argv)
+        assert any(a.startswith("--auth-supernode-private-key=") for a in argv)
+
+
+def test_certificates_named_are_what_fedpose_certs_writes(compose: dict, tmp_path: Path) -> None:
+    from fedpose.cli.certs import write_dev_certificates
+
+    sites = sorted(s for s in compose["services"] if s.startswith("site-"))
+    write_dev_certificates(tmp_path, sites, extra_hosts=["superlink"])
+    named = []
+    for service in compose["services"].values():
+        for arg in _service_argv(service):
+            named += re.findall(r"/certs/([\w./-]+)", arg)
+        named += re.findall(r"/certs/([\w./-]+)", " ".join(str(v) for v in service.get("environment", {}).values()))
+    assert named
+    for rel in named:
+        assert (tmp_path / rel).exists(), f"compose names /certs/{rel}, fedpose certs does not write it"
+
+
+def test_site_and_coordinator_configs_are_valid_and_match_the_mounts(compose: dict) -> None:
+    for name, service in compose["services"].items():
+        for arg in _service_argv(service):
+            match = re.match(r'--node-config=site-config="(.+)"', arg)
+            if not match:
+                continue
+            path = REPO / Path(match.group(1)).relative_to(APP_ROOT)
+            site = load_config(path, model=SiteConfig)
+            assert site.site_id == name, f"{name} runs the config of {site.site_id}"
+            mounts = [v.split(":")[1] for v in service["volumes"]]
+            assert str(site.data.train) in mounts, f"{name}: data.train {site.data.train} is not mounted"
+            assert any(str(site.state_dir).startswith(m) for m in mounts), f"{name}: state_dir not on a volume"
+    env = compose["services"]["coordinator"]["environment"]
+    run = load_coordinator_run(REPO / Path(env["COORDINATOR_CONFIG"]).relative_to(APP_ROOT))
+    link_mounts = [v.split(":")[1] for v in compose["services"]["superlink"]["volumes"]]
+    assert any(str(run.coordinator.checkpoint_dir).startswith(m) for m in link_mounts)
+    assert any(str(run.coordinator.data.val).startswith(m) for m in link_mounts)
+
+
+def test_submit_script_uses_existing_flwr_commands() -> None:
+    script = (DOCKER / "submit-run.sh").read_text()
+    for sub in (["supernode", "register"], ["supernode", "list"], ["run"]):
+        assert "flwr " + " ".join(sub) in script
+        result = subprocess.run([str(BIN / "flwr"), *sub, "--help"], capture_output=True, text=True, timeout=120,
+                                env={"FLWR_TELEMETRY_ENABLED": "0", "PATH": str(BIN)})
+        assert result.returncode == 0, f"flwr {' '.join(sub)} does not exist"
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert 'serverapp = "coordinator.server_app:app"' in pyproject and 'clientapp = "sites.client_app:app"' in pyproject
