@@ -58,6 +58,8 @@ class BasisTransportConfig(Strict):
         "matrix) and let the site rebuild V from its copy of the public set",
     )
     dtype: BasisDtype = Field("float32", description="wire dtype of V in full mode")
+    k: int = Field(50, ge=1, description="projection dimension (top-k eigenvectors of the public second moment)")
+    public_samples: int = Field(100, ge=1, description="m, public samples per basis computation")
 
 
 class SiteConfig(Strict):
