@@ -6,8 +6,8 @@ One sample is one person: the image is cropped around the record's ``center``/``
 same matrix; a joint gets ``weight`` 1 only if it is annotated *and* lands inside the crop, so
 targets the network cannot see count in neither loss nor metric.
 
-Keys of a sample (the CONTRACTS.md data contract, extended): ``image`` (3, H, W) float32; ``joints`` (16, 2) crop
-frame; ``weight`` (16,); ``index``; ``center`` (2,) and ``scale`` — the *effective* crop
+Keys of a sample (the CONTRACTS.md data contract, extended): ``image`` (3, H, W) float32;
+``joints`` (16, 2) crop frame; ``weight`` (16,); ``index``; ``center`` (2,) and ``scale`` — the *effective* crop
 parameters (after padding and jitter), so ``crop_to_original(pred, center, scale, input_size,
 rotation)`` maps crop predictions back to the original image; ``rotation`` (degrees, 0 at
 eval) and ``flipped``; ``headbox`` (2, 2) original frame (zeros if absent); ``face_box`` (4,)
@@ -210,7 +210,7 @@ class PoseDataset(Dataset):
             "image": normalize(np.asarray(crop)),
             "joints": torch.from_numpy(joints.astype(np.float32)),
             "weight": torch.from_numpy(weight.astype(np.float32)),
-            "index": index,
+            "index": int(index),
             "center": torch.from_numpy(center.copy()),
             "scale": scale * aug.scale_factor,
             "rotation": aug.rotation,
