@@ -80,6 +80,7 @@ class Coordinator:
         self.ledger = BudgetLedger(self.cfg.ledger_path)
         self.metrics = _coordinator_metrics(self.cfg.metrics_port)
         self._eval_dataset: Any = None
+        self.basis_message: Any = None  #: current BasisMessage (in memory only: recomputed after a restart)
         if resume and (self.dir / GLOBAL_CHECKPOINT).exists():
             arrays, meta = load_array_checkpoint(self.dir / GLOBAL_CHECKPOINT)
             if meta.get("run_id") != run.run_id:
@@ -181,17 +182,20 @@ class Coordinator:
             self.ledger.close()
             self.metrics.close()
 
-    def _basis_for_round(self, round_id: int) -> tuple[int, dict[str, np.ndarray] | None]:
-        """(version, payload) of the projection basis for pdp / fpdp; (-1, None) when none is used."""
+    def _basis_for_round(self, round_id: int, selected: list[int]) -> tuple[int, Any]:
+        """(version, BasisMessage) of the projection basis for pdp / fpdp; (-1, None) when none is used."""
         from coordinator.basis import basis_for_round
 
-        return basis_for_round(self, round_id)
+        return basis_for_round(self, round_id, [self.state.node_sites.get(str(n)) for n in selected])
 
     def run_round(self, grid: Grid, round_id: int, selected: list[int]) -> None:
         started = time.perf_counter()
-        basis_version, basis_payload = self._basis_for_round(round_id)
+        basis_version, basis_message = self._basis_for_round(round_id, selected)
         global_record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in self.global_state.items()})
-        basis_record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in basis_payload.items()}) if basis_payload else None
+        basis_record = basis_config = None
+        if basis_message is not None:
+            basis_record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in basis_message.arrays.items()})
+            basis_config = ConfigRecord(dict(basis_message.config))
         config = ConfigRecord(protocol.train_config(self.run.run_id, round_id, self.cfg.local_steps, self.state.model_spec, basis_version))
         messages, bytes_down, basis_bytes = [], {}, 0
         for node in selected:
@@ -200,6 +204,7 @@ class Coordinator:
             down = global_record.count_bytes()
             if basis_record is not None and (site_id is None or self.state.site_basis.get(site_id) != basis_version):
                 content[protocol.BASIS_RECORD] = basis_record
+                content[protocol.BASIS_CONFIG_RECORD] = basis_config
                 down += basis_record.count_bytes()
                 basis_bytes += basis_record.count_bytes()
             bytes_down[node] = down
@@ -237,6 +242,7 @@ class Coordinator:
                 continue
             update_record = reply.content.get(protocol.UPDATE_RECORD)
             info["bytes_up"] = update_record.count_bytes() if update_record is not None else 0
+            report["steps"] = int(metrics.get("local-steps", self.cfg.local_steps))
             updates.append((site_id, update_record, float(metrics.get("num-examples", 0)), report))
 
         for node in selected:
@@ -259,13 +265,13 @@ class Coordinator:
         for check in result.accepted + result.rejected:
             sites[check.site_id]["update_norm"] = check.norm
         for check in result.accepted:
-            entries.append(LedgerEntry.from_site_report(round_id, reports[check.site_id], status="ok", steps=self.cfg.local_steps))
+            entries.append(LedgerEntry.from_site_report(round_id, reports[check.site_id], status="ok", steps=reports[check.site_id]["steps"]))
         for check in result.rejected:
             log.warning("round %d: %s", round_id, check)
             self.echo(f"round {round_id}: rejected update from site '{check.site_id}': {check.reason}: {check.detail}")
             sites[check.site_id].update(status="rejected", reason=f"{check.reason}: {check.detail}", reject_reason=check.reason)
             entries.append(LedgerEntry.from_site_report(round_id, reports[check.site_id], status="rejected",
-                                                        steps=self.cfg.local_steps, reason=f"{check.reason}: {check.detail}"))
+                                                        steps=reports[check.site_id]["steps"], reason=f"{check.reason}: {check.detail}"))
         if result.weights is not None and len(result.accepted) >= self.cfg.min_sites:
             self.global_state.update(result.weights)
             aggregated = True

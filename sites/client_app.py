@@ -24,7 +24,7 @@ from flwr.clientapp import ClientApp
 from fedpose.config import ConfigError, load_config
 from fedpose.federation import protocol
 from fedpose.federation.config import FederationConfig, SiteConfig
-from fedpose.federation.local_training import cached_basis_version, load_basis, store_basis, train_site_round
+from fedpose.federation.local_training import cached_basis_version, train_site_round
 from sites.egress import egress_guard
 
 log = logging.getLogger("fedpose.site")
@@ -56,16 +56,12 @@ def handle_train(msg: Message, context: Context, site: SiteConfig) -> Message:
     run_id, round_id, local_steps, model_spec, basis_version = protocol.parse_train_config(
         dict(msg.content[protocol.CONFIG_RECORD])
     )
-    basis = None
-    if basis_version >= 0:
-        if protocol.BASIS_RECORD in msg.content:
-            store_basis(site, basis_version, _arrays(msg.content[protocol.BASIS_RECORD]))
-        basis = load_basis(site, basis_version)
-        if basis is None:
-            raise RuntimeError(f"site '{site.site_id}': basis version {basis_version} neither sent nor cached")
+    basis_message = None
+    if protocol.BASIS_RECORD in msg.content:
+        basis_message = (_arrays(msg.content[protocol.BASIS_RECORD]), dict(msg.content[protocol.BASIS_CONFIG_RECORD]))
     result = train_site_round(
         site, run_id, round_id, _arrays(msg.content[protocol.GLOBAL_RECORD]), model_spec, local_steps,
-        basis=basis, basis_version=basis_version, threads=site.train.threads,
+        basis_version=basis_version, basis_message=basis_message, threads=site.train.threads,
     )
     metrics, strings = protocol.reply_fields(result)
     metrics["basis-version"] = cached_basis_version(site)  # what the site holds now (the coordinator ships only news)

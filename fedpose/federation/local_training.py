@@ -76,35 +76,32 @@ def privacy_report(site: SiteConfig, budget: SiteBudget | None) -> dict[str, Any
     return budget.report()
 
 
-# -- basis cache (a new ClientApp process per message: keep it on disk) ------------------------------
-def basis_cache_path(site: SiteConfig, version: int) -> Path:
-    return Path(site.state_dir) / "basis" / f"v{int(version)}.npz"
+# -- basis (cached on disk: a new ClientApp process per message) ----------------------------------------
+def basis_cache_dir(site: SiteConfig) -> Path:
+    return Path(site.state_dir) / "basis"
 
 
 def cached_basis_version(site: SiteConfig) -> int:
-    """Highest basis version cached at the site (-1 = none)."""
-    directory = Path(site.state_dir) / "basis"
-    versions = [int(p.stem[1:]) for p in directory.glob("v*.npz") if p.stem[1:].isdigit()] if directory.exists() else []
-    return max(versions, default=-1)
+    """The basis version cached at the site (-1 = none)."""
+    from fedpose.federation.basis_transport import BasisCache
+
+    version = BasisCache(basis_cache_dir(site)).version()
+    return -1 if version is None else version
 
 
-def store_basis(site: SiteConfig, version: int, arrays: dict[str, np.ndarray]) -> None:
-    """Cache a received basis payload; older versions are removed (only the newest is ever used)."""
-    from fedpose.io import atomic_write
+def _site_basis(site: SiteConfig, model: Any, version: int, message: tuple[dict, dict] | None) -> np.ndarray | None:
+    """V for this round: decode/rebuild the coordinator's message, or load the cached copy."""
+    from fedpose.federation.basis_transport import BasisCache, BasisTransportError
+    from fedpose.federation.public_basis import receive_basis
 
-    path = basis_cache_path(site, version)
-    atomic_write(path, lambda fh: np.savez(fh, **arrays))
-    for old in path.parent.glob("v*.npz"):
-        if old != path:
-            old.unlink(missing_ok=True)
-
-
-def load_basis(site: SiteConfig, version: int) -> dict[str, np.ndarray] | None:
-    path = basis_cache_path(site, version)
-    if not path.exists():
+    if version < 0:
         return None
-    with np.load(path) as data:
-        return {k: data[k] for k in data.files}
+    if message is not None:
+        return receive_basis(message[0], message[1], model, site.public_data, basis_cache_dir(site))
+    cached = BasisCache(basis_cache_dir(site)).load()
+    if cached is None or cached[0] != version:
+        raise BasisTransportError(f"site '{site.site_id}': basis v{version} was neither sent nor cached")
+    return np.asarray(cached[1], dtype=np.float32)
 
 
 # -- the round ---------------------------------------------------------------------------------------
@@ -124,7 +121,7 @@ def load_site_dataset(site: SiteConfig, input_size: tuple[int, int]) -> Any:
     )
 
 
-def _engine_basis(engine: Any, basis: dict[str, np.ndarray] | None, version: int) -> None:
+def _engine_basis(engine: Any, basis: np.ndarray | None, version: int) -> None:
     """Hand the coordinator's basis to a projecting engine (pdp / fpdp)."""
     if basis is None:
         return
@@ -140,8 +137,8 @@ def train_site_round(
     global_state: dict[str, np.ndarray],
     model_spec: dict[str, Any],
     local_steps: int,
-    basis: dict[str, np.ndarray] | None = None,
     basis_version: int = -1,
+    basis_message: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None,
     threads: int | None = None,
 ) -> SiteRoundResult:
     """Guard the budget, run ``local_steps`` private steps from the global weights, return Δ.
@@ -156,6 +153,8 @@ def train_site_round(
     from fedpose.train.loop import train_steps
 
     started = time.perf_counter()
+    # The site caps the work it accepts per round at its own configured local_steps.
+    local_steps = min(int(local_steps), site.local_steps)
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(site.train.seed * 100_003 + int(round_id))
@@ -171,6 +170,7 @@ def train_site_round(
     trainable = model.trainable_parameters()
     start_weights = {name: p.detach().clone() for name, p in trainable.items()}
 
+    basis = _site_basis(site, model, basis_version, basis_message)
     dataset = load_site_dataset(site, tuple(model_spec["input_size"]))
     engine = build_engine(
         site.privacy, model, dataset_size=len(dataset), batch_size=site.train.batch_size,

@@ -2,7 +2,8 @@
 
 Coordinator → site, message type ``train``:
   ``global``  ArrayRecord: every tensor of the global model's state dict (name → array)
-  ``basis``   ArrayRecord, only when the site lacks the current basis version (pdp / fpdp)
+  ``basis``   ArrayRecord + ``basis-config`` ConfigRecord, only when the site lacks the current
+              basis version (pdp / fpdp): V itself, or a compact recipe the site rebuilds
   ``config``  ConfigRecord: run-id, round, local-steps, model-spec (JSON), basis-version
 
 Site → coordinator (the reply; nothing else ever leaves a site):
@@ -24,6 +25,7 @@ MESSAGE_TYPE_TRAIN = "train"
 
 GLOBAL_RECORD = "global"
 BASIS_RECORD = "basis"
+BASIS_CONFIG_RECORD = "basis-config"
 CONFIG_RECORD = "config"
 UPDATE_RECORD = "update"
 METRICS_RECORD = "metrics"

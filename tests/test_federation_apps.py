@@ -1,0 +1,133 @@
+"""Fast tests of the Flower wiring: certificates, the egress guard, the round protocol, reports."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from fedpose.federation import protocol
+from fedpose.federation.local_training import SiteRoundResult
+from sites.egress import egress_guard, violations
+
+
+@pytest.fixture()
+def task_identity():
+    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
+    yield
+    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
+
+
+def _train_message() -> Message:
+    content = RecordDict({
+        protocol.GLOBAL_RECORD: ArrayRecord({"head.w": Array(np.zeros((4, 3), np.float32)), "head.b": Array(np.zeros(3, np.float32))}),
+        protocol.CONFIG_RECORD: ConfigRecord(protocol.train_config("run", 1, 2, {"backbone": "x"}, -1)),
+    })
+    msg = Message(content, dst_node_id=1, message_type=protocol.MESSAGE_TYPE_TRAIN)
+    msg.metadata.__dict__["_message_id"] = "m1"  # a pushed message has an id; replies refer to it
+    return msg
+
+
+def _reply(msg: Message, records: dict) -> Message:
+    return Message(RecordDict(records), reply_to=msg)
+
+
+def _ok_records() -> dict:
+    return {
+        protocol.UPDATE_RECORD: ArrayRecord({"head.w": Array(np.ones((4, 3), np.float32))}),
+        protocol.METRICS_RECORD: MetricRecord({"num-examples": 10, "epsilon": 0.5, "rdp": [0.1, 0.2]}),
+        protocol.SITE_RECORD: ConfigRecord({"site-id": "site-1", "status": "ok", "guarantee": "DP", "accountant": "rdp", "reason": ""}),
+    }
+
+
+def test_egress_guard_lets_the_protocol_through(task_identity) -> None:
+    msg = _train_message()
+    assert violations(msg, _reply(msg, _ok_records())) == []
+
+
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        (lambda r: r.update(images=ArrayRecord({"x": Array(np.zeros((2, 3, 8, 8), np.float32))})), "record 'images'"),
+        (lambda r: r[protocol.UPDATE_RECORD].__setitem__("per_sample_grad", Array(np.zeros((16, 4, 3), np.float32))), "per_sample_grad"),
+        (lambda r: r[protocol.UPDATE_RECORD].__setitem__("head.w", Array(np.zeros((16, 4, 3), np.float32))), "shape"),
+        (lambda r: r[protocol.UPDATE_RECORD].__setitem__("head.b", Array(np.zeros(3, np.float64))), "head.b"),
+        (lambda r: r[protocol.METRICS_RECORD].__setitem__("raw_loss_per_sample", [1.0, 2.0]), "raw_loss_per_sample"),
+        (lambda r: r[protocol.SITE_RECORD].__setitem__("patient", "John Doe"), "'patient'"),
+    ],
+)
+def test_egress_guard_blocks_anything_else(task_identity, mutate, expected: str) -> None:
+    msg = _train_message()
+    records = _ok_records()
+    mutate(records)
+    problems = violations(msg, _reply(msg, records))
+    assert problems and any(expected in p for p in problems), problems
+
+    # as a mod: the reply is replaced by an error, nothing of the content leaves
+    out = egress_guard(msg, Context(1, 1, {}, RecordDict(), {}), lambda m, c: _reply(m, records))
+    assert out.has_error() and not out.has_content()
+    assert expected.strip("'") in out.error.reason
+
+
+def test_reply_fields_are_numbers_and_short_strings() -> None:
+    result = SiteRoundResult(
+        "site-1", "ok", {"w": np.zeros(2, np.float32)}, 12,
+        {"site_id": "site-1", "guarantee": "FDP", "accountant": "rdp", "epsilon": 1.5, "delta": 1e-5, "eps_max": 8.0,
+         "steps": 4, "rounds_spent": 1, "orders": [2.0, 4.0], "rdp": [0.1, 0.3], "next_round_affordable": False},
+        train_metrics={"train_loss": 2.5, "local_steps": 4.0}, basis_version=3, compute_seconds=1.2,
+    )
+    metrics, strings = protocol.reply_fields(result)
+    assert set(metrics) <= protocol.SITE_METRIC_KEYS and set(strings) <= protocol.SITE_STRING_KEYS
+    assert metrics["next-round-affordable"] == 0 and metrics["train-loss"] == 2.5
+    MetricRecord(metrics)  # Flower accepts them (no bool / str)
+    ConfigRecord(strings)
+    report = protocol.site_report_from_reply(metrics, strings)
+    assert report == {"site_id": "site-1", "epsilon": 1.5, "delta": 1e-5, "guarantee": "FDP", "accountant": "rdp",
+                      "rdp": [0.1, 0.3], "orders": [2.0, 4.0]}
+
+
+def test_dev_certificates_chain_san_and_supernode_keys(tmp_path) -> None:
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key, load_ssh_public_key
+
+    from fedpose.cli.certs import write_dev_certificates
+
+    write_dev_certificates(tmp_path, ["site-1", "site-2"], extra_hosts=["coordinator.example"])
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
+    server = x509.load_pem_x509_certificate((tmp_path / "server.crt").read_bytes())
+    server.verify_directly_issued_by(ca)
+    san = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert ipaddress.ip_address("127.0.0.1") in san.get_values_for_type(x509.IPAddress)
+    assert {"localhost", "coordinator.example"} <= set(san.get_values_for_type(x509.DNSName))
+    assert (tmp_path / "server.key").stat().st_mode & 0o077 == 0  # private keys are owner-only
+    for site in ("site-1", "site-2"):
+        private = load_ssh_private_key((tmp_path / "sites" / site).read_bytes(), password=None)
+        public = load_ssh_public_key((tmp_path / "sites" / f"{site}.pub").read_bytes())
+        assert isinstance(private, ec.EllipticCurvePrivateKey) and isinstance(public, ec.EllipticCurvePublicKey)
+        assert private.public_key().public_numbers() == public.public_numbers()
+
+
+def test_report_writes_json_and_png(tmp_path) -> None:
+    from fedpose.federation.report import round_line, write_report
+
+    rounds = [
+        {"round": r, "pckh": {"Mean": 10.0 * r, "Mean@0.1": 2.0 * r}, "wall_seconds": 3.0,
+         "sites": {"site-1": {"status": "ok", "epsilon": 0.5 * r, "delta": 1e-5, "guarantee": "FDP", "accountant": "rdp"},
+                   "site-2": {"status": "missing", "epsilon": None}}}
+        for r in (1, 2)
+    ]
+    line = round_line(rounds[1])
+    assert "PCKh@0.5 = 20.00" in line and "site-1: ok, ε = 1 (FDP, δ = 1e-05, RDP)" in line and "site-2: missing" in line
+    path = write_report(tmp_path, {"run_id": "r"}, rounds, {"sites": []})
+    report = json.loads(path.read_text())
+    assert report["rounds_completed"] == 2 and report["final_pckh"]["Mean"] == 20.0
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not math.isnan(report["rounds"][0]["sites"]["site-1"]["epsilon"])
