@@ -236,6 +236,12 @@ class Coordinator:
                     "num_examples": int(metrics.get("num-examples", 0)), "compute_seconds": float(metrics.get("compute-seconds", 0.0)),
                     "train_loss": metrics.get("train-loss"), "bytes_down": bytes_down.get(node, 0), "bytes_up": 0}
             sites[site_id] = info
+            if strings["status"] == "replayed":
+                # the site spent this round before (e.g. before a coordinator restart) and has nothing to re-send
+                log.warning("round %d: %s", round_id, strings.get("reason", ""))
+                info["status"] = "missing"
+                entries.append(LedgerEntry.from_site_report(round_id, report, status="missing", reason=strings.get("reason", "")))
+                continue
             if strings["status"] == "refused":
                 log.warning("round %d: %s", round_id, strings.get("reason", ""))
                 entries.append(LedgerEntry.from_site_report(round_id, report, status="refused", reason=strings.get("reason", "")))

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import Mod
 
 from fedpose.config import ConfigError, load_config
 from fedpose.federation import protocol
@@ -72,9 +73,11 @@ def handle_train(msg: Message, context: Context, site: SiteConfig) -> Message:
     return Message(content, reply_to=msg)
 
 
-def build_client_app(federation_config: str | Path | None = None) -> ClientApp:
-    """A ClientApp whose sites come from node config (or ``federation_config`` in simulation)."""
-    client_app = ClientApp(mods=[egress_guard])
+def build_client_app(federation_config: str | Path | None = None, outer_mods: Sequence[Mod] = ()) -> ClientApp:
+    """A ClientApp whose sites come from node config (or ``federation_config`` in simulation).
+
+    ``outer_mods`` run outside the egress guard (tests use them to tamper with what leaves)."""
+    client_app = ClientApp(mods=[*outer_mods, egress_guard])
 
     @client_app.train()
     def train(msg: Message, context: Context) -> Message:

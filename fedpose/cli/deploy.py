@@ -156,22 +156,52 @@ class ProcessGroup:
         (self.run_dir / "pids.json").write_text(json.dumps({n: p.pid for n, p in self.procs.items()}, indent=1))
 
     def stop_all(self) -> None:
-        """SIGTERM each process group we started (reverse start order), then SIGKILL stragglers."""
+        """SIGTERM each process group we started (reverse start order) and every descendant PID
+        (Flower's SuperExec detaches into its own session), then SIGKILL stragglers."""
+        descendants = [pid for proc in self.procs.values() for pid in _descendants(proc.pid)]
         for name, proc in reversed(list(self.procs.items())):
             if proc.poll() is None:
                 _signal_group(proc.pid, signal.SIGTERM)
+        for pid in descendants:
+            _signal_pid(pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
         for proc in self.procs.values():
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
+        for pid in descendants:
+            _signal_pid(pid, signal.SIGKILL)
         for proc in self.procs.values():
             _signal_group(proc.pid, signal.SIGKILL)  # the group may hold children that outlived the leader
             try:
                 proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def _descendants(pid: int) -> list[int]:
+    """PIDs of all live descendants of ``pid`` (from /proc; empty where /proc is absent)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def _signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _signal_group(pid: int, sig: int) -> None:

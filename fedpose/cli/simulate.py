@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,26 @@ def ensure_synthetic(synthetic: dict[str, Any], n_sites: int) -> None:
     )
 
 
+def run_federation_simulation(federation: Any, resolved: Path, resume: bool = False, client_mods: tuple = ()) -> None:
+    """Run coordinator + one ClientApp per site under Flower's simulation runtime (Ray)."""
+    from flwr.simulation import run_simulation
+
+    from coordinator.server_app import build_server_app
+    from sites.client_app import build_client_app
+
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    cpus = os.cpu_count() or 1
+    run_simulation(
+        server_app=build_server_app(resolved, resume=resume),
+        client_app=build_client_app(resolved, outer_mods=client_mods),
+        num_supernodes=len(federation.sites),
+        backend_config={
+            "client_resources": {"num_cpus": federation.simulation.cpus_per_site, "num_gpus": 0.0},
+            "init_args": {"num_cpus": cpus, "num_gpus": 0, "logging_level": "ERROR", "log_to_driver": True},
+        },
+    )
+
+
 def _handle(args: argparse.Namespace) -> int:
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     federation, synthetic, resolved = resolve_federation(args.config, args.overrides)
@@ -78,25 +99,15 @@ def _handle(args: argparse.Namespace) -> int:
         if site.data.train is not None and not Path(site.data.train).exists():
             raise UserError(f"site '{site.site_id}': data.train {site.data.train} does not exist")
 
-    from flwr.simulation import run_simulation
-
-    from coordinator.server_app import build_server_app
-    from sites.client_app import build_client_app
-
-    cpus = os.cpu_count() or 1
+    checkpoint_dir = Path(federation.coordinator.checkpoint_dir)
+    if (checkpoint_dir / "global.npz").exists() and not args.resume:
+        raise UserError(f"{checkpoint_dir} holds a previous run of '{federation.run_id}': add --resume, or delete it to start over")
+    started = time.time()
     print(f"simulating run '{federation.run_id}': {len(federation.sites)} sites, {federation.coordinator.rounds} rounds, "
           f"{federation.simulation.cpus_per_site:g} CPU per site; state in {federation.coordinator.checkpoint_dir}", flush=True)
-    run_simulation(
-        server_app=build_server_app(resolved, resume=args.resume),
-        client_app=build_client_app(resolved),
-        num_supernodes=len(federation.sites),
-        backend_config={
-            "client_resources": {"num_cpus": federation.simulation.cpus_per_site, "num_gpus": 0.0},
-            "init_args": {"num_cpus": cpus, "num_gpus": 0, "logging_level": "ERROR", "log_to_driver": True},
-        },
-    )
-    report = Path(federation.coordinator.checkpoint_dir) / "report.json"
-    if not report.exists():
+    run_federation_simulation(federation, resolved, resume=args.resume)
+    report = checkpoint_dir / "report.json"
+    if not report.exists() or report.stat().st_mtime < started:
         print("fedpose: error: the federation did not finish (no report written); see the log above")
         return 1
     return 0

@@ -27,7 +27,7 @@ from fedpose.federation.site_budget import BudgetExhausted, SiteBudget
 
 log = logging.getLogger(__name__)
 
-RoundStatus = Literal["ok", "refused"]
+RoundStatus = Literal["ok", "refused", "replayed"]
 
 
 @dataclass
@@ -189,17 +189,25 @@ def train_site_round(
                 reason=refusal.reason, basis_version=basis_version, compute_seconds=time.perf_counter() - started,
             )
         if auth.replayed:
-            # A duplicated message for a round already spent: a fresh noisy update would be a second
-            # release of the same round. Send nothing.
-            reason = f"site '{site.site_id}' already trained round {round_id} of run '{run_id}' (replayed message); no second release"
-            return SiteRoundResult(
-                site.site_id, "refused", {}, 0, _with_outlook(privacy_report(site, budget), budget, sigma, rate, local_steps),
-                reason=reason, basis_version=basis_version, compute_seconds=time.perf_counter() - started,
-            )
+            # The round was already spent (a duplicated message, or a coordinator that resumed after
+            # the site had trained). A fresh noisy update would be a second release of the round:
+            # re-send the update released then (no new privacy cost), or nothing if there is none.
+            report = _with_outlook(privacy_report(site, budget), budget, sigma, rate, local_steps)
+            released = _load_released(site, run_id, round_id)
+            if released is not None:
+                update, num_examples = released
+                return SiteRoundResult(site.site_id, "ok", update, num_examples, report, reason="re-sent the update released for this round",
+                                       train_metrics={"local_steps": float(local_steps)}, basis_version=basis_version,
+                                       compute_seconds=time.perf_counter() - started)
+            reason = f"site '{site.site_id}' already spent round {round_id} of run '{run_id}' but has no released update; no second release"
+            return SiteRoundResult(site.site_id, "replayed", {}, 0, report, reason=reason, basis_version=basis_version,
+                                   compute_seconds=time.perf_counter() - started)
 
     optimizer = _build_optimizer(site, list(trainable.values()))
     history = train_steps(model, engine, dataset, optimizer, local_steps, progress=False)
     update = {name: (p.detach() - start_weights[name]).cpu().numpy() for name, p in model.trainable_parameters().items()}
+    if budget is not None:
+        _save_released(site, run_id, round_id, update, len(dataset))
     losses = [float(h["loss"]) for h in history if "loss" in h and math.isfinite(float(h["loss"]))]
     report = privacy_report(site, budget)
     if budget is not None:
@@ -211,6 +219,28 @@ def train_site_round(
         train_metrics={"train_loss": float(np.mean(losses)) if losses else float("nan"), "local_steps": float(local_steps)},
         basis_version=basis_version, compute_seconds=time.perf_counter() - started,
     )
+
+
+def _released_path(site: SiteConfig) -> Path:
+    return Path(site.state_dir) / "released_update.npz"
+
+
+def _save_released(site: SiteConfig, run_id: str, round_id: int, update: dict[str, np.ndarray], num_examples: int) -> None:
+    """Keep the last released update (already privatized), so a replayed round re-sends it."""
+    from fedpose.federation.aggregation import save_array_checkpoint
+
+    save_array_checkpoint(_released_path(site), update, {"run_id": run_id, "round": int(round_id), "num_examples": int(num_examples)})
+
+
+def _load_released(site: SiteConfig, run_id: str, round_id: int) -> tuple[dict[str, np.ndarray], int] | None:
+    from fedpose.federation.aggregation import load_array_checkpoint
+
+    if not _released_path(site).exists():
+        return None
+    arrays, meta = load_array_checkpoint(_released_path(site))
+    if meta.get("run_id") != run_id or meta.get("round") != int(round_id):
+        return None
+    return arrays, int(meta["num_examples"])
 
 
 def _with_outlook(report: dict[str, Any], budget: SiteBudget, sigma: float, rate: float, steps: int) -> dict[str, Any]:

@@ -1,0 +1,138 @@
+"""Shared helpers of the federation integration tests (tiny federations, real processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+REPO = Path(__file__).resolve().parents[1]
+FEDPOSE = [sys.executable, "-m", "fedpose.cli"]
+INPUT_SIZE = [64, 64]
+BATCH_SIZE = 8
+PER_SITE = 24
+NOISE = 1.0
+LOCAL_STEPS = 2
+DELTA = 1e-5
+
+
+def tiny_federation(tmp: Path, data_dir: Path, *, sites: int = 2, rounds: int = 2, timeout: float = 120.0,
+                    eps_max: list[float] | None = None, run_id: str = "itest") -> Path:
+    """A federation TOML: tiny TinyViT, 64×64 images, DP-SGD, 2 local steps."""
+    def site(k: int) -> dict[str, Any]:
+        return {
+            "site_id": f"site-{k}", "data": {"train": str(data_dir / f"site-{k}"), "input_size": INPUT_SIZE},
+            "state_dir": str(tmp / "sites" / f"site-{k}"), "eps_max": (eps_max or [50.0] * sites)[k - 1],
+            "local_steps": LOCAL_STEPS,
+            "model": {"backbone": "tiny_vit_test", "scenario": "scratch"},
+            "train": {"batch_size": BATCH_SIZE, "threads": 1, "seed": k},
+            "privacy": {"mechanism": "dpsgd", "noise_multiplier": NOISE, "max_grad_norm": 1.0, "delta": DELTA},
+        }
+
+    raw = {
+        "run_id": run_id,
+        "synthetic": {"dir": str(data_dir), "per_site": PER_SITE, "public": 8, "test": 16, "size": INPUT_SIZE, "seed": 0},
+        "coordinator": {
+            "rounds": rounds, "min_sites": 1, "round_timeout_s": timeout, "local_steps": LOCAL_STEPS,
+            "checkpoint_dir": str(tmp / "coordinator"),
+            "data": {"val": str(data_dir / "test"), "input_size": INPUT_SIZE},
+            "model": {"backbone": "tiny_vit_test", "scenario": "scratch"},
+            "update_norm_bound": 1e6,
+        },
+        "sites": [site(k) for k in range(1, sites + 1)],
+    }
+    path = tmp / "federation.toml"
+    path.write_text(tomli_w.dumps(raw))
+    return path
+
+
+def epsilon_after_rounds(rounds: int) -> float:
+    from fedpose.privacy.accountant import RDPAccountant
+
+    acc = RDPAccountant()
+    acc.step(NOISE, BATCH_SIZE / PER_SITE, LOCAL_STEPS * rounds)
+    return acc.get_epsilon(DELTA)[0]
+
+
+def free_base_port() -> int:
+    """A base port with base..base+30 free on 127.0.0.1."""
+    for _ in range(200):
+        base = random.randrange(20000, 60000, 50)
+        if all(_free(base + i) for i in range(31)):
+            return base
+    raise RuntimeError("no free port range")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def flower_env(**extra: str) -> dict[str, str]:
+    return dict(os.environ, FLWR_TELEMETRY_ENABLED="0", **extra)
+
+
+def start_deploy(config: Path, run_dir: Path, base_port: int, sites: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    log = (run_dir.parent / f"deploy-{run_dir.name}-{int(time.time() * 1000)}.log").open("w")
+    return subprocess.Popen(
+        [*FEDPOSE, "deploy", "local", "--sites", str(sites), "--config", str(config), "--run-dir", str(run_dir),
+         "--base-port", str(base_port), "--timeout", "400", *extra],
+        cwd=REPO, env=env or flower_env(), stdout=log, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def deploy_output(proc: subprocess.Popen) -> str:
+    return Path(proc.stdout.name).read_text() if proc.stdout else ""  # type: ignore[union-attr]
+
+
+def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, poll: float = 1.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.returncode}) while waiting for {what}")
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def history(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "coordinator" / "history.json"
+    try:
+        return json.loads(path.read_text())["rounds"]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def site_budget(run_dir: Path, site_id: str) -> dict[str, Any]:
+    return json.loads((run_dir / "sites" / site_id / "budget.json").read_text())["payload"]
+
+
+def ledger_rows(run_dir: Path) -> list[Any]:
+    from fedpose.federation.ledger import BudgetLedger
+
+    with BudgetLedger(run_dir / "coordinator" / "ledger.sqlite", read_only=True) as ledger:
+        return ledger.entries()
+
+
+def no_leftover_processes(run_dir: Path) -> list[str]:
+    """Command lines of live processes that mention ``run_dir`` (what deploy local started)."""
+    leftovers = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if str(run_dir) in text and state != "Z":
+            leftovers.append(text)
+    return leftovers
