@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
@@ -256,6 +257,8 @@ def pack_bit_flags(flags: np.ndarray) -> np.ndarray:
     Same result as ``np.packbits(flags, axis=-1, bitorder="little")`` but ~10× faster: the 8 flag
     bytes are read as one little-endian uint64 and a multiply gathers byte j's low bit into bit
     56 + j (no carries: all partial products land on distinct bits)."""
+    if sys.byteorder != "little":  # the multiply trick reads the 8 flags as a little-endian word
+        return np.packbits(flags, axis=-1, bitorder="little").reshape(-1)
     words = np.ascontiguousarray(flags).view(np.uint64).reshape(-1)
     return ((words * np.uint64(0x0102040810204080)) >> np.uint64(56)).astype(np.uint8)
 
