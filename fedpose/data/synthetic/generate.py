@@ -12,6 +12,7 @@ splits, previews and demos. A directory without a manifest is an incomplete run:
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import json
 import multiprocessing as mp
@@ -286,10 +287,19 @@ def ensure_dataset(
     """Return the manifest of ``out_dir`` if it already holds exactly this dataset; else (re)generate.
 
     A directory holding a *different* synthetic dataset is regenerated; one holding unrelated
-    files is an error (nothing is deleted).
+    files is an error (nothing is deleted). Concurrent callers (e.g. several simulated sites
+    starting at once) are serialized by a lock file beside ``out_dir``.
     """
     params = dataset_params(sites, per_site, public, test, size, seed)
     out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.synth-lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        return _ensure_locked(out, params, sites, per_site, public, test, size, seed, workers, progress)
+
+
+def _ensure_locked(out: Path, params: dict[str, Any], sites: int, per_site: int, public: int, test: int,
+                   size: tuple[int, int], seed: int, workers: int | None, progress: bool) -> dict[str, Any]:
     status = _status(out, params)
     kwargs = dict(sites=sites, per_site=per_site, public=public, test=test, size=size, seed=seed, workers=workers, progress=progress)
     if status == "complete":
