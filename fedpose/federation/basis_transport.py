@@ -68,15 +68,17 @@ def _as_numpy(matrix: Any) -> np.ndarray:
 
 def basis_mixing(public_gradients: Any, k: int, rel_tolerance: float = 1e-10) -> np.ndarray:
     """The m×k' mixing matrix U_k Λ_k^-½ (float32) from G (m×p); k' = min(k, numerical rank of G)."""
-    g = _as_numpy(public_gradients)
+    import torch  # torch's BLAS: ~10x faster than numpy's here for m×p products with p in the millions
+
+    g = torch.as_tensor(_as_numpy(public_gradients))
     if g.ndim != 2:
-        raise ValueError(f"public gradients must be an m×p matrix, got shape {g.shape}")
-    gram = np.zeros((g.shape[0], g.shape[0]), dtype=np.float64)
-    chunk = 1 << 18  # columns per chunk: bounded float64 temporaries for large p
+        raise ValueError(f"public gradients must be an m×p matrix, got shape {tuple(g.shape)}")
+    gram = torch.zeros((g.shape[0], g.shape[0]), dtype=torch.float64)
+    chunk = 1 << 18  # columns per chunk: float64 accuracy with bounded temporaries for large p
     for start in range(0, g.shape[1], chunk):
-        block = g[:, start : start + chunk].astype(np.float64)
+        block = g[:, start : start + chunk].to(torch.float64)
         gram += block @ block.T
-    eigenvalues, eigenvectors = np.linalg.eigh(gram)
+    eigenvalues, eigenvectors = np.linalg.eigh(gram.numpy())
     order = np.argsort(eigenvalues)[::-1]
     eigenvalues, eigenvectors = eigenvalues[order], eigenvectors[:, order]
     keep = min(k, int(np.sum(eigenvalues > rel_tolerance * max(eigenvalues[0], 0.0))))
@@ -91,10 +93,12 @@ def basis_mixing(public_gradients: Any, k: int, rel_tolerance: float = 1e-10) ->
 
 def apply_mixing(public_gradients: Any, mixing: np.ndarray) -> np.ndarray:
     """V = Gᵀ · mix (p×k, float32). Coordinator and sites both build V with this one function."""
-    g = _as_numpy(public_gradients).astype(np.float32, copy=False)
+    import torch
+
+    g = torch.as_tensor(_as_numpy(public_gradients)).to(torch.float32)
     if g.shape[0] != mixing.shape[0]:
         raise BasisTransportError(f"recipe mixes {mixing.shape[0]} public gradients, got {g.shape[0]}")
-    return np.ascontiguousarray(g.T @ mixing.astype(np.float32, copy=False))
+    return (g.T @ torch.as_tensor(np.ascontiguousarray(mixing, dtype=np.float32))).contiguous().numpy()
 
 
 def basis_from_gradients(public_gradients: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -104,15 +108,22 @@ def basis_from_gradients(public_gradients: Any, k: int) -> tuple[np.ndarray, np.
 
 
 # -- wire encoding --------------------------------------------------------------------------------
-def _to_bfloat16_bits(x: np.ndarray) -> np.ndarray:
-    """float32 → bfloat16 bit patterns (uint16), round to nearest even."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-    return ((bits + rounding) >> np.uint32(16)).astype(np.uint16)
+def _to_wire(x: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 → wire dtype; bfloat16 as its uint16 bit patterns (torch rounds to nearest even)."""
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+    if dtype == "bfloat16":
+        return t.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    return t.to(getattr(torch, dtype)).numpy()
 
 
-def _from_bfloat16_bits(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+def _from_wire(wire: np.ndarray, dtype: str) -> np.ndarray:
+    import torch
+
+    if dtype == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(wire).view(np.int16)).view(torch.bfloat16).float().numpy()
+    return torch.from_numpy(np.ascontiguousarray(wire)).float().numpy()
 
 
 @dataclass(frozen=True)
@@ -143,7 +154,7 @@ def encode_full(basis: Any, version: int, weights_version: str, dtype: WireDtype
         raise ValueError(f"basis must be p×k, got shape {v.shape}")
     if dtype not in WIRE_DTYPES:
         raise ValueError(f"basis wire dtype must be one of {sorted(WIRE_DTYPES)}, got {dtype!r}")
-    wire = _to_bfloat16_bits(v) if dtype == "bfloat16" else v.astype(WIRE_DTYPES[dtype])
+    wire = _to_wire(v, dtype)
     config = {"basis.transport": "full", "basis.version": int(version), "basis.weights": weights_version,
               "basis.dtype": dtype, "basis.shape": f"{v.shape[0]}x{v.shape[1]}"}
     return BasisMessage({V_KEY: wire}, config)
@@ -208,7 +219,7 @@ def decode(message_arrays: Mapping[str, np.ndarray], config: Mapping[str, Any]) 
                 raise BasisTransportError(f"basis v{version}: array {wire.dtype}{wire.shape} does not match dtype {dtype!r}")
             if f"{wire.shape[0]}x{wire.shape[1]}" != config["basis.shape"]:
                 raise BasisTransportError(f"basis v{version}: shape {wire.shape} != declared {config['basis.shape']}")
-            return _from_bfloat16_bits(wire) if dtype == "bfloat16" else wire.astype(np.float32)
+            return _from_wire(wire, dtype)
         if transport == "compact":
             ids, mixing = message_arrays[IDS_KEY], message_arrays[MIX_KEY]
             if ids.ndim != 1 or mixing.ndim != 2 or mixing.shape[0] != ids.shape[0]:
