@@ -285,11 +285,19 @@ def _handle(args: argparse.Namespace) -> int:
         ])
         _wait_port(fleet, superlink, "SuperLink Fleet API", run_dir / "logs" / "superlink.log")
         _wait_port(control, superlink, "SuperLink Control API", run_dir / "logs" / "superlink.log")
-        listed = group.run("flwr-supernode-list", [_bin("flwr"), "supernode", "list", CONNECTION, "--format", "json"]).stdout
+        registered_file = run_dir / "registered.json"  # the SuperLink database survives a --resume: register once
+        registered = set(json.loads(registered_file.read_text())) if registered_file.exists() else set()
         for site_id in site_ids:
-            if site_id not in listed:  # the SuperLink database survives a --resume: register once
+            if site_id in registered:
+                continue
+            try:
                 group.run(f"register-{site_id}", [_bin("flwr"), "supernode", "register", str(certs / "sites" / f"{site_id}.pub"),
                                                   CONNECTION, "--name", site_id])
+            except RuntimeError as exc:
+                if "already in use" not in str(exc):
+                    raise
+            registered.add(site_id)
+            registered_file.write_text(json.dumps(sorted(registered)))
         for site_id, site_toml, port in zip(site_ids, site_tomls, node_ports):
             group.start(f"supernode-{site_id}", [
                 _bin("flower-supernode"), "--superlink", f"127.0.0.1:{fleet}", "--grpc-rere",

@@ -172,9 +172,16 @@ def train_site_round(
 
     basis = _site_basis(site, model, basis_version, basis_message)
     dataset = load_site_dataset(site, tuple(model_spec["input_size"]))
+    public_dataset = None
+    if basis is None and site.public_data is not None and site.privacy.mechanism in ("pdp", "fpdp"):
+        # no coordinator basis: the engine computes its own from the site's copy of S_pub
+        from fedpose.data.dataset import PoseDataset, load_records
+
+        public_records, public_root = load_records(site.public_data)
+        public_dataset = PoseDataset(public_records, public_root, input_size=tuple(model_spec["input_size"]), train=False)
     engine = build_engine(
         site.privacy, model, dataset_size=len(dataset), batch_size=site.train.batch_size,
-        planned_steps=local_steps, public_dataset=None, seed=site.train.seed * 1_000_003 + int(round_id),
+        planned_steps=local_steps, public_dataset=public_dataset, seed=site.train.seed * 1_000_003 + int(round_id),
     )
     _engine_basis(engine, basis, basis_version)
 
