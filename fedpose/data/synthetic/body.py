@@ -113,8 +113,7 @@ def pose_skeleton(angles: dict[str, float]) -> Skeleton3D:
     # rot_x(−p) turns the body's up axis (−y) towards +z: positive pitch is a forward bend.
     torso = rot_y(a["torso_twist"]) @ rot_x(-a["torso_pitch"]) @ rot_z(a["torso_lean"])
     thorax = pelvis + torso @ (UP * TORSO_LENGTH)
-    neck = torso @ rot_x(-a["neck_pitch"])  # positive = chin towards the chest
-    neck = neck @ rot_z(a["neck_roll"])
+    neck = torso @ rot_x(-a["neck_pitch"]) @ rot_z(a["neck_roll"])  # positive pitch = chin to chest
     upper_neck = thorax + neck @ (UP * NECK_LENGTH)
     head = neck @ rot_y(a["head_yaw"]) @ rot_x(-a["head_pitch"])
     head_top = upper_neck + head @ (UP * HEAD_LENGTH)

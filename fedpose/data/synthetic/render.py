@@ -326,7 +326,7 @@ def _to_image(array: np.ndarray) -> Image.Image:
     return Image.fromarray((np.clip(array, 0, 1) * 255 + 0.5).astype(np.uint8))
 
 
-def _draw_head(scene: Scene, canvas: Image.Image, textures: dict[str, Image.Image], rng: np.random.Generator) -> None:
+def _draw_head(scene: Scene, canvas: Image.Image, textures: dict[str, Image.Image]) -> None:
     ident = scene.identity
     h, w = scene.size
     c, up, half_length, half_width = scene.head_ellipse
@@ -473,7 +473,7 @@ def _paint_person(scene: Scene, parts: list[_Part], canvas: Image.Image, rng: np
     outline = ImageDraw.Draw(canvas)
     for part in parts:
         if not head_drawn and part.depth > head_depth + 0.04:
-            _draw_head(scene, canvas, images, rng)
+            _draw_head(scene, canvas, images)
             head_drawn = True
         mask = Image.new("L", (w, h), 0)
         draw = ImageDraw.Draw(mask)
@@ -497,7 +497,7 @@ def _paint_person(scene: Scene, parts: list[_Part], canvas: Image.Image, rng: np
             outline.line([tuple(p + n * r1), tuple(q + n * r2)], fill=edge, width=1)
             outline.line([tuple(p - n * r1), tuple(q - n * r2)], fill=edge, width=1)
     if not head_drawn:
-        _draw_head(scene, canvas, images, rng)
+        _draw_head(scene, canvas, images)
 
 
 def render_scene(scene: Scene, rng: np.random.Generator, profile: SiteProfile) -> np.ndarray:
