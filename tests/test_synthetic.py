@@ -177,6 +177,19 @@ def test_untruncated_people_are_fully_inside_the_frame():
         assert scene.joints_vis.all()
 
 
+def test_occluded_joints_stay_annotated():
+    profile = dataclasses.replace(site_profile(1), occlusion_probability=1.0, truncation_probability=0.0)
+    rng = np.random.default_rng(2)
+    flagged = 0
+    for _ in range(12):
+        scene = sample_scene(rng, profile, (128, 96))
+        render_scene(scene, rng, profile)
+        occluded = np.asarray(scene.extra["occluded"], bool)
+        assert scene.joints_vis[occluded].all()  # MPII convention: occluded joints are still annotated
+        flagged += int(occluded.sum())
+    assert flagged > 0
+
+
 # --- sites are non-IID ---------------------------------------------------------------------------
 
 def _family_fraction(site: int, family: str, n: int = 150) -> float:
