@@ -1,0 +1,366 @@
+"""The gradient engine: one training step's gradient for every privacy mechanism.
+
+``build_engine(privacy_cfg, model, dataset_size, batch_size, planned_steps, public_dataset, seed)``
+returns a :class:`GradientEngine`; the training loop asks it for batches and gradients::
+
+    engine = build_engine(cfg.privacy, model, len(train_set), cfg.train.batch_size, cfg.train.steps, public_set, seed)
+    for step, batch in zip(range(steps), engine.batches(train_set)):
+        metrics = engine.step(model, batch)   # sets .grad on model.trainable_parameters()
+        optimizer.step()
+    privacy_json = engine.privacy_report()
+
+DP mechanisms (see :mod:`fedpose.privacy.mechanisms` for the table):
+
+* **Sampling** — Poisson: each record joins each step's batch independently with probability
+  q = B/N (the sampling the RDP analysis assumes). Batches vary in size and may be empty (the
+  step then releases noise only, and is still accounted).
+* **Private gradient** — per-sample gradients of the trainable parameters with ``torch.func``
+  (:mod:`fedpose.privacy.per_sample` explains why not Opacus hooks), each clipped to flat L2
+  norm C, summed, plus N(0, σ²C²I), divided by the *expected* batch size qN (dividing by the
+  realised size would make the scale data-dependent).
+* **Projection** (pdp, fpdp) — the noisy private gradient is replaced by V Vᵀ g with V from
+  public data only (:mod:`fedpose.privacy.projection`), refreshed every
+  ``privacy.basis.refresh_every`` steps or supplied by the coordinator (``set_basis``).
+* **Public view** (fdp, fpdp, maskdp) — ψ(x) goes through the frozen prefix in the same forward
+  as x (one concatenated batch); the plain mean gradient of l(ψ(x), y) is added without noise.
+* **Accounting** — every DP step records (σ, q) in an :class:`RDPAccountant`.
+* **σ** — ``privacy.noise_multiplier``, or calibrated so that ``planned_steps`` steps reach at
+  most ``privacy.target_epsilon`` at ``privacy.delta``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+from torch.utils.data import Dataset, default_collate
+
+from fedpose.config import PrivacyConfig
+from fedpose.privacy import projection
+from fedpose.privacy.accountant import RDPAccountant, noise_multiplier_for
+from fedpose.privacy.mechanisms import Mechanism, get_mechanism
+from fedpose.privacy.noise import make_noise
+from fedpose.privacy.per_sample import (
+    DEFAULT_CHUNK_SIZE,
+    TrainableModel,
+    clipped_gradient_sum,
+    frozen_features,
+    mean_gradient,
+    unflatten,
+)
+from fedpose.privacy.report import format_epsilon
+
+
+def collate(samples: Sequence[dict], template: dict | None = None) -> dict:
+    """Collate samples; an empty list gives ``template`` sliced to zero rows (an empty batch)."""
+    if samples:
+        return default_collate(list(samples))
+    if template is None:
+        raise ValueError("cannot build an empty batch without a template")
+    return {key: value[:0] if isinstance(value, Tensor) else [] for key, value in template.items()}
+
+
+class GradientEngine:
+    """Computes each step's (private) gradient and keeps the privacy ledger. See the module docstring."""
+
+    def __init__(
+        self,
+        privacy: PrivacyConfig,
+        mechanism: Mechanism,
+        dataset_size: int,
+        batch_size: int,
+        planned_steps: int,
+        public_dataset: Dataset | None = None,
+        seed: int = 0,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> None:
+        if dataset_size < 1:
+            raise ValueError(f"the training set is empty (dataset_size = {dataset_size})")
+        if batch_size < 1:
+            raise ValueError(f"batch size must be >= 1, got {batch_size}")
+        if planned_steps < 1:
+            raise ValueError(f"planned steps must be >= 1, got {planned_steps}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
+        self.privacy = privacy
+        self.mechanism = mechanism
+        self.dataset_size = int(dataset_size)
+        self.batch_size = int(batch_size)
+        self.planned_steps = int(planned_steps)
+        self.public_dataset = public_dataset
+        self.seed = int(seed)
+        self.chunk_size = int(chunk_size)
+        self.steps_done = 0
+        self._empty_template: dict | None = None
+        self._shuffle = torch.Generator().manual_seed(self.seed + 1)
+        self._public_rng = np.random.default_rng([self.seed, 2])
+        self.basis: projection.Basis | None = None
+        self._basis_computed_at = -1
+        self._basis_external = False
+        self.basis_seconds: list[float] = []
+
+        if not mechanism.noisy:
+            self.sample_rate = min(1.0, self.batch_size / self.dataset_size)
+            self.noise_multiplier = 0.0
+            self.accountant: RDPAccountant | None = None
+            self.noise = None
+            return
+        if self.batch_size > self.dataset_size:
+            raise ValueError(
+                f"expected batch size {batch_size} exceeds the training set ({dataset_size} records): "
+                "the sampling rate q = B/N must be <= 1"
+            )
+        self.sample_rate = self.batch_size / self.dataset_size
+        if privacy.noise_multiplier is not None:
+            self.noise_multiplier = float(privacy.noise_multiplier)
+        elif privacy.target_epsilon is not None:
+            self.noise_multiplier = noise_multiplier_for(
+                privacy.target_epsilon, self.sample_rate, self.planned_steps, privacy.delta
+            )
+        else:  # PrivacyConfig's validator already forbids this
+            raise ValueError(f"privacy: mechanism '{mechanism.name}' needs privacy.noise_multiplier or privacy.target_epsilon")
+        self.accountant = RDPAccountant()
+        self.noise = make_noise(privacy.secure_rng, self.seed)
+        if mechanism.projects and privacy.basis.k < 1:
+            raise ValueError("privacy.basis.k must be >= 1")
+
+    # -- sampling -------------------------------------------------------------------------------
+    @property
+    def expected_batch_size(self) -> float:
+        return self.sample_rate * self.dataset_size
+
+    def batches(self, dataset: Dataset) -> Iterator[dict]:
+        """Endless batches: Poisson-sampled at rate q for DP mechanisms, shuffled epochs for "none".
+
+        Take as many as you need (``zip(range(steps), engine.batches(ds))``). For DP mechanisms a
+        batch can be empty (every tensor has 0 rows); pass it to :meth:`step` anyway.
+        """
+        size = len(dataset)  # type: ignore[arg-type]
+        if size != self.dataset_size:
+            raise ValueError(f"engine was built for {self.dataset_size} records, the dataset has {size}")
+        if self.mechanism.noisy:
+            yield from self._poisson_batches(dataset)
+        else:
+            yield from self._shuffled_batches(dataset)
+
+    def _poisson_batches(self, dataset: Dataset) -> Iterator[dict]:
+        if self._empty_template is None:
+            self._empty_template = collate([dataset[0]])
+        while True:
+            assert self.noise is not None
+            chosen = torch.nonzero(self.noise.uniform(self.dataset_size) < self.sample_rate).flatten().tolist()
+            yield collate([dataset[i] for i in chosen], self._empty_template)
+
+    def _shuffled_batches(self, dataset: Dataset) -> Iterator[dict]:
+        batch = min(self.batch_size, self.dataset_size)
+        while True:
+            order = torch.randperm(self.dataset_size, generator=self._shuffle).tolist()
+            for start in range(0, self.dataset_size - batch + 1, batch):
+                yield collate([dataset[i] for i in order[start: start + batch]])
+
+    # -- projection basis -------------------------------------------------------------------------
+    def set_basis(self, basis: Any, version: int = 0) -> None:
+        """Use a basis computed elsewhere (the coordinator's basis service): p × k array/tensor,
+        a :class:`~fedpose.privacy.projection.Basis`, or a mapping holding one 2-D array."""
+        if not self.mechanism.projects:
+            raise ValueError(f"mechanism '{self.mechanism.name}' does not project; it takes no basis")
+        if isinstance(basis, projection.Basis):
+            self.basis = basis
+        else:
+            if isinstance(basis, Mapping):
+                arrays = [v for v in basis.values() if getattr(v, "ndim", 0) == 2]
+                if len(arrays) != 1:
+                    raise ValueError(f"basis mapping must hold exactly one 2-D array, got keys {list(basis)}")
+                basis = arrays[0]
+            vectors = torch.as_tensor(np.asarray(basis) if not isinstance(basis, Tensor) else basis)
+            if vectors.dim() != 2 or vectors.shape[1] < 1:
+                raise ValueError(f"basis must be a p × k matrix, got shape {tuple(vectors.shape)}")
+            self.basis = projection.Basis(vectors.to(torch.float32), version=int(version))
+        self.basis.version = int(version)
+        self._basis_external = True
+        self._basis_computed_at = self.steps_done
+
+    def public_batch(self) -> dict:
+        """m samples of the public set, tagged ``provenance = "public"``."""
+        if self.public_dataset is None:
+            raise ValueError("no public dataset: set privacy.basis.public_data (or let the coordinator ship a basis)")
+        size = len(self.public_dataset)  # type: ignore[arg-type]
+        m = min(self.privacy.basis.public_samples, size)
+        ids = sorted(int(i) for i in self._public_rng.choice(size, size=m, replace=False))
+        batch = collate([self.public_dataset[i] for i in ids])
+        batch["index"] = torch.as_tensor(ids)
+        batch["provenance"] = projection.PUBLIC
+        return batch
+
+    def refresh_basis(self, model: TrainableModel) -> float:
+        """Recompute V from the public set at the model's current weights; returns seconds taken."""
+        started = time.perf_counter()
+        version = len(self.basis_seconds)
+        self.basis = projection.compute_basis(
+            model, self.public_batch(), self.privacy.basis.k, self.chunk_size, self.privacy.basis.dtype, version
+        )
+        self._basis_computed_at = self.steps_done
+        self._basis_external = False
+        seconds = time.perf_counter() - started
+        self.basis_seconds.append(seconds)
+        return seconds
+
+    def _basis_due(self) -> bool:
+        if self.basis is None:
+            return True
+        if self._basis_external and self.public_dataset is None:
+            return False  # the coordinator decides when a new basis comes
+        return self.steps_done - self._basis_computed_at >= self.privacy.basis.refresh_every
+
+    # -- one step ---------------------------------------------------------------------------------
+    def step(self, model: TrainableModel, batch: dict) -> dict[str, float]:
+        """Set ``.grad`` of ``model.trainable_parameters()`` for this batch; return step metrics."""
+        params = model.trainable_parameters()
+        num_params = sum(p.numel() for p in params.values())
+        images, joints, weight = batch["image"], batch["joints"], batch["weight"]
+        size = int(images.shape[0])
+        metrics: dict[str, float] = {"batch_size": float(size)}
+
+        if not self.mechanism.noisy:
+            if size == 0:
+                raise ValueError("empty batch for non-private training")
+            features = frozen_features(model, images)
+            gradient, losses = mean_gradient(model, features, joints, weight)
+            metrics["loss"] = float(losses.mean())
+        else:
+            gradient = self._private_step(model, batch, size, num_params, metrics)
+
+        if gradient.numel() != num_params:
+            raise RuntimeError(f"gradient has {gradient.numel()} entries for {num_params} parameters")
+        for param, grad in zip(params.values(), unflatten(gradient, params).values()):
+            param.grad = grad
+        self.steps_done += 1
+        return metrics
+
+    def _private_step(self, model: TrainableModel, batch: dict, size: int, num_params: int, metrics: dict) -> Tensor:
+        assert self.noise is not None and self.accountant is not None
+        mechanism, clip = self.mechanism, self.privacy.max_grad_norm
+        if mechanism.projects and self._basis_due():
+            metrics["basis_seconds"] = self.refresh_basis(model)
+
+        public_images = mechanism.public_view(batch, self.privacy) if mechanism.public_view is not None and size else None
+        clipped_sum = torch.zeros(num_params)
+        public_gradient = None
+        if size:
+            inputs = batch["image"] if public_images is None else torch.cat([batch["image"], public_images])
+            features = frozen_features(model, inputs)
+            clipped_sum, norms, losses = clipped_gradient_sum(
+                model, features[:size], batch["joints"], batch["weight"], clip, self.chunk_size
+            )
+            metrics["loss"] = float(losses.mean())
+            metrics["grad_norm_median"] = float(norms.median())
+            metrics["clipped_fraction"] = float((norms > clip).float().mean())
+            if public_images is not None:
+                public_gradient, public_losses = mean_gradient(model, features[size:], batch["joints"], batch["weight"])
+                metrics["public_loss"] = float(public_losses.mean())
+
+        noise_std = self.noise_multiplier * clip
+        gradient = (clipped_sum + self.noise.normal(num_params, noise_std)) / self.expected_batch_size
+        if mechanism.projects:
+            assert self.basis is not None
+            started = time.perf_counter()
+            gradient = self.basis.project(gradient)
+            metrics["projection_seconds"] = time.perf_counter() - started
+        if public_gradient is not None:
+            gradient = gradient + public_gradient
+        self.accountant.step(self.noise_multiplier, self.sample_rate)
+        metrics["noise_std"] = noise_std / self.expected_batch_size
+        return gradient
+
+    # -- reporting --------------------------------------------------------------------------------
+    def epsilon(self) -> float:
+        """ε spent so far (guarantee of this mechanism, at privacy.delta); ∞ for "none"."""
+        if self.accountant is None:
+            return math.inf
+        return self.accountant.get_epsilon(self.privacy.delta)[0]
+
+    def privacy_report(self) -> dict[str, Any]:
+        """Everything privacy.json records: what is guaranteed, about what, and how it was computed."""
+        mechanism, guarantee = self.mechanism, self.mechanism.guarantee
+        report: dict[str, Any] = {
+            "mechanism": mechanism.name,
+            "guarantee": guarantee.name,
+            "guarantee_statement": guarantee.statement,
+            "unit_protected": guarantee.unit,
+            "public": guarantee.public,
+            "steps": self.steps_done,
+            "planned_steps": self.planned_steps,
+            "dataset_size": self.dataset_size,
+        }
+        if self.accountant is None:
+            report.update({"epsilon": None, "delta": None, "accountant": None, "epsilon_text": format_epsilon(math.inf, 0.0, "none")})
+            return report
+        epsilon, order = self.accountant.get_epsilon(self.privacy.delta)
+        rdp = self.accountant.rdp()
+        planned = RDPAccountant()
+        planned.step(self.noise_multiplier, self.sample_rate, self.planned_steps)
+        report.update({
+            "epsilon": _finite_or_none(epsilon),
+            "delta": self.privacy.delta,
+            "optimal_order": _finite_or_none(order),
+            "epsilon_text": format_epsilon(epsilon, self.privacy.delta, guarantee),
+            "planned_epsilon": _finite_or_none(planned.get_epsilon(self.privacy.delta)[0]),
+            "target_epsilon": self.privacy.target_epsilon,
+            "accountant": "rdp",
+            "noise_multiplier": self.noise_multiplier,
+            "max_grad_norm": self.privacy.max_grad_norm,
+            "sample_rate": self.sample_rate,
+            "expected_batch_size": self.expected_batch_size,
+            "sampling": "poisson",
+            "normalisation": "expected batch size q·N",
+            "secure_rng": bool(self.privacy.secure_rng),
+            "accountant_state": self.accountant.to_dict(),
+            "rdp_curve": {"orders": list(self.accountant.orders), "rdp": [_finite_or_none(float(r)) for r in rdp]},
+        })
+        if mechanism.projects:
+            basis = self.privacy.basis
+            report["basis"] = {
+                "k": basis.k, "public_samples": basis.public_samples, "refresh_every": basis.refresh_every,
+                "dtype": basis.dtype, "source": "coordinator" if self._basis_external else "public set",
+                "refreshes": len(self.basis_seconds),
+                "current_k": self.basis.k if self.basis is not None else None,
+                "current_version": self.basis.version if self.basis is not None else None,
+            }
+        if mechanism.public_view is not None:
+            view: dict[str, Any] = {"map": mechanism.public_view_name}
+            if mechanism.public_view_name == "gaussian_blur":
+                view.update(kernel_size=self.privacy.blur.kernel_size, sigma=self.privacy.blur.sigma)
+            else:
+                view.update(region=self.privacy.mask.region, margin=self.privacy.mask.margin, fill=self.privacy.mask.fill)
+            report["public_view"] = view
+        return report
+
+
+def _finite_or_none(value: float) -> float | None:
+    return float(value) if math.isfinite(value) else None
+
+
+def build_engine(
+    privacy_cfg: PrivacyConfig,
+    model: TrainableModel,
+    dataset_size: int,
+    batch_size: int,
+    planned_steps: int,
+    public_dataset: Dataset | None = None,
+    seed: int = 0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> GradientEngine:
+    """The engine for ``privacy_cfg.mechanism`` (see the module docstring).
+
+    Gradients are taken on the model passed to :meth:`GradientEngine.step`; ``model`` here is
+    only checked. Projecting mechanisms need ``public_dataset`` or a basis via ``set_basis``
+    before the first step (a federated site gets it from the coordinator).
+    """
+    mechanism = get_mechanism(privacy_cfg.mechanism)
+    if not model.trainable_parameters():
+        raise ValueError("the model has no trainable parameters (check model.scenario)")
+    return GradientEngine(privacy_cfg, mechanism, dataset_size, batch_size, planned_steps, public_dataset, seed, chunk_size)

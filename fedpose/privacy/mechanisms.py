@@ -1,0 +1,66 @@
+"""Registry of gradient mechanisms, keyed by ``privacy.mechanism``.
+
+One engine (:mod:`fedpose.privacy.engine`) runs them all; a mechanism only declares which
+pieces it uses:
+
+================  =========  ===========  ============================  =========
+mechanism         noisy      projection   public view ψ (noise-free)    guarantee
+================  =========  ===========  ============================  =========
+``none``          no         no           —                             none
+``dpsgd``         yes        no           —                             DP
+``pdp``           yes        V Vᵀ         —                             DP
+``fdp``           yes        no           Gaussian blur                 FDP
+``fpdp``          yes        V Vᵀ         Gaussian blur                 FDP
+``maskdp``        yes        no           private box masked out        MaskDP
+================  =========  ===========  ============================  =========
+
+Gradient of one step (DESIGN.md): g = g_pub(ψ(x)) + P( (Σ_i clip(∇l(x_i), C) + N(0, σ²C²I)) / (qN) ),
+with P = V Vᵀ when projecting (else identity) and g_pub the plain mean gradient over the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from torch import Tensor
+
+from fedpose.config import PrivacyConfig
+from fedpose.privacy import report
+from fedpose.privacy.public_views import blur_view, mask_view
+
+PublicView = Callable[[dict, PrivacyConfig], Tensor]
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    name: str
+    guarantee: report.Guarantee
+    noisy: bool  #: clip + Gaussian noise on the private gradient (False only for "none")
+    projects: bool  #: project the noisy private gradient onto the public basis V
+    public_view: PublicView | None = None  #: ψ whose gradient is added without noise
+    public_view_name: str = ""
+
+
+MECHANISMS: dict[str, Mechanism] = {
+    m.name: m
+    for m in (
+        Mechanism("none", report.NO_PRIVACY, noisy=False, projects=False),
+        Mechanism("dpsgd", report.RECORD_DP, noisy=True, projects=False),
+        Mechanism("pdp", report.PROJECTED_DP, noisy=True, projects=True),
+        Mechanism("fdp", report.FEATURE_DP, noisy=True, projects=False, public_view=blur_view, public_view_name="gaussian_blur"),
+        Mechanism("fpdp", report.FEATURE_PROJECTED_DP, noisy=True, projects=True, public_view=blur_view, public_view_name="gaussian_blur"),
+        Mechanism("maskdp", report.MASK_DP, noisy=True, projects=False, public_view=mask_view, public_view_name="mask"),
+    )
+}
+
+
+def get_mechanism(name: str) -> Mechanism:
+    try:
+        return MECHANISMS[name]
+    except KeyError:
+        raise ValueError(f"privacy.mechanism: unknown mechanism {name!r}; available: {', '.join(MECHANISMS)}") from None
+
+
+def guarantee_for(name: str) -> report.Guarantee:
+    return get_mechanism(name).guarantee

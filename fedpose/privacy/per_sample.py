@@ -1,0 +1,157 @@
+"""Per-sample gradients of the trainable part of a :class:`~fedpose.model.PoseModel`.
+
+Why ``torch.func`` and not Opacus' hooks (measured, see shared/FACTS.md):
+
+* Opacus rejects stock timm TinyViT in every grad-sample mode: trainable ``Attention`` modules
+  own a buffer, and TinyViT folds attention windows into the batch dimension, so hook-based
+  "per-sample" gradients are per *window*. Patched to run, the clipping would silently be per
+  window — a privacy bug, not just a crash.
+* ``functional_call`` + ``vmap`` + ``grad`` differentiates the model as one function of its
+  parameters for one sample at a time, whatever the model does with its batch dimension inside
+  (window folding included). It matches a per-sample loop to float precision and, with the frozen
+  prefix run once outside ``vmap`` under ``no_grad``, costs about the same as a non-private step.
+
+Contract with the model: ``forward_frozen(images)`` (run here under ``no_grad``) and
+``model(features, from_features=True)`` = ``forward_trainable(features)``, a pure function of
+the parameters and buffers (BatchNorm in eval mode, no stochastic layers); ``loss(...)`` is
+per-sample. Gradients are taken w.r.t. ``model.trainable_parameters()``, in that order; a
+"flat" gradient is their concatenation (``flatten`` / ``unflatten``).
+
+The vmap runs in chunks of ``chunk_size`` samples to bound memory (per-sample gradients of a
+chunk are ``chunk_size × p`` floats, ~11.5 MiB per sample at p = 2.88 M).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad_and_value, vmap
+
+
+class TrainableModel(Protocol):
+    """What the privacy engine needs from a pose model (see CONTRACTS.md)."""
+
+    def forward_frozen(self, images: Tensor) -> Tensor: ...
+    def forward_trainable(self, features: Tensor) -> tuple[Tensor, Tensor]: ...
+    def loss(self, logits_x: Tensor, logits_y: Tensor, joints: Tensor, weight: Tensor) -> Tensor: ...
+    def trainable_parameters(self) -> dict[str, nn.Parameter]: ...
+
+
+DEFAULT_CHUNK_SIZE = 16
+
+
+def frozen_features(model: TrainableModel, images: Tensor) -> Tensor:
+    """The frozen prefix, once for the whole batch, outside any autograd graph."""
+    with torch.no_grad():
+        return model.forward_frozen(images)
+
+
+def flatten(tensors: dict[str, Tensor] | list[Tensor]) -> Tensor:
+    values = tensors.values() if isinstance(tensors, dict) else tensors
+    return torch.cat([t.reshape(-1) for t in values])
+
+
+def unflatten(flat: Tensor, like: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Split a flat vector into tensors shaped like ``like`` (views into ``flat``)."""
+    out, offset = {}, 0
+    for name, ref in like.items():
+        out[name] = flat[offset: offset + ref.numel()].view_as(ref)
+        offset += ref.numel()
+    if offset != flat.numel():
+        raise ValueError(f"flat gradient has {flat.numel()} entries, the parameters {offset}")
+    return out
+
+
+def _sample_loss_fn(model: TrainableModel):
+    def sample_loss(params: dict[str, Tensor], features: Tensor, joints: Tensor, weight: Tensor) -> Tensor:
+        logits_x, logits_y = functional_call(model, params, (features.unsqueeze(0),), {"from_features": True})
+        return model.loss(logits_x, logits_y, joints.unsqueeze(0), weight.unsqueeze(0)).squeeze(0)
+
+    return sample_loss
+
+
+def per_sample_gradients(
+    model: TrainableModel, features: Tensor, joints: Tensor, weight: Tensor
+) -> tuple[dict[str, Tensor], Tensor]:
+    """({name: (b, *param.shape)}, per-sample losses (b,)) for one chunk — no clipping."""
+    params = {name: p.detach() for name, p in model.trainable_parameters().items()}
+    grads, losses = vmap(grad_and_value(_sample_loss_fn(model)), in_dims=(None, 0, 0, 0))(params, features, joints, weight)
+    return grads, losses.detach()
+
+
+def per_sample_norms(grads: dict[str, Tensor]) -> Tensor:
+    """Flat L2 norm over all trainable parameters, per sample (b,)."""
+    squared = [g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]
+    return torch.stack(squared, 1).sum(1).sqrt()
+
+
+def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
+    """min(1, C / ‖g_i‖): scales each sample's gradient to norm ≤ C (Abadi et al.)."""
+    return (max_grad_norm / (norms + 1e-12)).clamp(max=1.0)
+
+
+def clipped_gradient_sum(
+    model: TrainableModel,
+    features: Tensor,
+    joints: Tensor,
+    weight: Tensor,
+    max_grad_norm: float,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Σ_i clip(∇ l(x_i), C) as a flat vector (p,), plus per-sample norms (B,) and losses (B,).
+
+    Each sample's gradient is clipped to flat L2 norm ``max_grad_norm`` over *all* trainable
+    parameters before summation, so one sample moves the sum by at most C.
+    """
+    if max_grad_norm <= 0:
+        raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+    params = model.trainable_parameters()
+    total = torch.zeros(sum(p.numel() for p in params.values()), dtype=torch.float32)
+    norms, losses = [], []
+    for start in range(0, features.shape[0], chunk_size):
+        stop = start + chunk_size
+        grads, chunk_losses = per_sample_gradients(model, features[start:stop], joints[start:stop], weight[start:stop])
+        chunk_norms = per_sample_norms(grads)
+        factors = clip_factors(chunk_norms, max_grad_norm)
+        # Σ_i factor_i · g_i per parameter, written straight into the flat sum.
+        offset = 0
+        for g in grads.values():
+            size = g[0].numel()
+            total[offset: offset + size] += torch.einsum("b,bn->n", factors, g.reshape(g.shape[0], -1).float())
+            offset += size
+        norms.append(chunk_norms)
+        losses.append(chunk_losses)
+    if not norms:
+        return total, torch.zeros(0), torch.zeros(0)
+    return total, torch.cat(norms), torch.cat(losses)
+
+
+def gradient_matrix(
+    model: TrainableModel, features: Tensor, joints: Tensor, weight: Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> Tensor:
+    """Unclipped per-sample gradients as a (B, p) float32 matrix (for the public basis)."""
+    params = model.trainable_parameters()
+    matrix = torch.empty(features.shape[0], sum(p.numel() for p in params.values()), dtype=torch.float32)
+    for start in range(0, features.shape[0], chunk_size):
+        grads, _ = per_sample_gradients(
+            model, features[start: start + chunk_size], joints[start: start + chunk_size], weight[start: start + chunk_size]
+        )
+        rows = next(iter(grads.values())).shape[0]
+        offset = 0
+        for g in grads.values():
+            size = g[0].numel()
+            matrix[start: start + rows, offset: offset + size] = g.reshape(rows, -1)
+            offset += size
+    return matrix
+
+
+def mean_gradient(model: TrainableModel, features: Tensor, joints: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Plain (unclipped, noise-free) gradient of the batch-mean loss, flat (p,), and losses (B,)."""
+    params = model.trainable_parameters()
+    logits_x, logits_y = model.forward_trainable(features)
+    losses = model.loss(logits_x, logits_y, joints, weight)
+    grads = torch.autograd.grad(losses.mean(), list(params.values()), allow_unused=True)
+    flat = flatten([torch.zeros_like(p) if g is None else g for p, g in zip(params.values(), grads)])
+    return flat.detach(), losses.detach()
