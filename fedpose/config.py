@@ -47,6 +47,7 @@ class ModelConfig(Strict):
     init_checkpoint: Path | None = Field(None, description="timm state dict or fedpose checkpoint to start from")
     split_factor: int = Field(2, ge=1, le=8, description="SimCC bins per pixel")
     label_sigma: float = Field(6.0, gt=0, description="SimCC Gaussian label-smoothing σ, in bins")
+    head_hidden: int = Field(256, ge=0, description="SimCC head hidden width (0 = flatten straight to the bins)")
 
 
 class OptimConfig(Strict):

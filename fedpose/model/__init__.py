@@ -1,0 +1,72 @@
+"""Pose model: timm TinyViT backbone + SimCC head, training scenarios, checkpoints."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+from fedpose.config import ModelConfig
+from fedpose.model.backbones import available_backbones, create_backbone
+from fedpose.model.checkpoint import (
+    CheckpointError,
+    load_checkpoint,
+    load_init_weights,
+    save_checkpoint,
+)
+from fedpose.model.pose_model import PoseModel
+from fedpose.model.simcc import SimCCCodec, SimCCHead
+
+
+def build_model(cfg: ModelConfig, input_size: tuple[int, int]) -> PoseModel:
+    """Build the model for ``cfg`` at ``input_size`` (H, W); load ``cfg.init_checkpoint`` if set."""
+    if cfg.scenario == "scratch" and cfg.init_checkpoint is not None:
+        raise ValueError("model.init_checkpoint: scenario 'scratch' starts from random weights; unset it or use 'full'")
+    model = PoseModel(
+        create_backbone(cfg.backbone),
+        tuple(input_size),  # type: ignore[arg-type]
+        scenario=cfg.scenario,
+        split_factor=cfg.split_factor,
+        label_sigma=cfg.label_sigma,
+        head_hidden=cfg.head_hidden,
+        backbone_name=cfg.backbone,
+    )
+    if cfg.init_checkpoint is not None:
+        load_init_weights(model, cfg.init_checkpoint)
+    elif cfg.scenario == "finetune":
+        warnings.warn(
+            "model.scenario 'finetune' without model.init_checkpoint: the frozen stages keep random weights",
+            stacklevel=2,
+        )
+    model.train_mode()
+    return model
+
+
+def build_model_from_spec(spec: dict[str, Any], scenario: str | None = None) -> PoseModel:
+    """Rebuild the architecture recorded in a checkpoint's ``model_spec`` (weights not loaded)."""
+    model = PoseModel(
+        create_backbone(spec["backbone"]),
+        tuple(spec["input_size"]),  # type: ignore[arg-type]
+        scenario=scenario or spec["scenario"],
+        split_factor=int(spec["split_factor"]),
+        label_sigma=float(spec["label_sigma"]),
+        head_hidden=int(spec["head_hidden"]),
+        backbone_name=spec["backbone"],
+    )
+    model.train_mode()
+    return model
+
+
+def model_from_checkpoint(path: str | Path) -> tuple[PoseModel, dict[str, Any]]:
+    """(model with the checkpoint's weights, the checkpoint dict)."""
+    checkpoint = load_checkpoint(path)
+    model = build_model_from_spec(checkpoint["model_spec"])
+    model.load_state_dict(checkpoint["model"])
+    return model, checkpoint
+
+
+__all__ = [
+    "CheckpointError", "PoseModel", "SimCCCodec", "SimCCHead", "available_backbones", "build_model",
+    "build_model_from_spec", "create_backbone", "load_checkpoint", "load_init_weights",
+    "model_from_checkpoint", "save_checkpoint",
+]

@@ -1,0 +1,169 @@
+"""Checkpoints: one ``torch.save`` file written atomically, loadable with ``weights_only=True``.
+
+A fedpose checkpoint is a dict::
+
+    {"format": "fedpose-checkpoint", "version": 1,
+     "model_spec": {backbone, scenario, input_size, split_factor, label_sigma, head_hidden},
+     "model": state_dict, "optimizer": state_dict | None, "scheduler": state_dict | None,
+     "config": the run's config as plain data | None, "metrics": list/dict | None, "step": int,
+     "rng": {"torch": ByteTensor, "python": tuple, "numpy": tuple}, "extra": dict}
+
+``load_init_weights`` starts a model from either a fedpose checkpoint or a timm TinyViT state
+dict (e.g. ImageNet weights someone copied onto the machine); nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from fedpose.io import atomic_write
+
+CHECKPOINT_FORMAT = "fedpose-checkpoint"
+CHECKPOINT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or weights file is missing, unreadable or does not fit the model."""
+
+
+def model_spec(model: nn.Module) -> dict[str, Any]:
+    """What :func:`fedpose.model.build_model_from_spec` needs to rebuild ``model``'s architecture."""
+    return {
+        "backbone": model.backbone_name,
+        "scenario": model.scenario,
+        "input_size": list(model.input_size),
+        "split_factor": model.split_factor,
+        "label_sigma": model.codec.sigma,
+        "head_hidden": model.head.cls_x.in_features if not isinstance(model.head.mlp, nn.Identity) else 0,
+    }
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+    }
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, keys, *rest = state["python"]
+    random.setstate((version, tuple(keys), *rest))
+    name, np_keys, *np_rest = state["numpy"]
+    np.random.set_state((name, np_keys.numpy().astype(np.uint32), *np_rest))
+
+
+def _plain(config: Any) -> Any:
+    if config is None:
+        return None
+    if hasattr(config, "model_dump"):
+        return config.model_dump(mode="json")
+    return config
+
+
+def save_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    config: Any = None,
+    metrics: Any = None,
+    step: int = 0,
+    scheduler: Any = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write a checkpoint atomically (a crash leaves the previous file intact)."""
+    payload = {
+        "format": CHECKPOINT_FORMAT,
+        "version": CHECKPOINT_VERSION,
+        "model_spec": model_spec(model),
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "config": _plain(config),
+        "metrics": metrics,
+        "step": int(step),
+        "rng": rng_state(),
+        "extra": extra or {},
+    }
+    path = Path(path)
+    atomic_write(path, lambda fh: torch.save(payload, fh))
+    return path
+
+
+def _torch_load(path: Path) -> Any:
+    if not path.exists():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises several types for corrupt / foreign files
+        raise CheckpointError(f"{path}: not a readable torch checkpoint ({exc})") from exc
+
+
+def is_fedpose_checkpoint(obj: Any) -> bool:
+    return isinstance(obj, dict) and obj.get("format") == CHECKPOINT_FORMAT
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Read a fedpose checkpoint (CPU tensors); raises CheckpointError for anything else."""
+    path = Path(path)
+    obj = _torch_load(path)
+    if not is_fedpose_checkpoint(obj):
+        raise CheckpointError(f"{path}: not a fedpose checkpoint (use model.init_checkpoint for timm weights)")
+    if obj.get("version") != CHECKPOINT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint version {obj.get('version')} not supported")
+    return obj
+
+
+def _timm_backbone_state(raw: dict[str, Any], model: nn.Module) -> dict[str, torch.Tensor]:
+    """timm TinyViT state dict → our ``backbone.*`` keys; drops the ImageNet classifier and the
+    derived ``attention_bias_idxs``; resizes bias tables whose window differs (timm's filter)."""
+    from timm.models.tiny_vit import checkpoint_filter_fn
+
+    for wrapper in ("model", "state_dict"):
+        if wrapper in raw and isinstance(raw[wrapper], dict):
+            raw = raw[wrapper]
+    backbone_only = {k: v for k, v in raw.items() if not k.startswith("head.")}
+    filtered = checkpoint_filter_fn(backbone_only, model.backbone)
+    return {f"backbone.{k}": v for k, v in filtered.items()}
+
+
+def load_init_weights(model: nn.Module, path: str | Path) -> dict[str, list[str]]:
+    """Initialise ``model`` from a fedpose checkpoint or a timm TinyViT state dict.
+
+    Tensors whose shapes fit are copied; the SimCC head is skipped when it was built for a
+    different input size. Returns {"loaded": [...], "skipped": [...]} (key names). Raises
+    CheckpointError when nothing of the backbone matches (wrong file or wrong backbone).
+    """
+    path = Path(path)
+    raw = _torch_load(path)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path}: expected a state dict or a fedpose checkpoint, got {type(raw).__name__}")
+    source = raw["model"] if is_fedpose_checkpoint(raw) else _timm_backbone_state(raw, model)
+    target = model.state_dict()
+    loaded, skipped = [], []
+    for key, value in source.items():
+        if key.endswith("attention_bias_idxs"):
+            continue  # derived from the window size, rebuilt by the model
+        if key in target and target[key].shape == value.shape:
+            target[key] = value
+            loaded.append(key)
+        else:
+            skipped.append(key)
+    backbone_keys = [k for k in target if k.startswith("backbone.") and not k.endswith("attention_bias_idxs")]
+    matched = sum(1 for k in loaded if k.startswith("backbone."))
+    if matched < len(backbone_keys):
+        missing = [k for k in backbone_keys if k not in set(loaded)]
+        raise CheckpointError(
+            f"{path}: does not fit backbone '{model.backbone_name}' "
+            f"({len(missing)} of {len(backbone_keys)} backbone tensors missing or mis-shaped, e.g. {missing[:3]})"
+        )
+    model.load_state_dict(target)
+    return {"loaded": loaded, "skipped": skipped}

@@ -1,0 +1,190 @@
+"""TinyViT + SimCC pose model with DP-friendly training scenarios.
+
+Scenarios (paper 001, §4.1):
+
+- ``finetune``: stages 0–2 frozen; stage 3, every LayerNorm and the SimCC head trainable.
+- ``full``: everything trainable, starting from ``model.init_checkpoint``.
+- ``scratch``: everything trainable, random initialisation.
+
+BatchNorm is frozen in every scenario: its modules always run in eval mode (running statistics,
+never batch statistics — batch statistics would mix samples and break per-sample DP). Its
+affine parameters stay trainable where the scenario trains that part of the network.
+Never call ``model.eval()`` to get this: TinyViT's attention then caches its indexed biases,
+which breaks the second backward pass and silently zeroes ``attention_biases`` gradients under
+``torch.func`` (see shared/FACTS.md). :meth:`PoseModel.train` keeps BatchNorm in eval mode.
+
+The network is a chain of units (patch embedding, stage 0, then each later stage's downsample
+and its blocks). The longest prefix of units without trainable parameters is the *frozen
+prefix*: :meth:`forward_frozen` runs it (callers wrap it in ``torch.no_grad``), and
+:meth:`forward_trainable` runs the rest — a pure function of parameters and buffers, used with
+``torch.func.functional_call`` + ``vmap`` for per-sample gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Literal
+
+from timm.models.tiny_vit import TinyVit
+from torch import Tensor, nn
+
+from fedpose.joints import NUM_JOINTS
+from fedpose.model.simcc import SimCCCodec, SimCCHead
+
+Scenario = Literal["finetune", "full", "scratch"]
+FEATURE_STRIDE = 32
+
+
+def _is_layer_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.LayerNorm)  # includes timm LayerNorm2d
+
+
+def _is_batch_norm(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+
+class _StageBlocks(nn.Module):
+    """A TinyViT stage's blocks as one unit (they work channels-last; the chain is channels-first)."""
+
+    def __init__(self, blocks: nn.Module) -> None:
+        super().__init__()
+        self.blocks = blocks
+
+    def forward(self, x: Tensor) -> Tensor:
+        # .contiguous() is load-bearing: with a permuted (non-contiguous) input, torch 2.15's
+        # vmap(grad(...)) returned per-sample gradients off by ~100 % relative error once the
+        # SimCC head followed (plain autograd was right). tests/test_model.py checks vmap == loop.
+        return self.blocks(x.permute(0, 2, 3, 1).contiguous()).permute(0, 3, 1, 2)
+
+
+class PoseModel(nn.Module):
+    def __init__(
+        self,
+        backbone: TinyVit,
+        input_size: tuple[int, int],
+        scenario: Scenario = "finetune",
+        split_factor: int = 2,
+        label_sigma: float = 6.0,
+        head_hidden: int = 256,
+        backbone_name: str = "",
+    ) -> None:
+        super().__init__()
+        height, width = input_size
+        if height % FEATURE_STRIDE or width % FEATURE_STRIDE:
+            raise ValueError(f"input size must be multiples of {FEATURE_STRIDE}, got {input_size}")
+        self.input_size = (int(height), int(width))
+        self.scenario: Scenario = scenario
+        self.split_factor = split_factor
+        self.backbone_name = backbone_name
+        self.codec = SimCCCodec(self.input_size, split_factor, label_sigma)
+        self.backbone = backbone
+        self.head = SimCCHead(
+            backbone.num_features,
+            (height // FEATURE_STRIDE, width // FEATURE_STRIDE),
+            NUM_JOINTS,
+            self.codec.bins,
+            hidden=head_hidden,
+        )
+        self._units = self._build_units()
+        self.set_scenario(scenario)
+
+    # ----------------------------------------------------------------- structure
+    def _build_units(self) -> list[tuple[str, nn.Module]]:
+        """(name prefix, module) in execution order; every backbone parameter lives in one unit."""
+        stages = self.backbone.stages
+        units: list[tuple[str, nn.Module]] = [("backbone.patch_embed", self.backbone.patch_embed), ("backbone.stages.0", stages[0])]
+        for index in range(1, len(stages)):
+            units.append((f"backbone.stages.{index}.downsample", stages[index].downsample))
+            units.append((f"backbone.stages.{index}.blocks", _StageBlocks(stages[index].blocks)))
+        return units
+
+    def set_scenario(self, scenario: Scenario) -> None:
+        """Set ``requires_grad`` for the scenario and recompute the frozen prefix."""
+        if scenario not in ("finetune", "full", "scratch"):
+            raise ValueError(f"model.scenario must be finetune, full or scratch, got {scenario!r}")
+        self.scenario = scenario
+        last_stage = f"backbone.stages.{len(self.backbone.stages) - 1}."
+        layer_norm_params = {
+            f"{name}.{pname}" if name else pname
+            for name, module in self.named_modules() if _is_layer_norm(module)
+            for pname, _ in module.named_parameters(recurse=False)
+        }
+        for name, param in self.named_parameters():
+            if scenario == "finetune":
+                param.requires_grad_(
+                    name.startswith(last_stage) or name.startswith("head.") or name in layer_norm_params
+                )
+            else:
+                param.requires_grad_(True)
+        self._frozen_units = 0
+        for _, unit in self._units:
+            if any(p.requires_grad for p in unit.parameters()):
+                break
+            self._frozen_units += 1
+
+    @property
+    def frozen_prefix(self) -> list[str]:
+        """Names of the units :meth:`forward_frozen` runs."""
+        return [name for name, _ in self._units[: self._frozen_units]]
+
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        return {name: p for name, p in self.named_parameters() if p.requires_grad}
+
+    def num_trainable(self) -> int:
+        return sum(p.numel() for p in self.trainable_parameters().values())
+
+    # ------------------------------------------------------------------ modes
+    def train(self, mode: bool = True) -> "PoseModel":
+        """Like ``nn.Module.train`` but BatchNorm always stays in eval mode (frozen statistics)."""
+        super().train(mode)
+        for module in self.modules():
+            if _is_batch_norm(module):
+                module.eval()
+        return self
+
+    def train_mode(self) -> "PoseModel":
+        """Training mode for every module except BatchNorm (see the module docstring)."""
+        return self.train(True)
+
+    # --------------------------------------------------------------- forward
+    def _run(self, units: list[tuple[str, nn.Module]], x: Tensor) -> Tensor:
+        for _, unit in units:
+            x = unit(x)
+        return x
+
+    def forward_frozen(self, images: Tensor) -> Tensor:
+        """The parameter-free-to-train prefix (identity when nothing is frozen). Run it under no_grad."""
+        return self._run(self._units[: self._frozen_units], images)
+
+    def forward_trainable(self, features: Tensor) -> tuple[Tensor, Tensor]:
+        """Everything after the frozen prefix → (logits_x (B, J, W·k), logits_y (B, J, H·k))."""
+        return self.head(self._run(self._units[self._frozen_units:], features))
+
+    def forward(self, images: Tensor, from_features: bool = False) -> tuple[Tensor, Tensor]:
+        """Full forward. ``from_features=True``: ``images`` is already ``forward_frozen``'s output,
+        so ``torch.func.functional_call(model, params, (features,), {"from_features": True})``
+        is the functional form of :meth:`forward_trainable`."""
+        if from_features:
+            return self.forward_trainable(images)
+        return self.forward_trainable(self.forward_frozen(images))
+
+    # --------------------------------------------------------- loss / decode
+    def loss(self, logits_x: Tensor, logits_y: Tensor, joints: Tensor, weight: Tensor) -> Tensor:
+        """Per-sample SimCC KL loss (B,), see :meth:`SimCCCodec.loss`."""
+        return self.codec.loss(logits_x, logits_y, joints, weight)
+
+    def decode(self, logits_x: Tensor, logits_y: Tensor, refine: bool = True) -> tuple[Tensor, Tensor]:
+        """→ (coords (B, J, 2) in input pixels, confidence (B, J))."""
+        return self.codec.decode(logits_x, logits_y, refine=refine)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "backbone": self.backbone_name,
+            "scenario": self.scenario,
+            "input_size": list(self.input_size),
+            "split_factor": self.split_factor,
+            "trainable_parameters": self.num_trainable(),
+            "total_parameters": sum(p.numel() for p in self.parameters()),
+            "frozen_prefix": self.frozen_prefix,
+        }
+
+
