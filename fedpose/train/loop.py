@@ -1,0 +1,82 @@
+"""The inner training loop shared by central training, federated sites and benchmarks.
+
+The gradient engine (:mod:`fedpose.privacy.engine`) owns batching and gradients — plain
+autograd for mechanism "none", clipped + noised per-sample gradients for the DP mechanisms —
+so this loop is the same for every mechanism::
+
+    for each step: batch = next(batches); engine.step(model, batch) sets .grad;
+                   optimizer.step(); scheduler.step()
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils.data import Dataset
+
+from fedpose.train.evaluate import evaluate
+
+StepCallback = Callable[[int, dict[str, Any]], None]
+
+
+def train_steps(
+    model: Any,
+    engine: Any,
+    dataset: Dataset,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    scheduler: Any = None,
+    on_step: StepCallback | None = None,
+    progress: bool = True,
+    batches: Iterator[dict] | None = None,
+    first_step: int = 0,
+    description: str = "train",
+) -> list[dict[str, Any]]:
+    """Run ``steps`` optimizer steps; returns one metrics dict per step.
+
+    ``batches`` lets a caller keep one batch stream across several calls (central training
+    validates between calls; a fresh ``engine.batches(dataset)`` would restart the epoch).
+    ``first_step`` only numbers the records (``"step"`` = first_step + i + 1). ``on_step(step,
+    record)`` is called after each optimizer step (checkpointing, logging).
+    """
+    if steps < 0:
+        raise ValueError(f"steps must be >= 0, got {steps}")
+    if batches is None:
+        batches = engine.batches(dataset)
+    model.train_mode()
+    history: list[dict[str, Any]] = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc=description, initial=0, dynamic_ncols=True, leave=False)
+    try:
+        for i in range(steps):
+            started = time.perf_counter()
+            batch = next(batches)
+            optimizer.zero_grad(set_to_none=True)
+            metrics = engine.step(model, batch)
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+            record: dict[str, Any] = {"step": first_step + i + 1}
+            record.update({k: float(v) for k, v in metrics.items()})
+            record["lr"] = float(optimizer.param_groups[0]["lr"])
+            record["seconds"] = time.perf_counter() - started
+            history.append(record)
+            if bar is not None:
+                loss = record.get("loss", math.nan)
+                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}", refresh=False)
+                bar.update(1)
+            if on_step is not None:
+                on_step(record["step"], record)
+    finally:
+        if bar is not None:
+            bar.close()
+    return history
+
+
+__all__ = ["StepCallback", "evaluate", "train_steps"]
