@@ -19,6 +19,7 @@ from fedpose.federation.basis_transport import (
     decode,
     encode_full,
     make_recipe,
+    public_gradient_fn,
     receive_basis,
     weights_digest,
 )
@@ -169,3 +170,44 @@ def test_coordinator_to_site_round_trip(transport):
     np.testing.assert_allclose(rebuilt, basis, rtol=0, atol=1e-5 * np.abs(basis).max())
     with pytest.raises(BasisTransportError, match="weights"):
         receive_basis(message.arrays, message.config, "another-version", lambda rows: None)
+
+
+def test_matches_the_privacy_engines_basis():
+    """A shipped/rebuilt V equals fedpose.privacy.projection's own basis (sites may mix both)."""
+    from fedpose.privacy.projection import basis_from_gradients as engine_basis
+
+    g = np.random.default_rng(8).standard_normal((M, 5000)).astype(np.float32)
+    ours, _ = basis_from_gradients(g, K)
+    theirs, _ = engine_basis(torch.from_numpy(g), K)
+    np.testing.assert_allclose(ours, theirs.numpy(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow  # ~10 s of CPU (real model per-sample gradients); longer on a loaded machine
+def test_compact_recipe_on_the_pose_model_and_real_public_images():
+    """End to end on the real PoseModel (tiny_vit_test) and real MPII crops as the public set."""
+    from pathlib import Path
+
+    from fedpose.config import ModelConfig
+    from fedpose.data.dataset import PoseDataset, load_records
+    from fedpose.model import build_model
+
+    records, root = load_records(Path(__file__).resolve().parents[2] / "shared" / "data" / "mpii-real")
+    public = PoseDataset(records, root, input_size=(64, 64), train=False)
+    torch.manual_seed(0)
+    coordinator_model = build_model(ModelConfig(backbone="tiny_vit_test", scenario="full"), (64, 64))
+    coordinator_model.train_mode()
+    state = {k: v.detach().numpy().copy() for k, v in coordinator_model.state_dict().items()}
+    ids = choose_public_ids(len(public), 4, seed=0, version=1)
+    basis, message = build_basis_message(
+        public_gradient_fn(coordinator_model, public, chunk_size=4), ids, 3, 1, weights_digest(state), "compact", public_set="mpii-real"
+    )
+    assert basis.shape[1] == 3 and message.nbytes < 1024
+
+    torch.manual_seed(1)  # the site builds its own model object and loads the global weights
+    site_model = build_model(ModelConfig(backbone="tiny_vit_test", scenario="full"), (64, 64))
+    site_model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+    site_model.train_mode()
+    rebuilt = receive_basis(message.arrays, message.config, weights_digest(state),
+                            public_gradient_fn(site_model, public, chunk_size=2), public_set="mpii-real")
+    np.testing.assert_allclose(rebuilt, basis, rtol=0, atol=1e-4 * np.abs(basis).max())
+    np.testing.assert_allclose(rebuilt.T @ rebuilt, np.eye(3), atol=1e-4)

@@ -66,7 +66,7 @@ def _as_numpy(matrix: Any) -> np.ndarray:
     return np.asarray(matrix)
 
 
-def basis_mixing(public_gradients: Any, k: int, rel_tolerance: float = 1e-10) -> np.ndarray:
+def basis_mixing(public_gradients: Any, k: int, rel_tolerance: float = 1e-7) -> np.ndarray:
     """The m×k' mixing matrix U_k Λ_k^-½ (float32) from G (m×p); k' = min(k, numerical rank of G)."""
     import torch  # torch's BLAS: ~10x faster than numpy's here for m×p products with p in the millions
 
@@ -92,13 +92,21 @@ def basis_mixing(public_gradients: Any, k: int, rel_tolerance: float = 1e-10) ->
 
 
 def apply_mixing(public_gradients: Any, mixing: np.ndarray) -> np.ndarray:
-    """V = Gᵀ · mix (p×k, float32). Coordinator and sites both build V with this one function."""
+    """V = Gᵀ · mix, then a sign-fixed QR pass (p×k, float32, orthonormal columns).
+
+    Coordinator and sites both build V with this one function. The QR pass restores the
+    orthonormality float32 round-off loses in small-eigenvalue directions without changing the
+    column space — the same final step as :func:`fedpose.privacy.projection.basis_from_gradients`,
+    so a shipped or rebuilt V matches the one a site would compute itself.
+    """
     import torch
 
     g = torch.as_tensor(_as_numpy(public_gradients)).to(torch.float32)
     if g.shape[0] != mixing.shape[0]:
         raise BasisTransportError(f"recipe mixes {mixing.shape[0]} public gradients, got {g.shape[0]}")
-    return (g.T @ torch.as_tensor(np.ascontiguousarray(mixing, dtype=np.float32))).contiguous().numpy()
+    v = g.T @ torch.as_tensor(np.ascontiguousarray(mixing, dtype=np.float32))
+    q, r = torch.linalg.qr(v)
+    return (q * torch.sign(torch.diagonal(r)).unsqueeze(0)).contiguous().numpy()
 
 
 def basis_from_gradients(public_gradients: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -234,6 +242,29 @@ def decode(message_arrays: Mapping[str, np.ndarray], config: Mapping[str, Any]) 
 #: ``public_gradients(ids) -> G``: m×p per-sample gradients of the public loss at the current
 #: weights, one row per id, in the given order (deterministic: no augmentation, no dropout).
 PublicGradientFn = Callable[[Sequence[int]], Any]
+
+
+def public_gradient_fn(model: Any, public_dataset: Any, chunk_size: int = 16) -> PublicGradientFn:
+    """``ids -> G``: unclipped per-sample gradients of ``model``'s trainable parameters on public samples.
+
+    Uses the privacy engine's own gradient code (:func:`fedpose.privacy.per_sample.gradient_matrix`)
+    so the coordinator and every site compute G identically. ``public_dataset`` must be
+    deterministic (``PoseDataset(..., train=False)``: no augmentation); ``model`` must be in
+    ``train_mode()`` (BatchNorm frozen) at the weights named in the recipe.
+    """
+    import torch
+
+    from fedpose.privacy.engine import collate
+    from fedpose.privacy.per_sample import frozen_features, gradient_matrix
+
+    def gradients(ids: Sequence[int]) -> np.ndarray:
+        batch = collate([public_dataset[int(i)] for i in ids])
+        features = frozen_features(model, batch["image"])
+        with torch.enable_grad():
+            g = gradient_matrix(model, features, batch["joints"], batch["weight"], chunk_size)
+        return g.numpy()
+
+    return gradients
 
 
 def choose_public_ids(public_set_size: int, m: int, seed: int, version: int) -> list[int]:
