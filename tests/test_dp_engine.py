@@ -1,0 +1,300 @@
+"""DP-SGD engine: exact per-sample gradients and clipping, noise statistics, Poisson sampling,
+calibration, public-view mechanisms (FDP / MaskDP), and the privacy report."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from fedpose.config import ModelConfig, PrivacyConfig
+from fedpose.model import build_model
+from fedpose.privacy import engine as engine_module
+from fedpose.privacy.accountant import epsilon_for
+from fedpose.privacy.engine import build_engine
+from fedpose.privacy.noise import SecureNoise
+from fedpose.privacy.per_sample import (
+    clip_factors,
+    clipped_gradient_sum,
+    flatten,
+    frozen_features,
+    mean_gradient,
+    per_sample_gradients,
+    per_sample_norms,
+)
+from fedpose.privacy.public_views import gaussian_blur, mask_boxes
+
+SIZE = (64, 64)
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def make_model(backbone: str = "tiny_vit_test", size: tuple[int, int] = SIZE, seed: int = 0):
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 'finetune without init_checkpoint'
+        return build_model(ModelConfig(backbone=backbone), size)
+
+
+class TensorPoseSet(torch.utils.data.Dataset):
+    """Deterministic random samples with the PoseDataset keys the engine reads."""
+
+    def __init__(self, n: int, size: tuple[int, int] = SIZE, offset: int = 0) -> None:
+        self.n, self.size, self.offset = n, size, offset
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        g = torch.Generator().manual_seed(self.offset + i)
+        h, w = self.size
+        return {
+            "image": torch.randn(3, h, w, generator=g),
+            "joints": torch.rand(16, 2, generator=g) * torch.tensor([w, h]),
+            "weight": (torch.rand(16, generator=g) > 0.2).float(),
+            "index": i,
+            "face_box": torch.tensor([w * 0.3, h * 0.1, w * 0.6, h * 0.35]),
+        }
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+def batch_of(dataset, ids) -> dict:
+    return engine_module.collate([dataset[i] for i in ids])
+
+
+def loop_gradients(model, features, joints, weight) -> list[torch.Tensor]:
+    params = list(model.trainable_parameters().values())
+    out = []
+    for i in range(features.shape[0]):
+        lx, ly = model.forward_trainable(features[i: i + 1])
+        loss = model.loss(lx, ly, joints[i: i + 1], weight[i: i + 1]).sum()
+        out.append(flatten(list(torch.autograd.grad(loss, params))))
+    return out
+
+
+def assert_per_sample_matches_loop(model, batch) -> None:
+    features = frozen_features(model, batch["image"])
+    grads, losses = per_sample_gradients(model, features, batch["joints"], batch["weight"])
+    for i, reference in enumerate(loop_gradients(model, features, batch["joints"], batch["weight"])):
+        ours = flatten([g[i] for g in grads.values()])
+        assert (ours - reference).norm() / reference.norm() <= 1e-4
+
+
+def test_per_sample_gradients_equal_a_loop_test_backbone(model) -> None:
+    assert_per_sample_matches_loop(model, batch_of(TensorPoseSet(4), range(4)))
+
+
+@pytest.mark.slow
+def test_per_sample_gradients_equal_a_loop_real_tinyvit() -> None:
+    real = make_model("tiny_vit_5m_224", (128, 96))
+    assert real.num_trainable() > 2_000_000  # stage 3 + LayerNorms + head of the real TinyViT-5M
+    assert_per_sample_matches_loop(real, batch_of(TensorPoseSet(2, (128, 96)), range(2)))
+
+
+def test_every_sample_is_clipped_and_the_sum_is_exact(model) -> None:
+    batch = batch_of(TensorPoseSet(5), range(5))
+    features = frozen_features(model, batch["image"])
+    grads, _ = per_sample_gradients(model, features, batch["joints"], batch["weight"])
+    norms = per_sample_norms(grads)
+    clip = float(norms.min()) * 0.5  # every sample is above the bound
+    clipped_norms = norms * clip_factors(norms, clip)
+    assert torch.all(clipped_norms <= clip * (1 + 1e-5))
+    # a bound above every norm leaves the gradients alone
+    assert torch.equal(clip_factors(norms, float(norms.max()) * 2), torch.ones_like(norms))
+
+    total, sum_norms, _ = clipped_gradient_sum(model, features, batch["joints"], batch["weight"], clip, chunk_size=2)
+    expected = sum(g * min(1.0, clip / g.norm().item()) for g in loop_gradients(model, features, batch["joints"], batch["weight"]))
+    assert torch.allclose(sum_norms, norms, rtol=1e-5)
+    assert (total - expected).norm() / expected.norm() <= 1e-4
+    # sensitivity: dropping a record moves the sum by at most C
+    without, _, _ = clipped_gradient_sum(model, features[1:], batch["joints"][1:], batch["weight"][1:], clip)
+    assert (total - without).norm() <= clip * (1 + 1e-4)
+
+
+def dp_config(**kwargs) -> PrivacyConfig:
+    base = {"mechanism": "dpsgd", "noise_multiplier": 1.3, "max_grad_norm": 0.7, "delta": 1e-5}
+    base.update(kwargs)
+    return PrivacyConfig(**base)
+
+
+def test_noise_on_an_empty_batch_is_gaussian_with_std_sigma_c_over_expected_batch(model) -> None:
+    dataset = TensorPoseSet(50)
+    engine = build_engine(dp_config(), model, len(dataset), 5, 10, seed=3)
+    empty = engine_module.collate([], engine_module.collate([dataset[0]]))
+    assert empty["image"].shape == (0, 3, *SIZE)
+    engine.step(model, empty)
+    noise = flatten([p.grad for p in model.trainable_parameters().values()]).double().numpy()
+    expected_std = 1.3 * 0.7 / 5  # σC / (qN)
+    n = noise.size
+    # chi-square: n·s²/σ² ~ χ²(n); accept within the central 99.9%
+    statistic = float((noise**2).sum() / expected_std**2)
+    assert stats.chi2.ppf(0.0005, n) < statistic < stats.chi2.ppf(0.9995, n)
+    assert abs(noise.mean()) < 4 * expected_std / math.sqrt(n)
+    assert stats.kstest(noise / expected_std, "norm").pvalue > 1e-3
+    assert engine.accountant.steps == 1  # an empty step is still a release
+
+
+def test_noise_on_a_real_batch_is_the_difference_to_the_noise_free_gradient(model) -> None:
+    dataset = TensorPoseSet(20)
+    batch = batch_of(dataset, range(4))
+    grads = {}
+    for sigma in (0.0, 2.0):
+        engine = build_engine(dp_config(noise_multiplier=sigma), model, len(dataset), 4, 10, seed=11)
+        engine.step(model, batch)
+        grads[sigma] = flatten([p.grad for p in model.trainable_parameters().values()]).double()
+    noise = ((grads[2.0] - grads[0.0]) / (2.0 * 0.7 / 4)).numpy()
+    assert stats.kstest(noise, "norm").pvalue > 1e-3
+    assert 0.98 < noise.std() < 1.02
+
+
+def test_secure_noise_is_standard_normal_and_unseeded() -> None:
+    source = SecureNoise()
+    a, b = source.normal(200_000, 2.0).double().numpy(), source.normal(200_000, 2.0).double().numpy()
+    assert stats.kstest(a / 2.0, "norm").pvalue > 1e-3
+    assert not np.array_equal(a, b)
+    u = source.uniform(100_000).numpy()
+    assert 0 <= u.min() and u.max() < 1 and stats.kstest(u, "uniform").pvalue > 1e-3
+
+
+def test_seeded_engine_is_reproducible(model) -> None:
+    dataset = TensorPoseSet(30)
+    results = []
+    for _ in range(2):
+        engine = build_engine(dp_config(), model, len(dataset), 6, 10, seed=5)
+        batch = next(engine.batches(dataset))
+        engine.step(model, batch)
+        results.append((batch["index"].tolist(), flatten([p.grad for p in model.trainable_parameters().values()])))
+    assert results[0][0] == results[1][0]
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_poisson_sampling_rate_and_empty_batches(model) -> None:
+    dataset = TensorPoseSet(40)
+    engine = build_engine(dp_config(), model, len(dataset), 2, 10, seed=0)  # q = 0.05
+    sizes = []
+    membership = np.zeros(40)
+    for _, batch in zip(range(400), engine.batches(dataset)):
+        sizes.append(batch["image"].shape[0])
+        membership[batch["index"].numpy()] += 1
+    sizes = np.array(sizes)
+    assert abs(sizes.mean() - 2.0) < 4 * math.sqrt(40 * 0.05 * 0.95 / 400)
+    assert (sizes == 0).sum() > 0  # P(empty) = 0.95^40 ≈ 0.13
+    # every record is included independently at rate q
+    assert stats.chisquare(membership).pvalue > 1e-4
+
+
+def test_non_private_engine_matches_autograd_and_covers_each_epoch(model) -> None:
+    dataset = TensorPoseSet(12)
+    engine = build_engine(PrivacyConfig(), model, len(dataset), 4, 10, seed=0)
+    assert engine.accountant is None
+    seen = []
+    for _, batch in zip(range(3), engine.batches(dataset)):
+        seen += batch["index"].tolist()
+    assert sorted(seen) == list(range(12))
+    engine.step(model, batch)
+    features = frozen_features(model, batch["image"])
+    expected, _ = mean_gradient(model, features, batch["joints"], batch["weight"])
+    assert torch.allclose(flatten([p.grad for p in model.trainable_parameters().values()]), expected)
+    report = engine.privacy_report()
+    assert report["guarantee"] == "none" and report["epsilon"] is None
+
+
+def test_target_epsilon_calibration_never_overspends(model) -> None:
+    dataset = TensorPoseSet(25)
+    cfg = dp_config(noise_multiplier=None, target_epsilon=0.8, delta=4e-5)
+    engine = build_engine(cfg, model, len(dataset), 5, 12, seed=0)
+    empty = engine_module.collate([], engine_module.collate([dataset[0]]))
+    for _ in range(12):  # the ledger counts steps whatever their batch; empty ones keep this fast
+        engine.step(model, empty)
+    report = engine.privacy_report()
+    assert report["epsilon"] <= 0.8 and report["planned_epsilon"] == pytest.approx(report["epsilon"])
+    assert report["epsilon"] == pytest.approx(epsilon_for(engine.noise_multiplier, 0.2, 12, 4e-5)[0])
+    assert report["epsilon_text"].endswith("(DP, δ = 4e-05, RDP)")
+    json.dumps(report, allow_nan=False)  # privacy.json is strict JSON
+    assert report["accountant_state"]["history"] == [{"noise_multiplier": engine.noise_multiplier, "sample_rate": 0.2, "steps": 12}]
+
+
+def test_invalid_engine_arguments_are_named() -> None:
+    model = make_model()
+    with pytest.raises(ValueError, match="sampling rate"):
+        build_engine(dp_config(), model, 3, 8, 10)
+    with pytest.raises(ValueError, match="empty"):
+        build_engine(dp_config(), model, 0, 1, 10)
+    with pytest.raises(ValueError, match="public"):
+        engine = build_engine(dp_config(mechanism="pdp"), model, 10, 2, 10)
+        engine.step(model, batch_of(TensorPoseSet(10), range(2)))
+
+
+class RecordingPrefix:
+    """Wraps model.forward_frozen to record exactly which images enter the network."""
+
+    def __init__(self, model) -> None:
+        self.model, self.inputs = model, []
+        self.original = model.forward_frozen
+
+    def __enter__(self):
+        def record(images):
+            self.inputs.append(images.detach().clone())
+            return self.original(images)
+        self.model.forward_frozen = record
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.model.forward_frozen  # back to the class method
+
+
+def test_fdp_public_path_sees_only_the_blurred_image(model) -> None:
+    dataset = TensorPoseSet(10)
+    batch = batch_of(dataset, range(3))
+    cfg = dp_config(mechanism="fdp", noise_multiplier=0.0, max_grad_norm=1e-9, blur={"kernel_size": 9, "sigma": 2.0})
+    engine = build_engine(cfg, model, len(dataset), 3, 10)
+    with RecordingPrefix(model) as rec:
+        engine.step(model, batch)
+    (inputs,) = rec.inputs  # one frozen forward for x and ψ(x) together
+    blurred = gaussian_blur(batch["image"], 9, 2.0)
+    assert torch.equal(inputs[:3], batch["image"]) and torch.allclose(inputs[3:], blurred)
+    # With C → 0 and σ = 0 the private part vanishes: what is left is the public gradient, which
+    # must be the plain mean gradient on ψ(x) — not on x.
+    gradient = flatten([p.grad for p in model.trainable_parameters().values()])
+    on_blur, _ = mean_gradient(model, frozen_features(model, blurred), batch["joints"], batch["weight"])
+    on_raw, _ = mean_gradient(model, frozen_features(model, batch["image"]), batch["joints"], batch["weight"])
+    assert (gradient - on_blur).norm() <= 1e-4 * on_blur.norm()
+    assert (gradient - on_raw).norm() > 1e-2 * on_raw.norm()
+    assert engine.privacy_report()["guarantee"] == "FDP"
+
+
+def test_maskdp_public_input_has_no_private_region_pixels_real_mpii(model) -> None:
+    from fedpose.data.dataset import PoseDataset
+    from fedpose.data.loaders import load_records
+
+    records, root = load_records(SHARED_DATA / "mpii-real")
+    dataset = PoseDataset(records, root, input_size=SIZE, train=False)
+    batch = engine_module.collate([dataset[i] for i in range(len(dataset))])
+    cfg = dp_config(mechanism="maskdp", mask={"region": "head", "margin": 0.1, "fill": "mean"})
+    engine = build_engine(cfg, model, len(dataset), 2, 10)
+    with RecordingPrefix(model) as rec:
+        engine.step(model, batch)
+    (inputs,) = rec.inputs
+    size = len(dataset)
+    public = inputs[size:]
+    assert torch.equal(public, mask_boxes(batch["image"], batch["face_box"], 0.1, "mean"))
+    # The private box itself (from the real head annotation) is entirely filled in the public input.
+    for i, (x1, y1, x2, y2) in enumerate(batch["face_box"].tolist()):
+        assert x2 > x1 and y2 > y1
+        inside = public[i, :, max(0, math.floor(y1)): math.ceil(y2), max(0, math.floor(x1)): math.ceil(x2)]
+        assert inside.numel() > 0 and torch.all(inside == 0)
+    # Changing pixels inside the box cannot change the public input.
+    altered = dict(batch, image=batch["image"].clone())
+    x1, y1, x2, y2 = batch["face_box"][0].tolist()
+    altered["image"][0, :, math.floor(y1): math.ceil(y2), math.floor(x1): math.ceil(x2)] += 5.0
+    assert torch.equal(mask_boxes(altered["image"], batch["face_box"], 0.1, "mean"), public)
+    assert engine.privacy_report()["guarantee"] == "MaskDP"
