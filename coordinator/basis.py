@@ -1,10 +1,10 @@
 """Basis service glue: which projection basis (version, message) goes out with a round.
 
 Version = the round the basis was computed in, at that round's global weights; recomputed every
-``coordinator.basis.refresh_every_rounds`` rounds. A compact recipe is only valid at the weights
-it was computed at, so when a site lacking the current version is selected in a later round
-(late join, missed rounds) or after a coordinator restart (the message is not persisted), a new
-version is computed for this round instead of shipping a stale recipe.
+``coordinator.basis.refresh_every_rounds`` rounds. A basis message is bound to the weights it was
+computed at (sites check the digest; a compact recipe can only be rebuilt there), so when a site
+lacking the current version is selected in a later round (late join, missed rounds) or after a
+coordinator restart (the message is not persisted), a new version is computed for this round.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def basis_for_round(coordinator: Any, round_id: int, selected_sites: list[str | 
     lacking = any(site is None or state.site_basis.get(site) != current for site in selected_sites)
     refresh = current < 0 or round_id - current >= cfg.basis.refresh_every_rounds
     refresh = refresh or coordinator.basis_message is None
-    refresh = refresh or (cfg.basis.transport == "compact" and lacking and current != round_id)
+    refresh = refresh or (lacking and current != round_id)
     if refresh:
         from fedpose.federation.public_basis import compute_basis
 

@@ -81,16 +81,20 @@ def flower_env(**extra: str) -> dict[str, str]:
 
 
 def start_deploy(config: Path, run_dir: Path, base_port: int, sites: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    log = (run_dir.parent / f"deploy-{run_dir.name}-{int(time.time() * 1000)}.log").open("w")
-    return subprocess.Popen(
+    log_path = run_dir.parent / f"deploy-{run_dir.name}-{int(time.time() * 1000)}.log"
+    log = log_path.open("w")
+    proc = subprocess.Popen(
         [*FEDPOSE, "deploy", "local", "--sites", str(sites), "--config", str(config), "--run-dir", str(run_dir),
          "--base-port", str(base_port), "--timeout", "400", *extra],
         cwd=REPO, env=env or flower_env(), stdout=log, stderr=subprocess.STDOUT, text=True,
     )
+    log.close()
+    proc.log_path = log_path  # type: ignore[attr-defined]
+    return proc
 
 
 def deploy_output(proc: subprocess.Popen) -> str:
-    return Path(proc.stdout.name).read_text() if proc.stdout else ""  # type: ignore[union-attr]
+    return proc.log_path.read_text()  # type: ignore[attr-defined]
 
 
 def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, poll: float = 1.0) -> Any:

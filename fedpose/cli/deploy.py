@@ -275,6 +275,7 @@ def _handle(args: argparse.Namespace) -> int:
     group = ProcessGroup(run_dir, env)
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     started = time.monotonic()
+    run_id = ""
     try:
         superlink = group.start("superlink", [
             _bin("flower-superlink"), "--ssl-ca-certfile", str(certs / "ca.crt"), "--ssl-certfile", str(certs / "server.crt"),
@@ -313,39 +314,56 @@ def _handle(args: argparse.Namespace) -> int:
         run_id = str(json.loads(out[out.index("{"):])["run-id"])
         print(f"run {run_id} submitted: {args.sites} sites, logs in {run_dir / 'logs'}", flush=True)
         (run_dir / "run_id").write_text(run_id)
-        status = _follow(group, run_id, run_dir, started, args.timeout)
+        status = _follow(group, run_id, run_dir, Path(run_cfg.coordinator.checkpoint_dir), started, args.timeout)
         print(f"run {run_id}: {status}", flush=True)
+        for line in save_coordinator_log(group, run_id, run_dir).splitlines():
+            if line.startswith(("stopping", "resuming", "federation finished", "--resume")) or "rejected update" in line:
+                print(line, flush=True)
         report = Path(run_cfg.coordinator.checkpoint_dir) / "report.json"
         if status != "finished:completed" or not report.exists():
             print(f"fedpose: error: the run did not complete ({status}); see {run_dir / 'logs'}", file=sys.stderr)
             return 1
         print(f"report: {report}", flush=True)
         return 0
+    except KeyboardInterrupt:
+        if run_id:
+            save_coordinator_log(group, run_id, run_dir)
+        raise
     finally:
         group.stop_all()
         signal.signal(signal.SIGTERM, previous)
 
 
-def _follow(group: ProcessGroup, run_id: str, run_dir: Path, started: float, timeout: float | None) -> str:
-    """Stream the coordinator's log lines until the run finishes; return its final status."""
-    log_path = run_dir / "logs" / "coordinator.log"
-    streamer = group.start("coordinator", [_bin("flwr"), "log", run_id, CONNECTION, "--stream"])
+def _follow(group: ProcessGroup, run_id: str, run_dir: Path, history_dir: Path, started: float, timeout: float | None) -> str:
+    """Print each finished round (from the coordinator's history.json) until the run finishes."""
+    from fedpose.federation.report import load_history, round_line
+
     printed = 0
+    while True:
+        time.sleep(2.0)
+        try:
+            rounds = load_history(history_dir)
+        except (OSError, ValueError):
+            rounds = []
+        for entry in rounds[printed:]:
+            print(round_line(entry), flush=True)
+        printed = max(printed, len(rounds))
+        status = run_status(group, run_id)
+        if status.startswith(FINISHED):
+            for entry in load_history(history_dir)[printed:]:
+                print(round_line(entry), flush=True)
+            return status
+        if timeout is not None and time.monotonic() - started > timeout:
+            return f"timeout after {timeout:.0f} s (last status {status})"
+
+
+def save_coordinator_log(group: ProcessGroup, run_id: str, run_dir: Path) -> str:
+    """The ServerApp's output (``flwr log --show``) → logs/coordinator.log; returns it."""
     try:
-        while True:
-            time.sleep(2.0)
-            if log_path.exists():
-                lines = log_path.read_text(errors="replace").splitlines()
-                for line in lines[printed:]:
-                    if line.startswith(("round ", "stopping", "resuming", "report:", "federation finished", "--resume")):
-                        print(line, flush=True)
-                printed = len(lines)
-            status = run_status(group, run_id)
-            if status.startswith(FINISHED):
-                time.sleep(1.0)
-                return status
-            if timeout is not None and time.monotonic() - started > timeout:
-                return f"timeout after {timeout:.0f} s (last status {status})"
-    finally:
-        if streamer.poll() is None:
-            _signal_group(streamer.pid, signal.SIGTERM)
+        result = subprocess.run([_bin("flwr"), "log", run_id, CONNECTION, "--show"], env=group.env, capture_output=True,
+                                text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        return ""
+    text = result.stdout + result.stderr
+    (run_dir / "logs" / "coordinator.log").write_text(text)
+    return text
