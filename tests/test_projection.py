@@ -1,0 +1,130 @@
+"""Public-subspace projection: V orthonormal, projection idempotent, top-k subspace of the public
+gradients, and the basis never sees a private sample."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fedpose.config import PrivacyConfig
+from fedpose.privacy import engine as engine_module
+from fedpose.privacy import projection
+from fedpose.privacy.engine import build_engine
+from fedpose.privacy.per_sample import flatten
+from fedpose.privacy.projection import Basis, ProvenanceError, basis_from_gradients, compute_basis
+
+from test_dp_engine import TensorPoseSet, make_model
+
+
+def projector(v: torch.Tensor) -> torch.Tensor:
+    return v.double() @ v.double().T
+
+
+def test_basis_is_orthonormal_and_spans_the_top_eigenvectors() -> None:
+    torch.manual_seed(0)
+    # public gradients with a clear 6-dimensional signal plus small isotropic noise
+    signal = torch.randn(6, 400) * torch.tensor([10.0, 8, 6, 5, 4, 3]).unsqueeze(1)
+    gradients = torch.randn(30, 6) @ signal + 0.01 * torch.randn(30, 400)
+    v, eigenvalues = basis_from_gradients(gradients, k=6)
+    assert v.shape == (400, 6)
+    assert torch.allclose(v.T @ v, torch.eye(6), atol=1e-5)
+    assert torch.all(eigenvalues[:-1] >= eigenvalues[1:])
+    # same subspace as the top-6 right singular vectors of G (= eigenvectors of GᵀG, never formed here)
+    _, _, vh = torch.linalg.svd(gradients.double(), full_matrices=False)
+    assert torch.allclose(projector(v), projector(vh[:6].T), atol=1e-4)
+    # eigenvalues of G Gᵀ are the squared singular values
+    singular = torch.linalg.svdvals(gradients.double())[:6]
+    assert torch.allclose(eigenvalues.double(), singular**2, rtol=1e-4)
+
+
+def test_projection_is_idempotent_and_stays_in_the_span() -> None:
+    torch.manual_seed(1)
+    v, _ = basis_from_gradients(torch.randn(12, 300), k=5)
+    basis = Basis(v)
+    g = torch.randn(300)
+    once = basis.project(g)
+    assert torch.allclose(basis.project(once), once, atol=1e-5)
+    assert torch.allclose(v @ (v.T @ once), once, atol=1e-5)
+    assert once.norm() <= g.norm()  # orthogonal projection never lengthens
+    residual = g - once
+    assert torch.allclose(v.T @ residual, torch.zeros(5), atol=1e-4)
+
+
+def test_rank_deficient_gradients_give_a_smaller_basis() -> None:
+    torch.manual_seed(2)
+    gradients = torch.randn(10, 3) @ torch.randn(3, 200)  # rank 3
+    v, eigenvalues = basis_from_gradients(gradients, k=8)
+    assert v.shape == (200, 3) and eigenvalues.numel() == 3
+    with pytest.raises(ValueError, match="all zero"):
+        basis_from_gradients(torch.zeros(4, 50), k=2)
+
+
+def test_low_precision_basis_projects_close_to_float32() -> None:
+    torch.manual_seed(3)
+    v, _ = basis_from_gradients(torch.randn(10, 500), k=6)
+    g = torch.randn(500)
+    exact = Basis(v).project(g)
+    approx = Basis(v.to(torch.bfloat16)).project(g)
+    assert approx.dtype == torch.float32
+    assert (approx - exact).norm() <= 0.02 * exact.norm()
+
+
+def test_compute_basis_refuses_batches_not_tagged_public() -> None:
+    model = make_model()
+    batch = engine_module.collate([TensorPoseSet(3)[i] for i in range(3)])
+    with pytest.raises(ProvenanceError):
+        compute_basis(model, batch, k=2)
+    batch["provenance"] = "private"
+    with pytest.raises(ProvenanceError):
+        compute_basis(model, batch, k=2)
+
+
+def test_engine_basis_sees_only_public_samples_and_refreshes_on_schedule(monkeypatch) -> None:
+    model = make_model()
+    private = TensorPoseSet(20, offset=0)
+    public = TensorPoseSet(15, offset=10_000)  # different images
+    seen: list[dict] = []
+    real_compute_basis = projection.compute_basis
+
+    def recording_compute_basis(model_, public_batch, *args, **kwargs):
+        seen.append({key: value for key, value in public_batch.items()})
+        return real_compute_basis(model_, public_batch, *args, **kwargs)
+
+    monkeypatch.setattr(projection, "compute_basis", recording_compute_basis)
+    cfg = PrivacyConfig(mechanism="pdp", noise_multiplier=1.0, max_grad_norm=0.5,
+                        basis={"k": 4, "public_samples": 6, "refresh_every": 2})
+    engine = build_engine(cfg, model, len(private), 4, 10, public_dataset=public, seed=0)
+    private_images = torch.stack([private[i]["image"] for i in range(len(private))])
+    for _, batch in zip(range(3), engine.batches(private)):
+        engine.step(model, batch)
+        gradient = flatten([p.grad for p in model.trainable_parameters().values()])
+        # the update lies in the public subspace
+        assert (engine.basis.project(gradient) - gradient).norm() <= 1e-4 * gradient.norm()
+    assert len(seen) == 2  # steps 0 and 2
+    for public_batch in seen:
+        assert public_batch["provenance"] == "public"
+        ids = public_batch["index"].tolist()
+        assert len(ids) == 6 and set(ids) <= set(range(len(public)))
+        expected = torch.stack([public[i]["image"] for i in ids])
+        assert torch.equal(public_batch["image"], expected)
+        # no private image is among them
+        distances = torch.cdist(public_batch["image"].flatten(1), private_images.flatten(1))
+        assert distances.min() > 1.0
+    report = engine.privacy_report()
+    assert report["guarantee"] == "DP" and report["basis"]["refreshes"] == 2 and report["basis"]["k"] == 4
+
+
+def test_coordinator_basis_is_used_as_given() -> None:
+    model = make_model()
+    private = TensorPoseSet(10)
+    cfg = PrivacyConfig(mechanism="fpdp", noise_multiplier=1.0, blur={"kernel_size": 5, "sigma": 1.0})
+    engine = build_engine(cfg, model, len(private), 2, 10)
+    p = model.num_trainable()
+    v, _ = basis_from_gradients(torch.randn(8, p), k=8)
+    engine.set_basis({"basis.v": v.numpy().astype(np.float32)}, version=7)
+    batch = engine_module.collate([private[i] for i in range(2)])
+    engine.step(model, batch)
+    assert engine.basis.version == 7 and engine.privacy_report()["basis"]["source"] == "coordinator"
+    with pytest.raises(ValueError, match="does not project"):
+        build_engine(PrivacyConfig(mechanism="dpsgd", noise_multiplier=1.0), model, 10, 2, 10).set_basis(v)
