@@ -1,0 +1,142 @@
+"""``fedpose eval`` (PCKh of a checkpoint on a dataset) and ``fedpose predict`` (skeleton overlays)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from fedpose.cli.common import UserError, print_json
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    ev = subparsers.add_parser(
+        "eval",
+        help="PCKh of a checkpoint on an annotated dataset",
+        description="Decode the model's SimCC predictions, map them to the original images and score PCKh "
+                    "(MPII protocol, head boxes) on every record that has a head box.",
+    )
+    ev.add_argument("--checkpoint", required=True, type=Path, help="fedpose checkpoint (e.g. RUN_DIR/checkpoints/best.pt)")
+    ev.add_argument("--data", required=True, type=Path, help="dataset directory, annotations json or COCO keypoints json")
+    ev.add_argument("--batch-size", type=int, default=32)
+    ev.add_argument("--max-samples", type=int, default=None, help="evaluate the first N records only")
+    ev.add_argument("--overlays", type=Path, default=None, help="also write a PNG grid of the first 16 crops (prediction + GT)")
+    ev.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ev.set_defaults(handler=run_eval)
+
+    pr = subparsers.add_parser(
+        "predict",
+        help="draw predicted skeletons on images",
+        description="Predict the 16 joints on each image (the whole image is taken as the person box) and "
+                    "write <name>_pose.png overlays plus predictions.json to --out.",
+    )
+    pr.add_argument("--checkpoint", required=True, type=Path)
+    pr.add_argument("images", nargs="+", type=Path, metavar="IMAGE")
+    pr.add_argument("--out", required=True, type=Path, help="output directory")
+    pr.add_argument("--min-confidence", type=float, default=0.0,
+                    help="hide joints whose confidence (peak SimCC probability) is below this")
+    pr.set_defaults(handler=run_predict)
+
+
+def _load_model(path: Path):
+    from fedpose.model import CheckpointError, model_from_checkpoint
+
+    try:
+        model, _ = model_from_checkpoint(path)
+    except CheckpointError as exc:
+        raise UserError(str(exc)) from None
+    return model
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from fedpose.data.dataset import PoseDataset, load_records
+    from fedpose.train.evaluate import evaluate
+
+    if args.batch_size < 1:
+        raise UserError("--batch-size must be >= 1")
+    if args.max_samples is not None and args.max_samples < 1:
+        raise UserError("--max-samples must be >= 1")
+    model = _load_model(args.checkpoint)
+    records, root = load_records(args.data)
+    if not records:
+        raise UserError(f"{args.data}: the dataset has no records")
+    dataset = PoseDataset(records, root, input_size=model.input_size, train=False)
+    try:
+        scores = evaluate(model, dataset, batch_size=args.batch_size, max_samples=args.max_samples)
+    except ValueError as exc:
+        raise UserError(f"{args.data}: {exc}") from None
+    if args.overlays is not None:
+        _write_eval_overlays(model, dataset, args.overlays)
+    if args.json:
+        print_json({"checkpoint": str(args.checkpoint), "data": str(args.data), **scores})
+    else:
+        print(f"PCKh@0.5 of {args.checkpoint} on {args.data} ({scores['samples']} people):")
+        for key in ("Head", "Shoulder", "Elbow", "Wrist", "Hip", "Knee", "Ankle", "Mean", "Mean@0.1"):
+            value = scores[key]
+            print(f"  {key:<9} {'n/a' if math.isnan(value) else f'{value:6.2f}'}")
+    return 0
+
+
+def _write_eval_overlays(model, dataset, path: Path, count: int = 16) -> None:
+    import numpy as np
+    from torch.utils.data import Subset
+
+    from fedpose.data.dataset import denormalize
+    from fedpose.train.evaluate import predict
+    from fedpose.viz import save_overlays
+
+    subset = Subset(dataset, range(min(count, len(dataset))))
+    result = predict(model, subset, batch_size=count)
+    items = [subset[i] for i in range(len(subset))]
+    images = [denormalize(item["image"]) for item in items]
+    gts = np.stack([item["joints"].numpy() for item in items])
+    gt_vis = np.stack([item["weight"].numpy() for item in items])
+    save_overlays(images, result["preds_crop"], path, gts=gts, gt_vis=gt_vis)
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from fedpose.data.annotations import PoseRecord
+    from fedpose.data.dataset import DEFAULT_PADDING, PoseDataset
+    from fedpose.data.transforms import PIXEL_STD, crop_to_original
+    from fedpose.io import atomic_write_json
+    from fedpose.joints import JOINT_NAMES, NUM_JOINTS
+    from fedpose.viz import draw_skeleton, save_png
+
+    model = _load_model(args.checkpoint)
+    height, width = model.input_size
+    missing = [str(p) for p in args.images if not p.is_file()]
+    if missing:
+        raise UserError(f"image not found: {', '.join(missing)}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    predictions = []
+    model.eval()
+    for path in args.images:
+        try:
+            with Image.open(path) as img:
+                original = np.asarray(img.convert("RGB"))
+        except OSError as exc:
+            raise UserError(f"{path}: not a readable image ({exc})") from None
+        h, w = original.shape[:2]
+        # the whole image is the person box, at the model's aspect ratio (the crop pads the rest)
+        scale = max(h, w * height / width) / PIXEL_STD / DEFAULT_PADDING
+        record = PoseRecord(path.name, np.zeros((NUM_JOINTS, 2), np.float32), np.zeros(NUM_JOINTS, np.float32),
+                            np.array([w / 2, h / 2], np.float32), scale)
+        item = PoseDataset([record], path.parent, input_size=model.input_size, train=False)[0]
+        with torch.no_grad():
+            coords, confidence = model.decode(*model(item["image"].unsqueeze(0)))
+        joints = crop_to_original(coords[0].numpy(), item["center"].numpy(), float(item["scale"]), model.input_size)
+        conf = confidence[0].numpy()
+        overlay = draw_skeleton(original, joints, (conf >= args.min_confidence).astype(np.float32))
+        out_png = save_png(overlay, args.out / f"{path.stem}_pose.png")
+        predictions.append({
+            "image": str(path), "overlay": str(out_png),
+            "joints": {name: [round(float(x), 2), round(float(y), 2)] for name, (x, y) in zip(JOINT_NAMES, joints)},
+            "confidence": {name: round(float(c), 4) for name, c in zip(JOINT_NAMES, conf)},
+        })
+        print(f"{path} → {out_png}")
+    atomic_write_json(args.out / "predictions.json", {"checkpoint": str(args.checkpoint), "predictions": predictions})
+    return 0

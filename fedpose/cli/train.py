@@ -1,0 +1,57 @@
+"""``fedpose train``: central training run (non-private or with a DP mechanism)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from fedpose.cli.common import UserError, print_json
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "train",
+        help="train the pose model on one dataset (central run; checkpoints, metrics, privacy report)",
+        description=(
+            "Train TinyViT + SimCC on data.train with the configured privacy mechanism, validating "
+            "PCKh on data.val every train.eval_every steps. Writes config.toml, metrics.json, "
+            "curves.png, privacy.json and checkpoints/{last,best}.pt to train.out_dir. "
+            "--resume continues a run from its last checkpoint (its saved config, plus --set)."
+        ),
+    )
+    parser.add_argument("--config", type=Path, help="TOML config file (see configs/); not needed with --resume")
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config key, e.g. --set train.steps=100 (repeatable)",
+    )
+    parser.add_argument("--resume", type=Path, metavar="RUN_DIR_OR_CHECKPOINT",
+                        help="continue a run (run directory or checkpoint file)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--json", action="store_true", help="print the final summary as JSON")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fedpose.config import load_config
+    from fedpose.model import CheckpointError, load_checkpoint
+    from fedpose.privacy.input_privacy import InputPrivacyError
+    from fedpose.train.central import config_from_checkpoint, resolve_resume, run_training
+
+    if args.config is None and args.resume is None:
+        raise UserError("train: give --config FILE (or --resume RUN_DIR to continue a run)")
+    if args.config is not None and args.resume is not None:
+        raise UserError("train: --resume uses the run's saved config; change it with --set, not --config")
+    try:
+        if args.resume is not None:
+            cfg = config_from_checkpoint(load_checkpoint(resolve_resume(args.resume)), args.overrides)
+        else:
+            cfg = load_config(args.config, args.overrides)
+        summary = run_training(cfg, resume=args.resume, progress=not args.quiet)
+    except (CheckpointError, InputPrivacyError) as exc:
+        raise UserError(str(exc)) from None
+    except ValueError as exc:
+        # configuration problems detected while building the model / engine (they name the key)
+        raise UserError(str(exc)) from None
+    if args.json:
+        print_json(summary)
+    return 0

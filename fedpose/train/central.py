@@ -1,0 +1,264 @@
+"""A central (non-federated) training run: what ``fedpose train`` does.
+
+Run directory (``train.out_dir``)::
+
+    config.toml        the resolved configuration (defaults filled in)
+    metrics.json       {"train": [per-step records], "val": [periodic validation PCKh]}
+    curves.png         training loss and validation PCKh
+    privacy.json       the engine's privacy report (for "none": no guarantee)
+    checkpoints/last.pt, checkpoints/best.pt (best validation PCKh Mean)
+
+Resume (``--resume RUN_DIR`` or a checkpoint file) restores model, optimizer, schedule, step,
+metrics, RNG state and the privacy ledger. For mechanism "none" the batch and augmentation
+stream is replayed to the checkpointed position, so a resumed run continues exactly as an
+uninterrupted one. For DP mechanisms the accountant continues from the checkpoint, and sampling,
+noise and augmentation draw from a fresh stream seeded by (seed, step): replaying a seeded noise
+stream would reuse noise already spent.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from fedpose.config import ConfigError, RunConfig, validate
+from fedpose.io import atomic_write_json, atomic_write_text
+from fedpose.model import build_model, load_checkpoint, save_checkpoint
+from fedpose.model.checkpoint import restore_rng_state
+from fedpose.train.evaluate import evaluate
+from fedpose.train.loop import train_steps
+from fedpose.train.optim import build_optimizer, build_scheduler
+
+CHECKPOINT_DIR = "checkpoints"
+LAST = "last.pt"
+BEST = "best.pt"
+STREAM_STRIDE = 1_000_003  # fresh (seed, step) streams for resumed DP runs
+
+
+# ----------------------------------------------------------------------------- config file
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value) if not isinstance(value, float) or math.isfinite(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{text}"'
+
+
+def to_toml(data: dict[str, Any], table: str = "") -> str:
+    """Nested dict of scalars/lists → TOML; None values are omitted (they mean 'unset')."""
+    lines = [f"[{table}]"] if table else []
+    lines += [f"{k} = {_toml_value(v)}" for k, v in data.items() if v is not None and not isinstance(v, dict)]
+    for key, value in data.items():
+        if isinstance(value, dict):
+            lines += ["", to_toml(value, f"{table}.{key}" if table else key).rstrip("\n")]
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+# ----------------------------------------------------------------------------- resume
+def resolve_resume(path: str | Path) -> Path:
+    """RUN_DIR → RUN_DIR/checkpoints/last.pt; a file is used as is."""
+    path = Path(path)
+    if path.is_dir():
+        candidate = path / CHECKPOINT_DIR / LAST
+        if not candidate.exists():
+            raise FileNotFoundError(f"--resume {path}: no {CHECKPOINT_DIR}/{LAST} in this run directory")
+        return candidate
+    if not path.exists():
+        raise FileNotFoundError(f"--resume {path}: no such run directory or checkpoint")
+    return path
+
+
+def config_from_checkpoint(checkpoint: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
+    from fedpose.config import apply_overrides
+
+    if not isinstance(checkpoint.get("config"), dict):
+        raise ConfigError("the checkpoint holds no run configuration (was it written by fedpose train?)")
+    raw = apply_overrides(dict(checkpoint["config"]), overrides or [])
+    return validate(RunConfig, raw, "checkpoint config + --set")
+
+
+class _ReplayableDataset(Dataset):
+    """Wraps the training set so the batch stream can be fast-forwarded without decoding images:
+    while ``replaying``, an item only draws its augmentation (advancing the same RNG)."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+        self.replaying = False
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if self.replaying:
+            draw = getattr(self.dataset, "augmentation", None)
+            if draw is not None:
+                draw()
+            return {"index": int(index)}
+        return self.dataset[index]
+
+
+# ----------------------------------------------------------------------------- the run
+@dataclass
+class RunState:
+    step: int = 0
+    train: list[dict[str, Any]] = field(default_factory=list)
+    val: list[dict[str, Any]] = field(default_factory=list)
+    best: float = -math.inf
+
+    def metrics(self) -> dict[str, Any]:
+        return {"train": self.train, "val": self.val, "best_val_mean": None if self.best == -math.inf else self.best}
+
+
+def _load_dataset(path: Path, cfg: RunConfig, train: bool, seed: int) -> Any:
+    from fedpose.data.dataset import PoseDataset, load_records
+
+    records, root = load_records(path)
+    if not records:
+        raise ConfigError(f"{path}: the dataset has no records")
+    data = cfg.data
+    return PoseDataset(records, root, input_size=data.input_size, train=train, flip=data.flip,
+                       scale_jitter=data.scale_jitter, rotation=data.rotation, seed=seed)
+
+
+def _curve_rows(state: RunState) -> list[dict[str, Any]]:
+    rows = [{"step": r["step"], "loss": r["loss"]} for r in state.train if "loss" in r]
+    rows += [{"step": v["step"], "val PCKh@0.5 Mean": v["Mean"]} for v in state.val]
+    return rows
+
+
+def run_training(
+    cfg: RunConfig,
+    resume: str | Path | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Train per ``cfg`` (or continue the checkpoint ``resume``); returns a summary dict."""
+    from fedpose.privacy.engine import build_engine
+    from fedpose.privacy.input_privacy import prepare_site_dataset
+
+    checkpoint = None
+    if resume is not None:
+        checkpoint = load_checkpoint(resolve_resume(resume))
+    if cfg.data.train is None:
+        raise ConfigError("data.train: required (a dataset directory with annotations.json, or a COCO keypoints json)")
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    run_dir = Path(cfg.train.out_dir)
+    if checkpoint is None and (run_dir / CHECKPOINT_DIR / LAST).exists():
+        raise ConfigError(
+            f"train.out_dir: {run_dir} already holds a run; continue it with --resume {run_dir} or choose another train.out_dir"
+        )
+    start_step = int(checkpoint["step"]) if checkpoint else 0
+    total_steps = cfg.train.steps
+    if start_step >= total_steps:
+        raise ConfigError(f"train.steps: the checkpoint is at step {start_step}; raise train.steps (--set train.steps=N) to continue")
+
+    seed = cfg.train.seed
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+    noisy = cfg.privacy.mechanism != "none"
+    # Resumed DP runs draw fresh streams (never replay spent noise); see the module docstring.
+    stream_seed = seed + STREAM_STRIDE * start_step if (noisy and start_step) else seed
+
+    train_dir, input_guarantee = prepare_site_dataset(cfg.data.train, cfg.input_privacy)
+    train_set = _load_dataset(Path(train_dir), cfg, train=True, seed=stream_seed)
+    val_set = _load_dataset(Path(cfg.data.val), cfg, train=False, seed=seed) if cfg.data.val else None
+    public_set = None
+    if cfg.privacy.mechanism in ("pdp", "fpdp"):
+        if cfg.privacy.basis.public_data is None:
+            raise ConfigError(f"privacy.basis.public_data: required for mechanism '{cfg.privacy.mechanism}' in fedpose train")
+        public_set = _load_dataset(Path(cfg.privacy.basis.public_data), cfg, train=False, seed=seed)
+
+    model = build_model(cfg.model if checkpoint is None else cfg.model.model_copy(update={"init_checkpoint": None}),
+                        cfg.data.input_size)
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["model"])
+    model.train_mode()
+    stream = _ReplayableDataset(train_set)
+    engine = build_engine(cfg.privacy, model, len(train_set), cfg.train.batch_size, total_steps, public_set, stream_seed)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    state = RunState()
+    batches = engine.batches(stream)
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        scheduler.load_state_dict(checkpoint["scheduler"])
+        saved = checkpoint.get("metrics") or {}
+        state = RunState(start_step, list(saved.get("train", [])), list(saved.get("val", [])),
+                         saved.get("best_val_mean") if saved.get("best_val_mean") is not None else -math.inf)
+        extra = checkpoint.get("extra") or {}
+        if engine.accountant is not None and extra.get("accountant") is not None:
+            from fedpose.privacy.accountant import RDPAccountant
+
+            engine.accountant = RDPAccountant.from_dict(extra["accountant"])
+        engine.steps_done = start_step
+        if not noisy:  # exact replay of the shuffled order and augmentation draws
+            stream.replaying = True
+            for _ in range(start_step):
+                next(batches)
+            stream.replaying = False
+        restore_rng_state(checkpoint["rng"])
+        log(f"resumed {run_dir} at step {start_step}/{total_steps}")
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "config.toml", to_toml(cfg.model_dump(mode="json")))
+    summary_info = {"model": model.describe(), "train_records": len(train_set),
+                    "val_records": len(val_set) if val_set is not None else 0}
+    log(f"training {summary_info['model']['trainable_parameters']:,} parameters "
+        f"({cfg.model.backbone}, scenario {cfg.model.scenario}) on {len(train_set)} records, "
+        f"privacy mechanism '{cfg.privacy.mechanism}' → {run_dir}")
+
+    def privacy_report() -> dict[str, Any]:
+        report = engine.privacy_report()
+        report["input_privacy"] = input_guarantee
+        return report
+
+    def save(step: int) -> None:
+        extra = {"accountant": engine.accountant.to_dict() if engine.accountant is not None else None}
+        path = save_checkpoint(run_dir / CHECKPOINT_DIR / LAST, model, optimizer, cfg, state.metrics(), step, scheduler, extra)
+        if state.val and state.val[-1]["step"] == step and state.val[-1]["Mean"] >= state.best:
+            state.best = state.val[-1]["Mean"]
+            save_checkpoint(run_dir / CHECKPOINT_DIR / BEST, model, optimizer, cfg, state.metrics(), step, scheduler, extra)
+        atomic_write_json(run_dir / "metrics.json", state.metrics())
+        atomic_write_json(run_dir / "privacy.json", privacy_report())
+        rows = _curve_rows(state)
+        if rows:
+            from fedpose.viz import save_curves
+
+            keys = ["loss"] + (["val PCKh@0.5 Mean"] if state.val else [])
+            save_curves(rows, run_dir / "curves.png", keys=keys)
+        del path
+
+    def on_step(step: int, record: dict[str, Any]) -> None:
+        state.step = step
+        state.train.append(record)
+        last = step == total_steps
+        if val_set is not None and (step % cfg.train.eval_every == 0 or last):
+            scores = evaluate(model, val_set, batch_size=max(1, cfg.train.batch_size), max_samples=cfg.train.eval_samples)
+            state.val.append({"step": step, **scores})
+            log(f"step {step}: val PCKh@0.5 Mean {scores['Mean']:.2f} (Mean@0.1 {scores['Mean@0.1']:.2f}), loss {scores['loss']:.4f}")
+        if step % cfg.train.checkpoint_every == 0 or last:
+            save(step)
+
+    train_steps(model, engine, stream, optimizer, total_steps - start_step, scheduler, on_step=on_step,
+                progress=progress, batches=batches, first_step=start_step)
+    report = privacy_report()
+    summary = {
+        "run_dir": str(run_dir), "steps": state.step, **summary_info,
+        "final_loss": state.train[-1].get("loss") if state.train else None,
+        "val": state.val[-1] if state.val else None,
+        "privacy": report.get("epsilon_text"),
+    }
+    log(f"done: {state.step} steps; {report.get('epsilon_text')}")
+    return summary
