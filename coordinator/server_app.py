@@ -21,13 +21,26 @@ def _flag(value: object) -> bool:
     return value is True or str(value).lower() in ("true", "1", "yes")
 
 
+def _configure_logging() -> None:
+    """fedpose warnings (rejected updates, missing sites, refusals) to stderr; Flower keeps its own
+    console handler (it must not also propagate to a root handler some library installed)."""
+    logging.getLogger("flwr").propagate = False
+    logger = logging.getLogger("fedpose")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
 def build_server_app(config_path: str | Path | None = None, resume: bool | None = None, overrides: list[str] | None = None) -> ServerApp:
     """A ServerApp for ``config_path`` (default: run config ``coordinator-config``)."""
     server_app = ServerApp()
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        _configure_logging()
         path = config_path or context.run_config.get("coordinator-config")
         if not path:
             raise ValueError("no coordinator config: pass --run-config 'coordinator-config=\"/abs/path.toml\"'")

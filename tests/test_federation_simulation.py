@@ -25,15 +25,28 @@ def corrupt_site_2(msg, context, call_next):
     return reply
 
 
-def test_simulation_rejects_a_corrupted_update_and_keeps_going(tmp_path: Path, caplog) -> None:
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_simulation_rejects_a_corrupted_update_and_keeps_going(tmp_path: Path) -> None:
     from fedpose.cli.simulate import ensure_synthetic, resolve_federation, run_federation_simulation
 
     data_dir = tmp_path / "data"
     config = tiny_federation(tmp_path, data_dir, sites=2, rounds=1)
     federation, synthetic, resolved = resolve_federation(config, [])
     ensure_synthetic({**synthetic, "dir": str(data_dir)}, len(federation.sites))
-    with caplog.at_level(logging.WARNING, logger="fedpose.coordinator"):
+    records = _Records()
+    logging.getLogger("fedpose.coordinator").addHandler(records)
+    try:
         run_federation_simulation(federation, resolved, client_mods=(corrupt_site_2,))
+    finally:
+        logging.getLogger("fedpose.coordinator").removeHandler(records)
 
     (entry,) = history(tmp_path)
     assert entry["sites"]["site-1"]["status"] == "ok"
@@ -43,7 +56,7 @@ def test_simulation_rejects_a_corrupted_update_and_keeps_going(tmp_path: Path, c
     rows = {e.site_id: e for e in ledger_rows(tmp_path)}
     assert rows["site-2"].status == "rejected" and "non_finite" in rows["site-2"].reason
     assert rows["site-2"].epsilon is not None  # it trained: its spend is on record
-    assert any("site-2" in r.getMessage() and "rejected" in r.getMessage() for r in caplog.records)
+    assert any("site-2" in m and "rejected" in m and "non_finite" in m for m in records.messages), records.messages
 
     from fedpose.federation.aggregation import load_array_checkpoint
 

@@ -29,6 +29,7 @@ from fedpose.cli.common import UserError
 CONNECTION = "fedpose-local"
 DEFAULT_CONFIG = "configs/demo.toml"
 STOP_GRACE_S = 10.0
+STATUS_POLL_S = 5.0  # each poll runs the flwr CLI (a Python process): not too often
 FINISHED = "finished"
 
 
@@ -134,8 +135,12 @@ class ProcessGroup:
         with self.commands.open("a") as fh:
             fh.write(f"# {name}\n{shlex.join(argv)}\n")
 
+    def record_background(self, name: str, argv: list[str]) -> None:
+        with self.commands.open("a") as fh:
+            fh.write(f"# {name}\n{shlex.join(argv)} &\n")
+
     def start(self, name: str, argv: list[str]) -> subprocess.Popen:
-        self.record(name, argv + ["&"])
+        self.record_background(name, argv)
         log = (self.run_dir / "logs" / f"{name}.log").open("ab")
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
         log.close()
@@ -143,8 +148,9 @@ class ProcessGroup:
         self._write_pids()
         return proc
 
-    def run(self, name: str, argv: list[str], timeout: float = 60.0) -> subprocess.CompletedProcess:
-        self.record(name, argv)
+    def run(self, name: str, argv: list[str], timeout: float = 60.0, record: bool = True) -> subprocess.CompletedProcess:
+        if record:
+            self.record(name, argv)
         result = subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=timeout)
         with (self.run_dir / "logs" / f"{name}.log").open("a") as fh:
             fh.write(result.stdout + result.stderr)
@@ -230,7 +236,7 @@ def _port_free(port: int) -> bool:
 
 
 def run_status(group: ProcessGroup, run_id: str) -> str:
-    result = group.run("flwr-ls", [_bin("flwr"), "ls", CONNECTION, "--run-id", run_id, "--format", "json"], timeout=60)
+    result = group.run("flwr-ls", [_bin("flwr"), "ls", CONNECTION, "--run-id", run_id, "--format", "json"], timeout=120, record=False)
     runs = json.loads(result.stdout).get("runs", [])
     return str(runs[0]["status"]) if runs else "unknown"
 
@@ -340,7 +346,7 @@ def _follow(group: ProcessGroup, run_id: str, run_dir: Path, history_dir: Path, 
 
     printed = 0
     while True:
-        time.sleep(2.0)
+        time.sleep(STATUS_POLL_S)
         try:
             rounds = load_history(history_dir)
         except (OSError, ValueError):
