@@ -110,6 +110,10 @@ def save_curves(path: str | Path, rounds: list[dict[str, Any]]) -> None:
         label = f"{site_id} ({last.get('guarantee')}, δ={last.get('delta'):.0e}, {str(last.get('accountant')).upper()})"
         ax_eps.plot([x for x, _ in points], [s["epsilon"] for _, s in points], marker="o", label=label)
     ax_eps.set(title="cumulative ε per site (as reported)", xlabel="round", ylabel="ε")
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (ax_pckh, ax_eps):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if sites:
         ax_eps.legend(fontsize=8)
     fig.tight_layout()
