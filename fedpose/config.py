@@ -121,6 +121,7 @@ class InputPrivacyConfig(Strict):
     mechanism: Literal["none", "ldp-slicing"] = "none"
     epsilon: float | None = Field(None, gt=0, description="ε_total per (masked) pixel")
     ll_prune: bool = True
+    ll_offset: float = Field(0.0, ge=0, le=255, description="added after LL pruning, before the clamp (128 keeps negative details)")
     allocation: Literal["sqrt", "uniform"] = "sqrt"
     seed: int | None = Field(None, description="seed for tests; None = cryptographically secure randomness")
 

@@ -177,6 +177,9 @@ def test_ll_pruning_zeroes_the_low_band_before_randomization():
     released = LdpSlicer(1e5, ll_prune=True, seed=0)(rgb).ycbcr
     np.testing.assert_array_equal(released, perceptual_mask(ycbcr, True))
     assert not np.array_equal(released, perceptual_mask(ycbcr, False))
+    # the re-centred variant keeps negative details: clamp(x − block mean + 128)
+    np.testing.assert_array_equal(perceptual_mask(ycbcr, True, 128.0), np.clip(np.rint(pruned + 128), 0, 255))
+    assert (perceptual_mask(ycbcr, True) == 0).mean() > 0.3  # the specified clamp zeroes the negative half
 
 
 def test_odd_sizes_and_batches():

@@ -2,7 +2,7 @@
 
     fedpose ldp allocate --epsilon 20 --json
     fedpose ldp slice photos/ extra.png --out private/ --epsilon 20 [--no-ll-prune]
-        [--allocation sqrt|uniform] [--seed S] [--format png|npy]
+        [--ll-offset 128] [--allocation sqrt|uniform] [--seed S] [--format png|npy]
 
 ``slice`` writes ``OUT/<stem>.png`` (the privatized image in RGB) or, with ``--format npy``,
 ``OUT/<stem>.npy``: the privatized YCbCr uint8 array (H×W×3) as released by the randomized
@@ -48,6 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     slice_.add_argument("--out", required=True, help="output directory")
     slice_.add_argument("--epsilon", type=positive_float, required=True, help="ε_total per (masked) pixel")
     slice_.add_argument("--no-ll-prune", dest="ll_prune", action="store_false", help="skip the Haar LL pruning")
+    slice_.add_argument("--ll-offset", type=float, default=0.0,
+                        help="added after LL pruning, before the clamp (128 keeps negative details; default 0)")
     slice_.add_argument("--allocation", choices=("sqrt", "uniform"), default="sqrt")
     slice_.add_argument("--seed", type=int, default=None, help="seeded PCG64 (tests only; default: CSPRNG)")
     slice_.add_argument("--format", choices=("png", "npy"), default="png")
@@ -107,7 +109,9 @@ def _slice(args: argparse.Namespace) -> int:
     out_dir = Path(args.out)
     images = collect_images(args.inputs, exclude=out_dir)
     try:
-        slicer = LdpSlicer(args.epsilon, ll_prune=args.ll_prune, allocation=args.allocation, seed=args.seed)
+        slicer = LdpSlicer(
+            args.epsilon, ll_prune=args.ll_prune, ll_offset=args.ll_offset, allocation=args.allocation, seed=args.seed
+        )
     except LdpSlicingError as exc:
         raise UserError(str(exc)) from exc
     failed: list[str] = []

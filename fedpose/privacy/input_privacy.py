@@ -65,6 +65,7 @@ def settings_record(cfg: InputPrivacyConfig) -> dict[str, Any]:
         "mechanism": cfg.mechanism,
         "epsilon": cfg.epsilon,
         "ll_prune": cfg.ll_prune,
+        "ll_offset": cfg.ll_offset,
         "allocation": cfg.allocation,
         "seed": cfg.seed,
     }
@@ -73,7 +74,9 @@ def settings_record(cfg: InputPrivacyConfig) -> dict[str, Any]:
 def _slicer(cfg: InputPrivacyConfig) -> LdpSlicer:
     if cfg.mechanism != "ldp-slicing" or cfg.epsilon is None:
         raise InputPrivacyError(f"input_privacy.mechanism {cfg.mechanism!r} does not privatize images")
-    return LdpSlicer(cfg.epsilon, ll_prune=cfg.ll_prune, allocation=cfg.allocation, seed=cfg.seed)
+    return LdpSlicer(
+        cfg.epsilon, ll_prune=cfg.ll_prune, ll_offset=cfg.ll_offset, allocation=cfg.allocation, seed=cfg.seed
+    )
 
 
 def guarantee_record(cfg: InputPrivacyConfig) -> dict[str, Any]:

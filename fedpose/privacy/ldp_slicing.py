@@ -355,6 +355,8 @@ class LdpSlicer:
         self.epsilon_total = _validate_epsilon(epsilon_total)
         self.ll_prune = bool(ll_prune)
         self.ll_offset = float(ll_offset)
+        if not 0 <= self.ll_offset <= 255:
+            raise LdpSlicingError(f"ll_offset must be in [0, 255], got {ll_offset}")
         self.allocation = allocation
         self.budgets = allocate_budget(self.epsilon_total, allocation, **weights)
         self.thresholds = flip_thresholds(self.budgets)
