@@ -45,6 +45,7 @@ log = logging.getLogger("fedpose.coordinator")
 GLOBAL_CHECKPOINT = "global.npz"
 OPTIMIZER_CHECKPOINT = "server_optimizer.npz"
 NODE_WAIT_POLL_S = 1.0
+NODE_SETTLE_S = 5.0  #: a fresh run waits until the connected-node count is stable this long
 
 
 @dataclass
@@ -146,10 +147,21 @@ class Coordinator:
         return self.ledger.exhausted_sites(self.cfg.eps_max) | set(self.state.unaffordable)
 
     def wait_for_nodes(self, grid: Grid) -> list[int]:
+        """Connected nodes, once ≥ min_sites are and every known, non-exhausted site's node is back
+        (after a restart nodes reconnect one by one), or the count has been stable for a few
+        seconds; never longer than the round timeout."""
+        exhausted = self.exhausted_sites()
+        expected = {int(n) for n, site in self.state.node_sites.items() if site not in exhausted}
         deadline = time.monotonic() + self.cfg.round_timeout_s
+        stable_since, last = time.monotonic(), -1
         while True:
             nodes = sorted(grid.get_node_ids())
-            if len(nodes) >= self.cfg.min_sites or time.monotonic() > deadline:
+            now = time.monotonic()
+            if len(nodes) != last:
+                stable_since, last = now, len(nodes)
+            enough = len(nodes) >= self.cfg.min_sites
+            known_back = expected <= set(nodes) if expected else now - stable_since >= NODE_SETTLE_S
+            if (enough and known_back) or now > deadline:
                 return nodes
             time.sleep(NODE_WAIT_POLL_S)
 

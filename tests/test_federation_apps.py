@@ -125,7 +125,7 @@ def test_report_writes_json_and_png(tmp_path) -> None:
         for r in (1, 2)
     ]
     line = round_line(rounds[1])
-    assert "PCKh@0.5 = 20.00" in line and "site-1: ok, ε = 1 (FDP, δ = 1e-05, RDP)" in line and "site-2: missing" in line
+    assert "PCKh@0.5 = 20.00" in line and "site-1: ok, ε = 1 (FDP, δ = 1e-05, RDP)" in line and "site-2: missing (no report)" in line
     path = write_report(tmp_path, {"run_id": "r"}, rounds, {"sites": []})
     report = json.loads(path.read_text())
     assert report["rounds_completed"] == 2 and report["final_pckh"]["Mean"] == 20.0

@@ -56,6 +56,9 @@ def round_line(entry: dict[str, Any]) -> str:
     pckh = entry.get("pckh", {}).get("Mean")
     parts = [f"round {entry['round']:>3}", f"PCKh@0.5 = {pckh:.2f}" if pckh is not None else "PCKh@0.5 = n/a"]
     for site_id, site in sorted(entry.get("sites", {}).items()):
+        if site.get("guarantee") is None:  # missing: no report this round (its spend shows in its next one)
+            parts.append(f"{site_id}: {site['status']} (no report)")
+            continue
         eps = epsilon_text(site.get("epsilon"), site.get("delta"), site.get("guarantee"), site.get("accountant"))
         parts.append(f"{site_id}: {site['status']}, {eps}")
     parts.append(f"{entry.get('wall_seconds', 0.0):.1f} s")
