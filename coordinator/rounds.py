@@ -82,6 +82,7 @@ class Coordinator:
         self.metrics = _coordinator_metrics(self.cfg.metrics_port)
         self._eval_dataset: Any = None
         self.basis_message: Any = None  #: current BasisMessage (in memory only: recomputed after a restart)
+        self._nodes_settled = False  #: the first round of this process waits for the federation to reconnect
         if resume and (self.dir / GLOBAL_CHECKPOINT).exists():
             arrays, meta = load_array_checkpoint(self.dir / GLOBAL_CHECKPOINT)
             if meta.get("run_id") != run.run_id:
@@ -147,9 +148,15 @@ class Coordinator:
         return self.ledger.exhausted_sites(self.cfg.eps_max) | set(self.state.unaffordable)
 
     def wait_for_nodes(self, grid: Grid) -> list[int]:
-        """Connected nodes, once ≥ min_sites are and every known, non-exhausted site's node is back
-        (after a restart nodes reconnect one by one), or the count has been stable for a few
-        seconds; never longer than the round timeout."""
+        """Connected nodes. Before the first round of this process: once ≥ min_sites are connected
+        and every known, non-exhausted site's node is back (after a restart nodes reconnect one by
+        one) or, on a fresh run, the count has been stable for a few seconds; never longer than the
+        round timeout. Later rounds: as soon as ≥ min_sites are connected."""
+        if self._nodes_settled:  # steady state: a site that dropped out is reported missing, not waited for
+            nodes = sorted(grid.get_node_ids())
+            if len(nodes) >= self.cfg.min_sites:
+                return nodes
+        self._nodes_settled = True
         exhausted = self.exhausted_sites()
         expected = {int(n) for n, site in self.state.node_sites.items() if site not in exhausted}
         deadline = time.monotonic() + self.cfg.round_timeout_s
