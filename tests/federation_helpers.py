@@ -85,7 +85,7 @@ def start_deploy(config: Path, run_dir: Path, base_port: int, sites: int, *extra
     log = log_path.open("w")
     proc = subprocess.Popen(
         [*FEDPOSE, "deploy", "local", "--sites", str(sites), "--config", str(config), "--run-dir", str(run_dir),
-         "--base-port", str(base_port), "--timeout", "400", *extra],
+         "--base-port", str(base_port), "--timeout", "1500", *extra],
         cwd=REPO, env=env or flower_env(), stdout=log, stderr=subprocess.STDOUT, text=True,
     )
     log.close()

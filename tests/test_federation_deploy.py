@@ -48,7 +48,7 @@ def _scrape(port: int) -> str:
         return response.read().decode()
 
 
-def _finish(proc, timeout: float = 420) -> str:
+def _finish(proc, timeout: float = 1600) -> str:
     try:
         proc.wait(timeout=timeout)
     finally:

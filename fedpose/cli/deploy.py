@@ -187,12 +187,17 @@ class ProcessGroup:
 
 
 def _descendants(pid: int) -> list[int]:
-    """PIDs of all live descendants of ``pid`` (from /proc; empty where /proc is absent)."""
+    """PIDs of all live descendants of ``pid``, plus every process in a session one of them leads
+    (Flower's SuperExec starts its app processes in its own session; they outlive it when
+    reparented). From /proc; empty where /proc is absent."""
     children: dict[int, list[int]] = {}
+    sessions: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+            child = int(stat.parent.name)
+            children.setdefault(int(fields[1]), []).append(child)
+            sessions.setdefault(int(fields[3]), []).append(child)
         except (OSError, IndexError, ValueError):
             continue
     found, stack = [], [pid]
@@ -200,6 +205,8 @@ def _descendants(pid: int) -> list[int]:
         for child in children.get(stack.pop(), []):
             found.append(child)
             stack.append(child)
+    for leader in list(found):
+        found += [p for p in sessions.get(leader, []) if p not in found and p != pid]
     return found
 
 
