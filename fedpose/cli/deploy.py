@@ -128,6 +128,7 @@ class ProcessGroup:
         self.run_dir = run_dir
         self.env = env
         self.procs: dict[str, subprocess.Popen] = {}
+        self.seen: set[int] = set()  #: descendant PIDs observed while running (Flower re-parents some)
         self.commands = run_dir / "commands.sh"
         self.commands.write_text("#!/bin/sh\n# commands run by `fedpose deploy local` (in this order)\n")
 
@@ -158,13 +159,19 @@ class ProcessGroup:
             raise RuntimeError(f"{name} failed ({result.returncode}): {(result.stderr or result.stdout).strip()[-2000:]}")
         return result
 
+    def observe(self) -> None:
+        """Remember the current descendants (called while following the run, and before stopping)."""
+        for proc in self.procs.values():
+            self.seen.update(_descendants(proc.pid))
+
     def _write_pids(self) -> None:
         (self.run_dir / "pids.json").write_text(json.dumps({n: p.pid for n, p in self.procs.items()}, indent=1))
 
     def stop_all(self) -> None:
         """SIGTERM each process group we started (reverse start order) and every descendant PID
         (Flower's SuperExec detaches into its own session), then SIGKILL stragglers."""
-        descendants = [pid for proc in self.procs.values() for pid in _descendants(proc.pid)]
+        self.observe()
+        descendants = sorted(self.seen)
         for name, proc in reversed(list(self.procs.items())):
             if proc.poll() is None:
                 _signal_group(proc.pid, signal.SIGTERM)
@@ -361,6 +368,7 @@ def _follow(group: ProcessGroup, run_id: str, run_dir: Path, history_dir: Path, 
         for entry in rounds[printed:]:
             print(round_line(entry), flush=True)
         printed = max(printed, len(rounds))
+        group.observe()
         status = run_status(group, run_id)
         if status.startswith(FINISHED):
             for entry in load_history(history_dir)[printed:]:
