@@ -171,7 +171,7 @@ class ProcessGroup:
         """SIGTERM each process group we started (reverse start order) and every descendant PID
         (Flower's SuperExec detaches into its own session), then SIGKILL stragglers."""
         self.observe()
-        descendants = sorted(self.seen)
+        descendants = [pid for pid in sorted(self.seen) if _is_flower_process(pid)]  # a dead PID may be reused
         for name, proc in reversed(list(self.procs.items())):
             if proc.poll() is None:
                 _signal_group(proc.pid, signal.SIGTERM)
@@ -215,6 +215,14 @@ def _descendants(pid: int) -> list[int]:
     for leader in list(found):
         found += [p for p in sessions.get(leader, []) if p not in found and p != pid]
     return found
+
+
+def _is_flower_process(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+    return any(name in cmdline for name in ("flwr", "flower-", "sites.metrics"))
 
 
 def _signal_pid(pid: int, sig: int) -> None:
