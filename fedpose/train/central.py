@@ -141,8 +141,13 @@ def run_training(
     resume: str | Path | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    stop_after: int | None = None,
 ) -> dict[str, Any]:
-    """Train per ``cfg`` (or continue the checkpoint ``resume``); returns a summary dict."""
+    """Train per ``cfg`` (or continue the checkpoint ``resume``); returns a summary dict.
+
+    ``stop_after`` ends this invocation after that many steps (checkpointing there) without
+    changing the schedule, e.g. to time-slice a long run on a shared machine; resume continues it.
+    """
     from fedpose.privacy.engine import build_engine
     from fedpose.privacy.input_privacy import prepare_site_dataset
 
@@ -240,10 +245,12 @@ def run_training(
             save_curves(rows, run_dir / "curves.png", keys=keys)
         del path
 
+    end_step = total_steps if stop_after is None else min(total_steps, start_step + max(1, stop_after))
+
     def on_step(step: int, record: dict[str, Any]) -> None:
         state.step = step
         state.train.append(record)
-        last = step == total_steps
+        last = step == end_step
         if val_set is not None and (step % cfg.train.eval_every == 0 or last):
             scores = evaluate(model, val_set, batch_size=max(1, cfg.train.batch_size), max_samples=cfg.train.eval_samples)
             state.val.append({"step": step, **scores})
@@ -251,7 +258,7 @@ def run_training(
         if step % cfg.train.checkpoint_every == 0 or last:
             save(step)
 
-    train_steps(model, engine, stream, optimizer, total_steps - start_step, scheduler, on_step=on_step,
+    train_steps(model, engine, stream, optimizer, end_step - start_step, scheduler, on_step=on_step,
                 progress=progress, batches=batches, first_step=start_step)
     report = privacy_report()
     summary = {
@@ -260,5 +267,5 @@ def run_training(
         "val": state.val[-1] if state.val else None,
         "privacy": report.get("epsilon_text"),
     }
-    log(f"done: {state.step} steps; {report.get('epsilon_text')}")
+    log(f"{'done' if state.step == total_steps else 'stopped'}: {state.step}/{total_steps} steps; {report.get('epsilon_text')}")
     return summary

@@ -1,0 +1,156 @@
+"""Training loop, evaluation pipeline and central runs (resume, run directory, privacy ledger)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from fedpose.config import ModelConfig, PrivacyConfig, RunConfig, load_config
+from fedpose.data.dataset import PoseDataset, load_records
+from fedpose.data.synthetic import generate_dataset
+from fedpose.model import build_model, load_checkpoint
+from fedpose.privacy.engine import build_engine
+from fedpose.train import build_optimizer, build_scheduler, evaluate, train_steps
+from fedpose.train.central import run_training
+from fedpose.train.optim import lr_factor
+
+SIZE = (64, 64)
+
+
+@pytest.fixture(scope="module")
+def synth(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("synth") / "data"
+    generate_dataset(out, sites=1, per_site=6, public=8, test=6, size=SIZE, workers=1, progress=False)
+    return out
+
+
+def tiny_model(scenario: str = "scratch", **kwargs):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build_model(ModelConfig(backbone="tiny_vit_test", scenario=scenario, **kwargs), SIZE)
+
+
+def test_train_steps_drives_engine_and_reduces_loss(synth: Path) -> None:
+    records, root = load_records(synth / "public")
+    dataset = PoseDataset(records[:2], root, input_size=SIZE, train=False, cache_images=True)
+    model = tiny_model(label_sigma=2.0)
+    cfg = load_config(None, ["optim.lr=0.002", "optim.warmup_steps=2"]).optim
+    engine = build_engine(PrivacyConfig(), model, len(dataset), 2, 25, None, 0)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg, 25)
+    seen: list[int] = []
+    history = train_steps(model, engine, dataset, optimizer, 25, scheduler, on_step=lambda s, r: seen.append(s),
+                          progress=False, first_step=10)
+    assert [h["step"] for h in history] == list(range(11, 36)) == seen
+    assert history[0]["lr"] == pytest.approx(2e-3)  # second warm-up step after the first scheduler step
+    assert history[-1]["lr"] == pytest.approx(0.0, abs=1e-9)
+    first, last = sum(h["loss"] for h in history[:3]) / 3, sum(h["loss"] for h in history[-3:]) / 3
+    assert last < 0.7 * first
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    assert all(not bn.training for bn in bns)
+
+
+def test_lr_schedule_warmup_then_cosine() -> None:
+    assert lr_factor(0, 100, 10, True) == pytest.approx(0.1)
+    assert lr_factor(9, 100, 10, True) == pytest.approx(1.0)
+    assert lr_factor(55, 100, 10, True) == pytest.approx(0.5)
+    assert lr_factor(100, 100, 10, True) == pytest.approx(0.0)
+    assert lr_factor(50, 100, 0, False) == 1.0
+
+
+class OracleModel(torch.nn.Module):
+    """Wraps a real PoseModel but answers with the ground-truth SimCC targets of each crop, in
+    dataset order: exercises decode → crop_to_original → PCKh end to end."""
+
+    def __init__(self, model, targets: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.inner, self.targets, self.cursor = model, targets, 0
+
+    def forward(self, images):
+        joints = torch.stack(self.targets[self.cursor:self.cursor + len(images)])
+        self.cursor += len(images)
+        bins_y, bins_x = self.inner.codec.bins
+        return self.inner.codec.log_targets(joints[..., 0], bins_x), self.inner.codec.log_targets(joints[..., 1], bins_y)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.inner, name)
+
+
+def test_evaluate_scores_ground_truth_as_perfect(synth: Path) -> None:
+    records, root = load_records(synth / "test")
+    dataset = PoseDataset(records, root, input_size=SIZE, train=False)
+    oracle = OracleModel(tiny_model(label_sigma=1.0), [dataset[i]["joints"] for i in range(len(dataset))])
+    scores = evaluate(oracle, dataset, batch_size=4)
+    assert scores["Mean"] == pytest.approx(100.0)
+    assert scores["Mean@0.1"] > 90.0
+    assert scores["samples"] == len(dataset)
+
+
+def run_config(synth: Path, out: Path, *overrides: str, val: bool = True) -> RunConfig:
+    base = [
+        f'data.train="{synth / "public"}"', "data.input_size=[64, 64]",
+        'model.backbone="tiny_vit_test"', 'model.scenario="scratch"', "train.steps=4", "train.batch_size=3",
+        "train.eval_every=2", "train.checkpoint_every=2", f'train.out_dir="{out}"', "optim.warmup_steps=1",
+    ]
+    if val:
+        base.append(f'data.val="{synth / "test"}"')
+    return load_config(None, base + list(overrides))
+
+
+def test_resume_continues_exactly(synth: Path, tmp_path: Path) -> None:
+    quiet = dict(progress=False, log=lambda _: None)
+    # 8 records, batch 3: 2 batches per epoch, so the resumed part crosses an epoch boundary
+    steps = ("train.steps=3", "train.eval_every=2", "train.checkpoint_every=2")
+    run_training(run_config(synth, tmp_path / "straight", *steps), **quiet)
+    interrupted = run_config(synth, tmp_path / "resumed", *steps)
+    run_training(interrupted, stop_after=1, **quiet)
+    assert load_checkpoint(tmp_path / "resumed/checkpoints/last.pt")["step"] == 1
+    run_training(interrupted, resume=tmp_path / "resumed", **quiet)
+
+    a = load_checkpoint(tmp_path / "straight/checkpoints/last.pt")
+    b = load_checkpoint(tmp_path / "resumed/checkpoints/last.pt")
+    assert a["step"] == b["step"] == 3
+    assert [r["loss"] for r in a["metrics"]["train"]] == [r["loss"] for r in b["metrics"]["train"]]
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    run_dir = tmp_path / "resumed"
+    for name in ("config.toml", "metrics.json", "curves.png", "privacy.json", "checkpoints/best.pt"):
+        assert (run_dir / name).exists(), name
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert [v["step"] for v in metrics["val"]] == [1, 2, 3]  # every 2 steps, and where each invocation ended
+    assert json.loads((run_dir / "privacy.json").read_text())["guarantee"] == "none"
+    # the written config.toml reloads to the same configuration
+    assert load_config(run_dir / "config.toml") == interrupted
+
+
+def test_dp_resume_continues_the_privacy_ledger(synth: Path, tmp_path: Path) -> None:
+    quiet = dict(progress=False, log=lambda _: None)
+    dp = ('privacy.mechanism="dpsgd"', "privacy.noise_multiplier=1.0", "train.steps=2", "train.checkpoint_every=1")
+    run_training(run_config(synth, tmp_path / "straight", *dp, val=False), **quiet)
+    cfg = run_config(synth, tmp_path / "resumed", *dp, val=False)
+    run_training(cfg, stop_after=1, **quiet)
+    run_training(cfg, resume=tmp_path / "resumed", **quiet)
+    straight = json.loads((tmp_path / "straight/privacy.json").read_text())
+    resumed = json.loads((tmp_path / "resumed/privacy.json").read_text())
+    assert resumed["steps"] == straight["steps"] == 2
+    assert resumed["accountant_state"] == straight["accountant_state"]
+    assert resumed["epsilon"] == pytest.approx(straight["epsilon"])
+
+
+def test_existing_run_dir_is_not_overwritten(synth: Path, tmp_path: Path) -> None:
+    from fedpose.config import ConfigError
+
+    cfg = run_config(synth, tmp_path / "run", "train.steps=1", val=False)
+    run_training(cfg, progress=False, log=lambda _: None)
+    before = (tmp_path / "run/checkpoints/last.pt").read_bytes()
+    with pytest.raises(ConfigError, match="train.out_dir: .* already holds a run"):
+        run_training(cfg, progress=False, log=lambda _: None)
+    assert (tmp_path / "run/checkpoints/last.pt").read_bytes() == before
