@@ -1,0 +1,192 @@
+"""Seconds per training step for every privacy mechanism, relative to non-private training.
+
+    python benchmarks/step_cost/run.py                    # 256×192, batch 16, tiny_vit_5m_224, finetune
+    python benchmarks/step_cost/run.py --size 128 96 --repeats 3
+
+Writes benchmarks/step_cost/results.json. Method:
+* one model (random weights: speed does not depend on them), one fixed batch of exactly B
+  samples, so every mechanism does the same work; Poisson batch-size variation is not timed;
+* mechanisms are timed round-robin (none, dpsgd, pdp, ... then again) and the median per
+  mechanism is reported, so slow phases of a shared machine hit all of them alike; the ratio
+  uses the non-private median of the same run;
+* basis refresh (m public samples → k vectors) and the projection V(Vᵀg) are timed separately;
+* noise generation: seeded torch generator vs the os.urandom CSPRNG, for p noise coordinates;
+* peak memory: each mechanism in a fresh subprocess doing 2 steps, ru_maxrss (whole process).
+The machine is shared with other jobs (2 cores): absolute numbers are noisy, the load average
+at start and end is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from fedpose.config import ModelConfig, PrivacyConfig
+from fedpose.io import atomic_write_json
+from fedpose.model import build_model
+from fedpose.privacy.engine import build_engine, collate
+from fedpose.privacy.noise import SecureNoise, SeededNoise
+
+HERE = Path(__file__).resolve().parent
+MECHANISMS = ("none", "dpsgd", "dpsgd+secure_rng", "pdp", "fdp", "fpdp", "maskdp")
+GOALS = {"dpsgd_ratio_max": 1.15, "fpdp_ratio_max": 2.2, "projection_share_max": 0.05, "refresh_seconds_max": 15.0}
+
+
+class RandomPoseSet(torch.utils.data.Dataset):
+    def __init__(self, n: int, size: tuple[int, int], offset: int = 0) -> None:
+        self.n, self.size, self.offset = n, size, offset
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        g = torch.Generator().manual_seed(self.offset + i)
+        h, w = self.size
+        return {
+            "image": torch.randn(3, h, w, generator=g),
+            "joints": torch.rand(16, 2, generator=g) * torch.tensor([w, h]),
+            "weight": torch.ones(16),
+            "index": i,
+            "face_box": torch.tensor([w * 0.35, h * 0.05, w * 0.65, h * 0.25]),
+        }
+
+
+def privacy_config(name: str, k: int, m: int) -> PrivacyConfig:
+    mechanism, _, option = name.partition("+")
+    if mechanism == "none":
+        return PrivacyConfig()
+    return PrivacyConfig(
+        mechanism=mechanism, noise_multiplier=1.0, max_grad_norm=0.1, delta=4e-5,
+        secure_rng=option == "secure_rng",
+        basis={"k": k, "public_samples": m, "refresh_every": 10**9},
+    )
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def make_model(args: argparse.Namespace):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return build_model(ModelConfig(backbone=args.backbone, scenario="finetune"), tuple(args.size))
+
+
+def memory_probe(args: argparse.Namespace) -> int:
+    """Subprocess mode: 2 steps of one mechanism, print peak RSS in MiB."""
+    model = make_model(args)
+    size = tuple(args.size)
+    private, public = RandomPoseSet(4 * args.batch, size), RandomPoseSet(args.public_samples, size, 10_000)
+    engine = build_engine(privacy_config(args.memory_probe, args.k, args.public_samples), model, len(private), args.batch, 10, public, 0)
+    batch = collate([private[i] for i in range(args.batch)])
+    for _ in range(2):
+        engine.step(model, batch)
+    print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", type=int, nargs=2, default=(256, 192), metavar=("H", "W"))
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--backbone", default="tiny_vit_5m_224")
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per mechanism (after 1 warm-up)")
+    parser.add_argument("--k", type=int, default=50)
+    parser.add_argument("--public-samples", type=int, default=100)
+    parser.add_argument("--mechanisms", nargs="+", default=list(MECHANISMS), choices=MECHANISMS)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--out", type=Path, default=HERE / "results.json")
+    parser.add_argument("--memory-probe", choices=MECHANISMS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.memory_probe:
+        return memory_probe(args)
+
+    size = tuple(args.size)
+    started_load = load_average()
+    model = make_model(args)
+    p = model.num_trainable()
+    private = RandomPoseSet(4 * args.batch, size)
+    public = RandomPoseSet(args.public_samples, size, 10_000)
+    batch = collate([private[i] for i in range(args.batch)])
+    engines = {name: build_engine(privacy_config(name, args.k, args.public_samples), model, len(private), args.batch, 10, public, 0)
+               for name in args.mechanisms}
+
+    print(f"p = {p} trainable parameters, input {size}, batch {args.batch}, torch threads {torch.get_num_threads()}, load {started_load}")
+    refresh_seconds = []
+    for name, engine in engines.items():  # one basis per projecting engine, timed; also the warm-up
+        if engine.mechanism.projects:
+            refresh_seconds.append(engine.refresh_basis(model))
+            print(f"basis refresh ({name}): {refresh_seconds[-1]:.2f} s (m = {args.public_samples}, k = {args.k})")
+        engine.step(model, batch)
+
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    projection: list[float] = []
+    for rep in range(args.repeats):
+        for name, engine in engines.items():
+            started = time.perf_counter()
+            metrics = engine.step(model, batch)
+            times[name].append(time.perf_counter() - started)
+            if "projection_seconds" in metrics:
+                projection.append(metrics["projection_seconds"])
+        print(f"repeat {rep + 1}/{args.repeats}: " + ", ".join(f"{n} {t[-1]:.2f}s" for n, t in times.items()))
+
+    noise = {}
+    for label, source in (("seeded_torch", SeededNoise(0)), ("os_urandom_box_muller", SecureNoise())):
+        runs = []
+        for _ in range(3):
+            started = time.perf_counter()
+            source.normal(p, 1.0)
+            runs.append(time.perf_counter() - started)
+        noise[label] = statistics.median(runs)
+
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    base = medians.get("none")
+    results: dict = {
+        "conditions": {
+            "backbone": args.backbone, "scenario": "finetune", "input_size": list(size), "batch_size": args.batch,
+            "trainable_parameters": p, "timed_steps_per_mechanism": args.repeats, "basis_k": args.k,
+            "public_samples_m": args.public_samples, "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "cpu_count": os.cpu_count(),
+            "load_average_start": started_load, "load_average_end": load_average(),
+            "note": "shared 2-core machine, other jobs running; medians of round-robin timings",
+        },
+        "seconds_per_step": medians,
+        "all_step_seconds": times,
+        "ratio_to_non_private": {n: (m / base if base else None) for n, m in medians.items()},
+        "basis_refresh_seconds": refresh_seconds,
+        "projection_seconds_median": statistics.median(projection) if projection else None,
+        "projection_share_of_pdp_step": (statistics.median(projection) / medians["pdp"]) if projection and "pdp" in medians else None,
+        "noise_seconds_for_p_coordinates": noise,
+        "goals": GOALS,
+    }
+    if not args.skip_memory:
+        peaks = {}
+        for name in args.mechanisms:
+            cmd = [sys.executable, __file__, "--memory-probe", name, "--size", *map(str, size), "--batch", str(args.batch),
+                   "--backbone", args.backbone, "--k", str(args.k), "--public-samples", str(args.public_samples)]
+            out = subprocess.run(cmd, capture_output=True, text=True)
+            peaks[name] = json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mib"] if out.returncode == 0 else f"failed: {out.stderr[-300:]}"
+            print(f"peak RSS {name}: {peaks[name]}")
+        results["peak_rss_mib"] = peaks
+    atomic_write_json(args.out, results)
+    print(json.dumps({k: results[k] for k in ("seconds_per_step", "ratio_to_non_private", "basis_refresh_seconds",
+                                              "projection_seconds_median", "noise_seconds_for_p_coordinates")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
