@@ -310,23 +310,18 @@ def _handle(args: argparse.Namespace) -> int:
             "--ssl-keyfile", str(certs / "server.key"), "--enable-supernode-auth", "--disable-runtime-dependency-installation",
             "--fleet-api-type", "grpc-rere", "--fleet-api-address", f"127.0.0.1:{fleet}", "--host", "127.0.0.1",
             "--port", str(control), "--health-server-address", f"127.0.0.1:{health}",
-            "--database", str(run_dir / "superlink.db"),
+            # in-memory SuperLink state: its SQLite backend hit "database is locked" (lost replies) on
+            # a loaded machine; nothing the run needs lives there (the coordinator checkpoints itself)
         ])
         _wait_port(fleet, superlink, "SuperLink Fleet API", run_dir / "logs" / "superlink.log")
         _wait_port(control, superlink, "SuperLink Control API", run_dir / "logs" / "superlink.log")
-        registered_file = run_dir / "registered.json"  # the SuperLink database survives a --resume: register once
-        registered = set(json.loads(registered_file.read_text())) if registered_file.exists() else set()
-        for site_id in site_ids:
-            if site_id in registered:
-                continue
+        for site_id in site_ids:  # the SuperLink keeps registrations in memory: register at every start
             try:
                 group.run(f"register-{site_id}", [_bin("flwr"), "supernode", "register", str(certs / "sites" / f"{site_id}.pub"),
                                                   CONNECTION, "--name", site_id])
             except RuntimeError as exc:
                 if "already in use" not in str(exc):
                     raise
-            registered.add(site_id)
-            registered_file.write_text(json.dumps(sorted(registered)))
         for site_id, site_toml, port in zip(site_ids, site_tomls, node_ports):
             group.start(f"supernode-{site_id}", [
                 _bin("flower-supernode"), "--superlink", f"127.0.0.1:{fleet}", "--grpc-rere",
