@@ -46,9 +46,10 @@ def cpu_seconds() -> float:
 
 def train_phase(
     model: Any, dataset: PoseDataset, args: argparse.Namespace, cpu_minutes: float, lr: float, max_steps: int, seed: int,
+    fixed_steps: int | None = None,
 ) -> dict[str, Any]:
     """Train for at most ``cpu_minutes`` of process CPU time: a short probe fixes the step count,
-    so the warm-up + cosine schedule spans the whole budget."""
+    so the warm-up + cosine schedule spans the whole budget. ``fixed_steps`` overrides the budget."""
     optim_cfg = OptimConfig(lr=lr, weight_decay=0.05, warmup_steps=args.warmup, cosine=True)
     engine = build_engine(PrivacyConfig(), model, len(dataset), args.batch_size, max_steps, None, seed)
     batches = engine.batches(dataset)
@@ -59,6 +60,8 @@ def train_phase(
     probe = train_steps(model, engine, dataset, optimizer, args.probe_steps, probe_scheduler, progress=False, batches=batches)
     per_step = (cpu_seconds() - cpu0) / args.probe_steps
     total = int(min(max_steps, max(args.probe_steps + 1, cpu_minutes * 60 / per_step)))
+    if fixed_steps is not None:
+        total = max(args.probe_steps + 1, fixed_steps)
     scheduler = build_scheduler(optimizer, optim_cfg, total)
     for _ in range(args.probe_steps):
         scheduler.step()
@@ -112,6 +115,8 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=5000)
     parser.add_argument("--scratch-cpu-minutes", type=float, default=20.0)
     parser.add_argument("--finetune-cpu-minutes", type=float, default=5.0)
+    parser.add_argument("--scratch-steps", type=int, default=None, help="fixed step count (overrides the CPU budget)")
+    parser.add_argument("--finetune-steps", type=int, default=None, help="fixed step count (overrides the CPU budget)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
@@ -143,8 +148,10 @@ def main() -> None:
     }
 
     model = build_model(ModelConfig(backbone=args.backbone, scenario="scratch", label_sigma=args.label_sigma), size)
-    results["scratch"] = {"train": train_phase(model, public, args, args.scratch_cpu_minutes, args.lr, args.max_steps, args.seed)}
+    results["scratch"] = {"train": train_phase(model, public, args, args.scratch_cpu_minutes, args.lr, args.max_steps, args.seed,
+                                             args.scratch_steps)}
     results["scratch"]["test_pckh"] = rounded(evaluate(model, test, batch_size=64))
+    results["scratch_site_test_before_finetune"] = "same test split (site-1 distribution) as finetune.test_pckh"
     checkpoint = data.parent / "learnability_scratch.pt"
     save_checkpoint(checkpoint, model, step=results["scratch"]["train"]["steps"])
     print("scratch:", results["scratch"]["test_pckh"], flush=True)
@@ -154,7 +161,8 @@ def main() -> None:
                                        init_checkpoint=checkpoint), size)
     results["finetune"] = {
         "trainable_parameters": finetune.num_trainable(),
-        "train": train_phase(finetune, site, args, args.finetune_cpu_minutes, args.finetune_lr, args.max_steps, args.seed + 1),
+        "train": train_phase(finetune, site, args, args.finetune_cpu_minutes, args.finetune_lr, args.max_steps, args.seed + 1,
+                             args.finetune_steps),
     }
     results["finetune"]["test_pckh"] = rounded(evaluate(finetune, test, batch_size=64))
     results["conditions"]["load_average_end"] = round(os.getloadavg()[0], 1)

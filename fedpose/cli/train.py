@@ -33,14 +33,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fedpose.config import load_config
-    from fedpose.model import CheckpointError, load_checkpoint
-    from fedpose.privacy.input_privacy import InputPrivacyError
-    from fedpose.train.central import config_from_checkpoint, resolve_resume, run_training
 
     if args.config is None and args.resume is None:
         raise UserError("train: give --config FILE (or --resume RUN_DIR to continue a run)")
     if args.config is not None and args.resume is not None:
         raise UserError("train: --resume uses the run's saved config; change it with --set, not --config")
+    if args.config is not None:
+        load_config(args.config, args.overrides)  # fail fast on config errors, before importing torch
+
+    from fedpose.model import CheckpointError, load_checkpoint
+    from fedpose.privacy.input_privacy import InputPrivacyError
+    from fedpose.train.central import config_from_checkpoint, resolve_resume, run_training
+
     try:
         if args.resume is not None:
             cfg = config_from_checkpoint(load_checkpoint(resolve_resume(args.resume)), args.overrides)
