@@ -177,6 +177,22 @@ def test_seeded_engine_is_reproducible(model) -> None:
     assert torch.equal(results[0][1], results[1][1])
 
 
+def test_seeded_noise_differs_per_step_and_a_resumed_engine_does_not_replay_it(model) -> None:
+    dataset = TensorPoseSet(20)
+    empty = engine_module.collate([], engine_module.collate([dataset[0]]))
+
+    def noise_of(engine) -> torch.Tensor:
+        engine.step(model, empty)
+        return flatten([p.grad for p in model.trainable_parameters().values()]).clone()
+
+    engine = build_engine(dp_config(), model, len(dataset), 4, 10, seed=9)
+    first, second = noise_of(engine), noise_of(engine)
+    assert not torch.allclose(first, second)
+    resumed = build_engine(dp_config(), model, len(dataset), 4, 10, seed=9)
+    resumed.steps_done = 1  # what central training does on --resume
+    assert torch.equal(noise_of(resumed), second)
+
+
 def test_poisson_sampling_rate_and_empty_batches(model) -> None:
     dataset = TensorPoseSet(40)
     engine = build_engine(dp_config(), model, len(dataset), 2, 10, seed=0)  # q = 0.05

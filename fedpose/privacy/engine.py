@@ -55,6 +55,10 @@ from fedpose.privacy.per_sample import (
 from fedpose.privacy.report import format_epsilon
 
 
+#: keys separating the seeded random streams (with the step index); see SeededNoise.reseed
+_SAMPLING_STREAM, _NOISE_STREAM = 1, 2
+
+
 def collate(samples: Sequence[dict], template: dict | None = None) -> dict:
     """Collate samples; an empty list gives ``template`` sliced to zero rows (an empty batch)."""
     if samples:
@@ -95,6 +99,7 @@ class GradientEngine:
         self.seed = int(seed)
         self.chunk_size = int(chunk_size)
         self.steps_done = 0
+        self._batches_drawn = 0
         self._empty_template: dict | None = None
         self._shuffle = torch.Generator().manual_seed(self.seed + 1)
         self._public_rng = np.random.default_rng([self.seed, 2])
@@ -152,6 +157,11 @@ class GradientEngine:
             self._empty_template = collate([dataset[0]])
         while True:
             assert self.noise is not None
+            # Coins of the upcoming step: indexed by step (≥ steps_done, so a resumed run never
+            # replays earlier coins) and advancing even when batches are drawn without stepping.
+            draw = max(self._batches_drawn, self.steps_done)
+            self._batches_drawn = draw + 1
+            self.noise.reseed(_SAMPLING_STREAM, draw)
             chosen = torch.nonzero(self.noise.uniform(self.dataset_size) < self.sample_rate).flatten().tolist()
             yield collate([dataset[i] for i in chosen], self._empty_template)
 
@@ -264,6 +274,7 @@ class GradientEngine:
                 metrics["public_loss"] = float(public_losses.mean())
 
         noise_std = self.noise_multiplier * clip
+        self.noise.reseed(_NOISE_STREAM, self.steps_done)
         gradient = (clipped_sum + self.noise.normal(num_params, noise_std)) / self.expected_batch_size
         if mechanism.projects:
             assert self.basis is not None

@@ -24,12 +24,22 @@ from torch import Tensor
 
 
 class SeededNoise:
-    """Reproducible noise and uniforms from a seeded ``torch.Generator``."""
+    """Reproducible noise and uniforms from a seeded ``torch.Generator``.
+
+    ``reseed(*keys)`` derives the stream from (seed, keys) — the engine passes (purpose, step) —
+    so a resumed run never replays the noise of earlier steps: two releases sharing one noise
+    vector would let their difference cancel it.
+    """
 
     secure = False
 
     def __init__(self, seed: int) -> None:
-        self.generator = torch.Generator().manual_seed(int(seed))
+        self.seed = int(seed)
+        self.generator = torch.Generator().manual_seed(self.seed)
+
+    def reseed(self, *keys: int) -> None:
+        state = np.random.SeedSequence([self.seed & 0xFFFFFFFFFFFFFFFF, *map(int, keys)]).generate_state(2, np.uint32)
+        self.generator.manual_seed(int(state[0]) << 32 | int(state[1]))
 
     def normal(self, size: int, std: float) -> Tensor:
         return torch.normal(0.0, float(std), (size,), generator=self.generator)
@@ -48,6 +58,9 @@ class SecureNoise:
     """Noise and uniforms from the OS CSPRNG (os.urandom) via Box–Muller."""
 
     secure = True
+
+    def reseed(self, *keys: int) -> None:
+        """No state: every draw is fresh kernel randomness."""
 
     def normal(self, size: int, std: float) -> Tensor:
         pairs = (size + 1) // 2
