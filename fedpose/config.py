@@ -43,7 +43,9 @@ class DataConfig(Strict):
 
 class ModelConfig(Strict):
     backbone: str = Field("tiny_vit_5m_224", description="timm TinyViT name, or 'tiny_vit_test' (small, for tests)")
-    scenario: Literal["finetune", "full", "scratch"] = "finetune"
+    scenario: Literal["finetune", "full", "scratch"] = Field(
+        "finetune", description="finetune: stage 3 + all LayerNorms + head trainable; full: all; scratch: all, random init"
+    )
     init_checkpoint: Path | None = Field(None, description="timm state dict or fedpose checkpoint to start from")
     split_factor: int = Field(2, ge=1, le=8, description="SimCC bins per pixel")
     label_sigma: float = Field(6.0, gt=0, description="SimCC Gaussian label-smoothing σ, in bins")
@@ -51,23 +53,23 @@ class ModelConfig(Strict):
 
 
 class OptimConfig(Strict):
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.01, ge=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    warmup_steps: int = Field(0, ge=0)
-    cosine: bool = True
+    name: Literal["adamw", "sgd"] = Field("adamw", description="optimizer")
+    lr: float = Field(1e-3, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.01, ge=0, description="decoupled weight decay (adamw) / L2 (sgd)")
+    momentum: float = Field(0.9, ge=0, lt=1, description="sgd momentum")
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up steps")
+    cosine: bool = Field(True, description="cosine decay to 0 after warm-up (else constant)")
 
 
 class TrainConfig(Strict):
     steps: int = Field(1000, ge=1, description="optimizer steps")
     batch_size: int = Field(16, ge=1, description="(expected) batch size")
-    eval_every: int = Field(200, ge=1)
-    checkpoint_every: int = Field(200, ge=1)
+    eval_every: int = Field(200, ge=1, description="steps between validation PCKh evaluations")
+    checkpoint_every: int = Field(200, ge=1, description="steps between checkpoints")
     eval_samples: int | None = Field(None, ge=1, description="cap on validation samples (None = all)")
-    seed: int = 0
+    seed: int = Field(0, description="seed for sampling, augmentation and (test-only) noise")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (None = torch default)")
-    out_dir: Path = Path("runs/train")
+    out_dir: Path = Field(Path("runs/train"), description="run directory (metrics.json, curves.png, checkpoints/, privacy.json)")
 
 
 class BasisConfig(Strict):
@@ -75,12 +77,12 @@ class BasisConfig(Strict):
     public_samples: int = Field(100, ge=1, description="m, public samples per basis computation")
     refresh_every: int = Field(50, ge=1, description="steps between basis refreshes")
     public_data: Path | None = Field(None, description="public dataset directory (S_pub)")
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="storage dtype of V")
 
 
 class BlurConfig(Strict):
     kernel_size: int = Field(21, ge=3, description="odd Gaussian kernel size in pixels")
-    sigma: float = Field(6.0, gt=0)
+    sigma: float = Field(6.0, gt=0, description="Gaussian blur σ in pixels (ψ of FDP / FP-DP)")
 
     @model_validator(mode="after")
     def _odd(self) -> "BlurConfig":
@@ -90,17 +92,19 @@ class BlurConfig(Strict):
 
 
 class MaskConfig(Strict):
-    region: Literal["head", "face"] = Field("head", description="private region taken from the annotation")
+    region: Literal["head", "face"] = Field("head", description="MaskDP private region taken from the annotation")
     margin: float = Field(0.15, ge=0, description="box enlargement, fraction of its size")
-    fill: Literal["mean", "zero"] = "mean"
+    fill: Literal["mean", "zero"] = Field("mean", description="value written into the masked region")
 
 
 class PrivacyConfig(Strict):
-    mechanism: Literal["none", "dpsgd", "pdp", "fdp", "fpdp", "maskdp"] = "none"
-    target_epsilon: float | None = Field(None, gt=0)
-    noise_multiplier: float | None = Field(None, ge=0)
+    mechanism: Literal["none", "dpsgd", "pdp", "fdp", "fpdp", "maskdp"] = Field(
+        "none", description="gradient mechanism; guarantee: DP (dpsgd, pdp), FDP (fdp, fpdp), MaskDP (maskdp)"
+    )
+    target_epsilon: float | None = Field(None, gt=0, description="calibrate σ so the planned steps reach this ε (at privacy.delta, RDP)")
+    noise_multiplier: float | None = Field(None, ge=0, description="σ: noise std = σ·C (alternative to target_epsilon)")
     max_grad_norm: float = Field(1.0, gt=0, description="per-sample clipping bound C")
-    delta: float = Field(1e-5, gt=0, lt=1)
+    delta: float = Field(1e-5, gt=0, lt=1, description="δ at which ε is reported and budgets are enforced")
     secure_rng: bool = Field(False, description="draw noise from a CSPRNG (slower; see docs)")
     basis: BasisConfig = BasisConfig()
     blur: BlurConfig = BlurConfig()
@@ -118,11 +122,11 @@ class PrivacyConfig(Strict):
 
 
 class InputPrivacyConfig(Strict):
-    mechanism: Literal["none", "ldp-slicing"] = "none"
+    mechanism: Literal["none", "ldp-slicing"] = Field("none", description="privatize every site image once, at load")
     epsilon: float | None = Field(None, gt=0, description="ε_total per (masked) pixel")
-    ll_prune: bool = True
+    ll_prune: bool = Field(True, description="zero the Haar LL band before randomization (guarantee then per 2×2 block)")
     ll_offset: float = Field(0.0, ge=0, le=255, description="added after LL pruning, before the clamp (128 keeps negative details)")
-    allocation: Literal["sqrt", "uniform"] = "sqrt"
+    allocation: Literal["sqrt", "uniform"] = Field("sqrt", description="per-bit budget split (uniform = ablation)")
     seed: int | None = Field(None, description="seed for tests; None = cryptographically secure randomness")
 
     @model_validator(mode="after")

@@ -34,13 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"fedpose.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"fedpose.cli.{name}":
-                continue  # command group not built yet
-            raise
-        module.register(sub)
+        importlib.import_module(f"fedpose.cli.{name}").register(sub)
     return parser
 
 

@@ -92,7 +92,7 @@ class SiteConfig(Strict):
 class CoordinatorConfig(Strict):
     """The coordinator (`coordinator/` ServerApp)."""
 
-    rounds: int = Field(10, ge=1)
+    rounds: int = Field(10, ge=1, description="federated rounds")
     min_sites: int = Field(1, ge=1, description="minimum sites that must reply for a round to count")
     fraction_train: float = Field(1.0, gt=0, le=1, description="fraction of non-exhausted sites asked per round")
     round_timeout_s: float = Field(600.0, gt=0, description="round timeout; also the message TTL")
@@ -107,7 +107,7 @@ class CoordinatorConfig(Strict):
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus port (None = no server)")
     checkpoint_dir: Path = Field(Path("runs/federation/coordinator"), description="global model, server-optimizer state, ledger")
     ledger_db: Path | None = Field(None, description="SQLite budget ledger (default: <checkpoint_dir>/ledger.sqlite)")
-    seed: int = 0
+    seed: int = Field(0, description="seed for site selection and the public-sample choice")
 
     @property
     def ledger_path(self) -> Path:
