@@ -143,6 +143,7 @@ def test_forward_equals_trainable_of_frozen(scenario: str) -> None:
     assert full[0].shape == (3, 16, SIZE[1] * 2) and full[1].shape == (3, 16, SIZE[0] * 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario,size", [("finetune", (64, 64)), ("full", (96, 64))])
 def test_vmap_per_sample_gradients_equal_per_sample_loop(scenario: str, size: tuple[int, int]) -> None:
     """The DP engine's path (functional_call + vmap + grad on forward_trainable) is exact."""

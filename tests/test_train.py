@@ -105,6 +105,7 @@ def run_config(synth: Path, out: Path, *overrides: str, val: bool = True) -> Run
     return load_config(None, base + list(overrides))
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(synth: Path, tmp_path: Path) -> None:
     quiet = dict(progress=False, log=lambda _: None)
     # 8 records, batch 3: 2 batches per epoch, so the resumed part crosses an epoch boundary
@@ -131,6 +132,7 @@ def test_resume_continues_exactly(synth: Path, tmp_path: Path) -> None:
     assert load_config(run_dir / "config.toml") == interrupted
 
 
+@pytest.mark.slow
 def test_dp_resume_continues_the_privacy_ledger(synth: Path, tmp_path: Path) -> None:
     quiet = dict(progress=False, log=lambda _: None)
     dp = ('privacy.mechanism="dpsgd"', "privacy.noise_multiplier=1.0", "train.steps=2", "train.checkpoint_every=1")
