@@ -21,10 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fedpose.config import PrivacyConfig
+from fedpose.data.dataset import IMAGENET_MEAN, IMAGENET_STD
 
-#: ImageNet statistics (RGB), as used by the data pipeline's normalization.
-_IMAGENET_MEAN = (0.485, 0.456, 0.406)
-_IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 def gaussian_kernel1d(kernel_size: int, sigma: float, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -57,7 +55,7 @@ def fill_value(fill: str, dtype: torch.dtype = torch.float32) -> Tensor:
     if fill == "mean":
         return torch.zeros(3, dtype=dtype)
     if fill == "zero":
-        return torch.tensor([-m / s for m, s in zip(_IMAGENET_MEAN, _IMAGENET_STD)], dtype=dtype)
+        return torch.tensor([-m / s for m, s in zip(IMAGENET_MEAN, IMAGENET_STD)], dtype=dtype)
     raise ValueError(f"privacy.mask.fill must be 'mean' or 'zero', got {fill!r}")
 
 

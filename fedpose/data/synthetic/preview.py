@@ -1,7 +1,7 @@
 """Contact sheets for a generated dataset: preview.png (skeleton overlays) and blur_demo.png.
 
-blur_demo.png shows what FDP treats as public: ψ(x) = Gaussian blur (σ = 6 px, 21-tap kernel,
-the FDP default) — the face, skin and clothing detail vanish while the limbs, and so the pose,
+blur_demo.png shows what FDP treats as public: ψ(x) = the FDP Gaussian blur with the default
+``privacy.blur`` settings (σ = 6 px, 21-tap kernel) — the face, skin and clothing detail vanish while the limbs, and so the pose,
 survive.
 """
 
@@ -14,51 +14,28 @@ from PIL import Image, ImageDraw
 
 from fedpose.data.annotations import PoseRecord, resolve_image
 from fedpose.io import atomic_write
-from fedpose.joints import JOINT_NAMES, SKELETON
+from fedpose.config import BlurConfig
+from fedpose.viz import draw_skeleton
 
-FDP_BLUR_SIGMA = 6.0
-FDP_BLUR_KERNEL = 21
+def gaussian_blur(image: np.ndarray) -> np.ndarray:
+    """FDP's public view ψ (fedpose.privacy.public_views, default privacy.blur settings) of an
+    (H, W[, C]) array; float32 out. The demo shows exactly what FDP treats as public."""
+    import torch  # lazy: keeps generator worker start-up light
 
+    from fedpose.privacy.public_views import gaussian_blur as blur_batch
 
-def gaussian_kernel(sigma: float = FDP_BLUR_SIGMA, kernel_size: int = FDP_BLUR_KERNEL) -> np.ndarray:
-    radius = kernel_size // 2
-    x = np.arange(-radius, radius + 1, dtype=np.float64)
-    k = np.exp(-0.5 * (x / sigma) ** 2)
-    return k / k.sum()
-
-
-def gaussian_blur(image: np.ndarray, sigma: float = FDP_BLUR_SIGMA, kernel_size: int = FDP_BLUR_KERNEL) -> np.ndarray:
-    """Separable truncated Gaussian blur of an (H, W[, C]) array, reflect padding; float32 out."""
-    from scipy.ndimage import convolve1d  # lazy: keeps worker start-up light
-
-    k = gaussian_kernel(sigma, kernel_size)
-    out = convolve1d(image.astype(np.float32), k, axis=0, mode="reflect")
-    return convolve1d(out, k, axis=1, mode="reflect")
-
-
-def _side_colour(joint_a: int, joint_b: int) -> tuple[int, int, int]:
-    names = JOINT_NAMES[joint_a] + JOINT_NAMES[joint_b]
-    if "r_" in names:
-        return (255, 60, 60)
-    if "l_" in names:
-        return (60, 140, 255)
-    return (60, 230, 90)
+    blur = BlurConfig()
+    array = image.astype(np.float32)
+    chw = torch.from_numpy(array if array.ndim == 3 else array[..., None]).permute(2, 0, 1)[None]
+    out = blur_batch(chw, blur.kernel_size, blur.sigma)[0].permute(1, 2, 0).numpy()
+    return out if array.ndim == 3 else out[..., 0]
 
 
 def draw_pose(image: Image.Image, record: PoseRecord, headbox: bool = True) -> Image.Image:
-    """Skeleton overlay: person's right side red, left side blue, spine green; vis-0 joints skipped."""
-    out = image.copy()
-    draw = ImageDraw.Draw(out)
-    j, vis = record.joints, record.joints_vis
-    for a, b in SKELETON:
-        if vis[a] > 0 and vis[b] > 0:
-            draw.line([tuple(j[a]), tuple(j[b])], fill=_side_colour(a, b), width=2)
-    for i, (x, y) in enumerate(j):
-        if vis[i] > 0:
-            occluded = record.extra.get("occluded", [0] * len(j))[i]
-            draw.ellipse([x - 2, y - 2, x + 2, y + 2], fill=(255, 255, 255) if not occluded else (255, 220, 0))
+    """Skeleton overlay (fedpose.viz colours); vis-0 joints skipped; head box in yellow."""
+    out = Image.fromarray(draw_skeleton(image, record.joints, record.joints_vis, line_width=2))
     if headbox and record.headbox is not None:
-        draw.rectangle([*record.headbox[0], *record.headbox[1]], outline=(255, 230, 0))
+        ImageDraw.Draw(out).rectangle([*record.headbox[0], *record.headbox[1]], outline=(255, 230, 0))
     return out
 
 
@@ -115,6 +92,6 @@ def save_blur_demo(path: Path, root: Path, split_records: dict[str, list[PoseRec
         zoom.paste(face.resize((fw * k, fh * k), Image.NEAREST), (0, 0))
         zoom.paste(face_blur.resize((fw * k, fh * k), Image.NEAREST), (w // 2, 0))
         tiles += [Image.fromarray(original), blurred, draw_pose(blurred, record, headbox=False), zoom]
-        labels += [f"{name} original", "blur s=6 k=21", "pose survives", "face: orig | blur"]
+        labels += [f"{name} original", f"psi: blur s={BlurConfig().sigma:g} k={BlurConfig().kernel_size}", "pose survives", "face: orig | blur"]
     if tiles:
         _save(path, _grid(tiles, columns=4, labels=labels))
