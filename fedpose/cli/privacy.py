@@ -66,6 +66,11 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=_steps, required=True, help="number of noisy steps T")
     parser.add_argument("--delta", type=_delta, required=True, help="target δ (e.g. below 1/N)")
     parser.add_argument("--json", action="store_true", help="print one JSON object only")
+    parser.add_argument(
+        "--guarantee", choices=("DP", "FDP", "MaskDP"), default="DP",
+        help="DP: add/remove-one record (dpsgd, pdp); FDP / MaskDP: replace-one with public membership "
+        "(fdp, fpdp, maskdp) — a different, larger RDP curve (default: DP)",
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -92,39 +97,43 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _epsilon(args: argparse.Namespace) -> int:
     from fedpose.privacy.accountant import epsilon_for
-    from fedpose.privacy.report import format_epsilon
+    from fedpose.privacy.report import format_epsilon, relation_of
 
-    epsilon, order = epsilon_for(args.noise_multiplier, args.sample_rate, args.steps, args.delta)
+    relation = relation_of(args.guarantee)
+    epsilon, order = epsilon_for(args.noise_multiplier, args.sample_rate, args.steps, args.delta, relation=relation)
     result = {
         "epsilon": epsilon if math.isfinite(epsilon) else None,
         "delta": args.delta,
         "order": order if math.isfinite(order) else None,
         "accountant": "rdp",
-        "guarantee": "DP",
+        "guarantee": args.guarantee,
+        "neighbouring_relation": relation,
     }
     if args.json:
         print_json(result)
     else:
-        print(format_epsilon(epsilon, args.delta, "DP"))
-        print(f"  σ = {args.noise_multiplier:g}, q = {args.sample_rate:g}, T = {args.steps}, optimal RDP order α = {order:g}")
-        print("  (for FDP / MaskDP runs the same number is a feature-level / MaskDP ε, not record-level DP)")
+        print(format_epsilon(epsilon, args.delta, args.guarantee))
+        print(f"  σ = {args.noise_multiplier:g}, q = {args.sample_rate:g}, T = {args.steps}, optimal RDP order α = {order:g}, "
+              f"relation: {relation}")
     return 0
 
 
 def _noise(args: argparse.Namespace) -> int:
     from fedpose.privacy.accountant import epsilon_for, noise_multiplier_for
-    from fedpose.privacy.report import format_epsilon
+    from fedpose.privacy.report import format_epsilon, relation_of
 
+    relation = relation_of(args.guarantee)
     try:
-        sigma = noise_multiplier_for(args.target_epsilon, args.sample_rate, args.steps, args.delta)
+        sigma = noise_multiplier_for(args.target_epsilon, args.sample_rate, args.steps, args.delta, relation=relation)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    epsilon, order = epsilon_for(sigma, args.sample_rate, args.steps, args.delta)
-    result = {"noise_multiplier": sigma, "epsilon": epsilon, "delta": args.delta, "order": order, "accountant": "rdp"}
+    epsilon, order = epsilon_for(sigma, args.sample_rate, args.steps, args.delta, relation=relation)
+    result = {"noise_multiplier": sigma, "epsilon": epsilon, "delta": args.delta, "order": order, "accountant": "rdp",
+              "guarantee": args.guarantee}
     if args.json:
         print_json(result)
     else:
-        print(f"noise multiplier σ = {sigma:.4f} → {format_epsilon(epsilon, args.delta, 'DP')}")
+        print(f"noise multiplier σ = {sigma:.4f} → {format_epsilon(epsilon, args.delta, args.guarantee)}")
         print(f"  target ε = {args.target_epsilon:g}, q = {args.sample_rate:g}, T = {args.steps}")
     return 0
 

@@ -40,6 +40,7 @@ import numpy as np
 
 from fedpose.io import atomic_write_text
 from fedpose.privacy.accountant import RDPAccountant
+from fedpose.privacy.report import relation_of
 
 STATE_FILE = "budget.json"
 LOCK_FILE = "budget.lock"
@@ -114,8 +115,12 @@ class _State:
     site_id: str
     guarantee: str
     delta: float
-    accountant: RDPAccountant = field(default_factory=RDPAccountant)
+    accountant: RDPAccountant | None = None  #: None → a fresh ledger with the guarantee's relation
     entries: list[RoundEntry] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.accountant is None:
+            self.accountant = RDPAccountant(relation=relation_of(self.guarantee))
 
     def to_payload(self) -> dict[str, Any]:
         return {
@@ -293,8 +298,13 @@ class SiteBudget:
             entries = [RoundEntry(**e) for e in payload["entries"]]
         except (ValueError, TypeError, KeyError) as exc:
             raise BudgetStateError(f"{where}: malformed content ({exc})") from None
+        if accountant.relation != relation_of(self.guarantee):
+            raise BudgetStateError(
+                f"{where}: accounted under the '{accountant.relation}' relation, but {self.guarantee} needs "
+                f"'{relation_of(self.guarantee)}'"
+            )
         # The accountant must be exactly the composition of the spent rounds.
-        replay = RDPAccountant(orders=accountant.orders)
+        replay = RDPAccountant(orders=accountant.orders, relation=accountant.relation)
         for e in entries:
             if e.status == "spent":
                 replay.step(e.noise_multiplier, e.sample_rate, e.steps)

@@ -10,7 +10,16 @@ only adds what fedpose needs around it:
 * a wider order grid than Opacus' default (up to α = 1024, as Google's dp-accounting uses):
   small budgets such as ε = 0.2 at δ = 4e-5 are optimised at orders well above 63, and a
   grid that stops early gives a looser ε than necessary;
-* ``epsilon_for`` / ``noise_multiplier_for`` helpers used by the CLI and by ``build_engine``.
+* ``epsilon_for`` / ``noise_multiplier_for`` helpers used by the CLI and by ``build_engine``;
+* the **neighbouring relation** of the guarantee being accounted (:data:`RELATIONS`):
+
+  - ``add_remove`` (DP-SGD, PDP-SGD): neighbours differ by one record; Opacus' analysis of the
+    Poisson-subsampled Gaussian mechanism (sensitivity C, membership hidden by the sampling);
+  - ``replace_public_membership`` (FDP, FP-DP, MaskDP): neighbours replace the private part of
+    one record while its public part ψ(x) and label stay; the public gradient is released
+    without noise, so whether a record was sampled may be visible and the usual amplification
+    argument does not apply. fedpose uses the bound of :func:`replace_public_membership_rdp`
+    (sensitivity 2C, sampling only through a convex mixture), never the add/remove curve.
 
 RDP composes by addition per order, so a federation's rounds simply append segments.
 """
@@ -28,6 +37,56 @@ from opacus.accountants.analysis import rdp as rdp_analysis
 DEFAULT_ORDERS: tuple[float, ...] = tuple(
     [1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)) + [128, 256, 512, 1024]
 )
+
+ADD_REMOVE = "add_remove"
+REPLACE_PUBLIC_MEMBERSHIP = "replace_public_membership"
+
+
+def add_remove_rdp(sample_rate: float, noise_multiplier: float, steps: int, orders: Iterable[float]) -> np.ndarray:
+    """Opacus' RDP of the Poisson-subsampled Gaussian mechanism (add/remove-one adjacency)."""
+    return np.asarray(
+        rdp_analysis.compute_rdp(q=sample_rate, noise_multiplier=noise_multiplier, steps=steps, orders=list(orders)),
+        dtype=float,
+    )
+
+
+def replace_public_membership_rdp(
+    sample_rate: float, noise_multiplier: float, steps: int, orders: Iterable[float]
+) -> np.ndarray:
+    """RDP bound for replace-one adjacency when batch membership may be public (FDP family).
+
+    One step releases (public gradient of the batch) + (Σ clipped private gradients + N(0, σ²C²)).
+    Neighbours replace one record's private gradient u by u' (‖u − u'‖ ≤ 2C); everything else,
+    including whether the record is sampled, is identical. For α > 1, exp((α−1)·D_α(P‖Q)) is
+    jointly convex in (P, Q), so mixing over the Poisson sample gives, per step,
+
+        ρ(α) ≤ log(1 − q + q·exp((α−1)·α·(2C)²/(2σ²C²))) / (α − 1)
+             = log(1 − q + q·exp(2α(α−1)/σ²)) / (α − 1),
+
+    whatever the public gradient reveals about the sample. q = 1 gives the Gaussian mechanism
+    with sensitivity 2C (2α/σ²). Steps compose additively.
+    """
+    alphas = np.asarray(list(orders), dtype=float)
+    if steps == 0 or sample_rate == 0:
+        return np.zeros(len(alphas))
+    if noise_multiplier == 0:
+        return np.full(len(alphas), np.inf)
+    exponent = 2.0 * alphas * (alphas - 1.0) / noise_multiplier**2
+    if sample_rate == 1:
+        per_step = exponent / (alphas - 1.0)
+    else:
+        per_step = np.logaddexp(math.log1p(-sample_rate), math.log(sample_rate) + exponent) / (alphas - 1.0)
+    return steps * per_step
+
+
+#: Neighbouring relation → per-segment RDP function (q, σ, steps, orders) → RDP per order.
+RELATIONS = {ADD_REMOVE: add_remove_rdp, REPLACE_PUBLIC_MEMBERSHIP: replace_public_membership_rdp}
+
+
+def _check_relation(relation: str) -> None:
+    if relation not in RELATIONS:
+        raise ValueError(f"unknown neighbouring relation {relation!r}; known: {sorted(RELATIONS)}")
+
 
 #: σ above which calibration gives up (ε would need an absurd amount of noise).
 MAX_NOISE_MULTIPLIER = 1e4
@@ -57,6 +116,10 @@ class RDPAccountant:
 
     history: list[tuple[float, float, int]] = field(default_factory=list)
     orders: tuple[float, ...] = DEFAULT_ORDERS
+    relation: str = ADD_REMOVE  #: neighbouring relation of the guarantee (see RELATIONS)
+
+    def __post_init__(self) -> None:
+        _check_relation(self.relation)
 
     # -- recording -------------------------------------------------------------------------
     def step(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
@@ -72,6 +135,8 @@ class RDPAccountant:
 
     def merge(self, other: "RDPAccountant") -> None:
         """Append another ledger's history (e.g. a site's round) — RDP composes additively."""
+        if other.relation != self.relation:
+            raise ValueError(f"cannot compose a '{other.relation}' ledger into a '{self.relation}' ledger")
         for sigma, q, steps in other.history:
             self.step(sigma, q, steps)
 
@@ -83,11 +148,9 @@ class RDPAccountant:
     def rdp(self) -> np.ndarray:
         """Total RDP at each order in ``self.orders`` (composition = sum over segments)."""
         total = np.zeros(len(self.orders))
+        segment_rdp = RELATIONS[self.relation]
         for sigma, q, steps in self.history:
-            total += np.asarray(
-                rdp_analysis.compute_rdp(q=q, noise_multiplier=sigma, steps=steps, orders=list(self.orders)),
-                dtype=float,
-            )
+            total += segment_rdp(q, sigma, steps, self.orders)
         return total
 
     def get_epsilon(self, delta: float) -> tuple[float, float]:
@@ -99,7 +162,7 @@ class RDPAccountant:
 
     def epsilon_if(self, noise_multiplier: float, sample_rate: float, steps: int, delta: float) -> float:
         """ε after hypothetically recording one more segment (for budget checks before a round)."""
-        trial = RDPAccountant(list(self.history), self.orders)
+        trial = RDPAccountant(list(self.history), self.orders, self.relation)
         trial.step(noise_multiplier, sample_rate, steps)
         return trial.get_epsilon(delta)[0]
 
@@ -107,6 +170,7 @@ class RDPAccountant:
     def to_dict(self) -> dict[str, Any]:
         return {
             "accountant": "rdp",
+            "relation": self.relation,
             "history": [
                 {"noise_multiplier": sigma, "sample_rate": q, "steps": steps} for sigma, q, steps in self.history
             ],
@@ -123,7 +187,10 @@ class RDPAccountant:
         orders = tuple(float(a) for a in data.get("orders", DEFAULT_ORDERS))
         if not orders or any(a <= 1 for a in orders):
             raise ValueError("RDP accountant state: orders must all be > 1")
-        accountant = cls(orders=orders)
+        relation = data.get("relation", ADD_REMOVE)
+        if relation not in RELATIONS:
+            raise ValueError(f"RDP accountant state: unknown relation {relation!r}")
+        accountant = cls(orders=orders, relation=relation)
         for i, seg in enumerate(history):
             try:
                 accountant.step(float(seg["noise_multiplier"]), float(seg["sample_rate"]), int(seg["steps"]))
@@ -144,10 +211,15 @@ def rdp_to_epsilon(rdp: Iterable[float], delta: float, orders: Iterable[float] =
 
 
 def epsilon_for(
-    noise_multiplier: float, sample_rate: float, steps: int, delta: float, orders: Iterable[float] = DEFAULT_ORDERS
+    noise_multiplier: float,
+    sample_rate: float,
+    steps: int,
+    delta: float,
+    orders: Iterable[float] = DEFAULT_ORDERS,
+    relation: str = ADD_REMOVE,
 ) -> tuple[float, float]:
-    """(ε, optimal order) of ``steps`` Poisson-subsampled Gaussian steps."""
-    accountant = RDPAccountant(orders=tuple(orders))
+    """(ε, optimal order) of ``steps`` Poisson-subsampled Gaussian steps under ``relation``."""
+    accountant = RDPAccountant(orders=tuple(orders), relation=relation)
     accountant.step(noise_multiplier, sample_rate, steps)
     _check_delta(delta)
     return accountant.get_epsilon(delta)
@@ -161,6 +233,7 @@ def noise_multiplier_for(
     rel_tolerance: float = 0.005,
     orders: Iterable[float] = DEFAULT_ORDERS,
     max_noise_multiplier: float = MAX_NOISE_MULTIPLIER,
+    relation: str = ADD_REMOVE,
 ) -> float:
     """Smallest σ (to ``rel_tolerance``) whose ε after ``steps`` steps does not exceed ``target_epsilon``.
 
@@ -176,7 +249,7 @@ def noise_multiplier_for(
         return 0.0
 
     def eps(sigma: float) -> float:
-        return epsilon_for(sigma, sample_rate, steps, delta, orders)[0]
+        return epsilon_for(sigma, sample_rate, steps, delta, orders, relation)[0]
 
     low, high = 0.0, 1.0
     while eps(high) > target_epsilon:

@@ -124,11 +124,13 @@ class GradientEngine:
             self.noise_multiplier = float(privacy.noise_multiplier)
         elif privacy.target_epsilon is not None:
             self.noise_multiplier = noise_multiplier_for(
-                privacy.target_epsilon, self.sample_rate, self.planned_steps, privacy.delta
+                privacy.target_epsilon, self.sample_rate, self.planned_steps, privacy.delta,
+                relation=mechanism.guarantee.relation,
             )
         else:  # PrivacyConfig's validator already forbids this
             raise ValueError(f"privacy: mechanism '{mechanism.name}' needs privacy.noise_multiplier or privacy.target_epsilon")
-        self.accountant = RDPAccountant()
+        # The guarantee's neighbouring relation decides the RDP curve (FDP family: replace-one, see accountant).
+        self.accountant = RDPAccountant(relation=mechanism.guarantee.relation)
         self.noise = make_noise(privacy.secure_rng, self.seed)
         if mechanism.projects and privacy.basis.k < 1:
             raise ValueError("privacy.basis.k must be >= 1")
@@ -312,7 +314,7 @@ class GradientEngine:
             return report
         epsilon, order = self.accountant.get_epsilon(self.privacy.delta)
         rdp = self.accountant.rdp()
-        planned = RDPAccountant()
+        planned = RDPAccountant(relation=self.accountant.relation)
         planned.step(self.noise_multiplier, self.sample_rate, self.planned_steps)
         report.update({
             "epsilon": _finite_or_none(epsilon),
@@ -322,6 +324,7 @@ class GradientEngine:
             "planned_epsilon": _finite_or_none(planned.get_epsilon(self.privacy.delta)[0]),
             "target_epsilon": self.privacy.target_epsilon,
             "accountant": "rdp",
+            "neighbouring_relation": self.accountant.relation,
             "noise_multiplier": self.noise_multiplier,
             "max_grad_norm": self.privacy.max_grad_norm,
             "sample_rate": self.sample_rate,

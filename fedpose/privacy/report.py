@@ -21,6 +21,7 @@ class Guarantee:
     statement: str  #: the guarantee in words
     unit: str  #: what one neighbouring dataset changes
     public: str  #: what is treated as public (never protected)
+    relation: str = "add_remove"  #: neighbouring relation the accountant composes (accountant.RELATIONS)
 
 
 NO_PRIVACY = Guarantee(
@@ -46,18 +47,21 @@ FEATURE_DP = Guarantee(
     statement="(ε, δ)-feature-level differential privacy: neighbouring datasets share ψ(x) and the label",
     unit="the fine detail of one image (what the Gaussian blur ψ removes)",
     public="ψ(x) = Gaussian blur of each image, and the keypoints; the public-loss gradient carries no noise",
+    relation="replace_public_membership",
 )
 FEATURE_PROJECTED_DP = Guarantee(
     name="FDP",
     statement="(ε, δ)-feature-level differential privacy (FP-DP): FDP with public-subspace projection",
     unit="the fine detail of one image (what the Gaussian blur ψ removes)",
     public="ψ(x) = Gaussian blur of each image, the keypoints, and S_pub",
+    relation="replace_public_membership",
 )
 MASK_DP = Guarantee(
     name="MaskDP",
     statement="(ε, δ)-MaskDP: neighbouring datasets differ only inside the declared private region of one record",
     unit="the masked-private region (head/face box) of one record",
     public="the image outside the private region, and the keypoints; the mask comes from the annotation box only",
+    relation="replace_public_membership",
 )
 
 
@@ -85,3 +89,13 @@ def describe(report: Mapping[str, Any]) -> str:
         f"sample rate q = {report['sample_rate']:.4g}, steps = {report['steps']}"
     )
     return "\n".join(lines)
+
+
+GUARANTEES: dict[str, Guarantee] = {g.name: g for g in (NO_PRIVACY, RECORD_DP, FEATURE_DP, MASK_DP)}
+
+
+def relation_of(guarantee_name: str) -> str:
+    """Neighbouring relation an accountant must use for a guarantee tag ("DP", "FDP", "MaskDP")."""
+    if guarantee_name not in GUARANTEES:
+        raise ValueError(f"unknown guarantee {guarantee_name!r}; known: {sorted(GUARANTEES)}")
+    return GUARANTEES[guarantee_name].relation
