@@ -270,10 +270,17 @@ class Coordinator:
             report["steps"] = int(metrics.get("local-steps", self.cfg.local_steps))
             updates.append((site_id, update_record, float(metrics.get("num-examples", 0)), report))
 
+        unidentified: list[int] = []
         for node in selected:
             if node not in answered:
-                site_id = self.state.node_sites.get(str(node), f"node-{node}")
                 reason = f"no reply within the round timeout ({self.cfg.round_timeout_s:g} s)"
+                site_id = self.state.node_sites.get(str(node))
+                if site_id is None:
+                    # A node that never told us its site id (e.g. a stale registration after a restart)
+                    # has no budget to mirror: report it in the round, keep it out of the site ledger.
+                    log.warning("round %d: unidentified node %d missing: %s", round_id, node, reason)
+                    unidentified.append(node)
+                    continue
                 log.warning("round %d: site %s missing: %s", round_id, site_id, reason)
                 sites[site_id] = {"status": "missing", "epsilon": None, "reason": reason, "bytes_down": bytes_down.get(node, 0), "bytes_up": 0}
                 entries.append(LedgerEntry(site_id=site_id, round=round_id, status="missing", reason=reason))
@@ -312,6 +319,7 @@ class Coordinator:
             "rejected": len(result.rejected), "selected": len(selected), "basis_version": basis_version,
             "wall_seconds": time.perf_counter() - started, "exchange_seconds": round_seconds, "sites": sites,
             "exhausted": len(self.exhausted_sites()), "basis_bytes": basis_bytes, "basis_transport": self.cfg.basis.transport,
+            "unidentified_missing_nodes": unidentified,
         }
         self.history.append(entry)
         self._save_checkpoint()  # 2) optimizer, 3) model + state (commit point)
