@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Callable, Literal
 
+import torch
 from timm.models.tiny_vit import TinyVit
 from torch import Tensor, nn
 
@@ -86,6 +87,9 @@ class PoseModel(nn.Module):
         )
         self._units = self._build_units()
         self.set_scenario(scenario)
+        # Random-init BatchNorm statistics that match the network (loaded weights overwrite them);
+        # calibrate_batch_norm on real images is better still — see its docstring.
+        self.calibrate_batch_norm(_calibration_noise(self.input_size))
 
     # ----------------------------------------------------------------- structure
     def _build_units(self) -> list[tuple[str, nn.Module]]:
@@ -145,6 +149,28 @@ class PoseModel(nn.Module):
         """Training mode for every module except BatchNorm (see the module docstring)."""
         return self.train(True)
 
+    @torch.no_grad()
+    def calibrate_batch_norm(self, images: Tensor) -> None:
+        """Set every BatchNorm's running statistics to those of ``images`` (one forward pass).
+
+        For random initialisation only: BatchNorm always runs on running statistics here (see the
+        module docstring), and timm's initial statistics (mean 0, var 1) do not match a randomly
+        initialised TinyViT's activations — each patch-merging downsample then shrinks the signal
+        ~20× and a from-scratch model stalls near the mean pose. Calibrating once on a batch of
+        (public) images, or on unit-variance noise when none is at hand, gives the stem and the
+        downsamples unit-scale activations. Trained weights are never re-calibrated.
+        """
+        batch_norms = [m for m in self.modules() if _is_batch_norm(m)]
+        saved = [(m.momentum, m.training) for m in batch_norms]
+        for module in batch_norms:
+            module.reset_running_stats()
+            module.momentum = None  # cumulative average over this one pass = the batch statistics
+            module.train()
+        self.backbone.forward_features(images)
+        for module, (momentum, _) in zip(batch_norms, saved):
+            module.momentum = momentum
+            module.eval()
+
     # --------------------------------------------------------------- forward
     def _run(self, units: list[tuple[str, nn.Module]], x: Tensor) -> Tensor:
         for _, unit in units:
@@ -188,3 +214,8 @@ class PoseModel(nn.Module):
         }
 
 
+def _calibration_noise(input_size: tuple[int, int], samples: int = 16, seed: int = 0) -> Tensor:
+    """Unit-variance noise images (the scale of ImageNet-normalised inputs), reproducible and
+    independent of the global RNG."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(samples, 3, *input_size, generator=generator)
