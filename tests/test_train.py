@@ -156,3 +156,28 @@ def test_existing_run_dir_is_not_overwritten(synth: Path, tmp_path: Path) -> Non
     with pytest.raises(ConfigError, match="train.out_dir: .* already holds a run"):
         run_training(cfg, progress=False, log=lambda _: None)
     assert (tmp_path / "run/checkpoints/last.pt").read_bytes() == before
+
+
+@pytest.mark.parametrize("mechanism, source", [("none", "public"), ("pdp", "test"), ("dpsgd", None)])
+def test_scratch_batchnorm_calibration_never_sees_private_data(synth: Path, tmp_path: Path, monkeypatch, mechanism, source) -> None:
+    """BatchNorm statistics ship with the model: a private run calibrates them on public data only."""
+    from fedpose.data.dataset import PoseDataset, load_records
+    from fedpose.model.pose_model import PoseModel
+
+    seen: list[torch.Tensor] = []
+    monkeypatch.setattr(PoseModel, "calibrate_batch_norm", lambda self, images: seen.append(images))
+    overrides = ["train.steps=1"]
+    if mechanism != "none":
+        overrides += [f'privacy.mechanism="{mechanism}"', "privacy.noise_multiplier=1.0"]
+    if mechanism == "pdp":  # the test split stands in for S_pub here
+        overrides += [f'privacy.basis.public_data="{synth / "test"}"', "privacy.basis.k=2", "privacy.basis.public_samples=3"]
+    run_training(run_config(synth, tmp_path / "run", *overrides, val=False), progress=False, log=lambda _: None)
+    build_time, data = seen[0], seen[1:]  # build_model calibrates on data-independent noise first
+    assert build_time.shape[-2:] == SIZE
+    if source is None:
+        assert data == []  # no public data: the noise calibration stays
+        return
+    records, root = load_records(synth / source)
+    expected = PoseDataset(records, root, input_size=SIZE, train=False)
+    assert len(data) == 1
+    assert torch.equal(data[0], torch.stack([expected[i]["image"] for i in range(len(data[0]))]))
