@@ -99,8 +99,10 @@ def test_engine_basis_sees_only_public_samples_and_refreshes_on_schedule(monkeyp
     for _, batch in zip(range(3), engine.batches(private)):
         engine.step(model, batch)
         gradient = flatten([p.grad for p in model.trainable_parameters().values()])
-        # the update lies in the public subspace
-        assert (engine.basis.project(gradient) - gradient).norm() <= 1e-4 * gradient.norm()
+        # the update lies in the public subspace (checked in float64: float32 sums over p ≈ 10⁶
+        # entries carry ~1e-4 relative round-off of their own)
+        v, g = engine.basis.vectors.double(), gradient.double()
+        assert (v @ (v.T @ g) - g).norm() <= 1e-4 * g.norm()
     assert len(seen) == 2  # steps 0 and 2
     for public_batch in seen:
         assert public_batch["provenance"] == "public"

@@ -92,21 +92,21 @@ def basis_mixing(public_gradients: Any, k: int, rel_tolerance: float = 1e-7) -> 
 
 
 def apply_mixing(public_gradients: Any, mixing: np.ndarray) -> np.ndarray:
-    """V = Gᵀ · mix, then a sign-fixed QR pass (p×k, float32, orthonormal columns).
+    """V = Gᵀ · mix, then :func:`fedpose.privacy.projection.orthonormalize` (p×k, float32).
 
-    Coordinator and sites both build V with this one function. The QR pass restores the
-    orthonormality float32 round-off loses in small-eigenvalue directions without changing the
-    column space — the same final step as :func:`fedpose.privacy.projection.basis_from_gradients`,
-    so a shipped or rebuilt V matches the one a site would compute itself.
+    Coordinator and sites both build V with this one function, and its final step is the same as
+    :func:`fedpose.privacy.projection.basis_from_gradients`, so a shipped or rebuilt V matches
+    the one a site would compute itself.
     """
     import torch
+
+    from fedpose.privacy.projection import orthonormalize
 
     g = torch.as_tensor(_as_numpy(public_gradients)).to(torch.float32)
     if g.shape[0] != mixing.shape[0]:
         raise BasisTransportError(f"recipe mixes {mixing.shape[0]} public gradients, got {g.shape[0]}")
     v = g.T @ torch.as_tensor(np.ascontiguousarray(mixing, dtype=np.float32))
-    q, r = torch.linalg.qr(v)
-    return (q * torch.sign(torch.diagonal(r)).unsqueeze(0)).contiguous().numpy()
+    return orthonormalize(v).contiguous().numpy()
 
 
 def basis_from_gradients(public_gradients: Any, k: int) -> tuple[np.ndarray, np.ndarray]:

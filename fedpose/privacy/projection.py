@@ -74,14 +74,32 @@ def basis_from_gradients(gradients: Tensor, k: int, rel_tolerance: float = 1e-7)
     signs = torch.sign(u.gather(0, u.abs().argmax(0, keepdim=True)))
     u = u * signs
     v = g.T @ (u / eigenvalues.sqrt()).to(torch.float32)
-    # float32 round-off can cost orthonormality in small-eigenvalue directions. Check VᵀV (k × k)
-    # and, if needed, re-orthonormalise with Cholesky-QR (V ← V L⁻ᵀ, VᵀV = L Lᵀ): same column
-    # space, two p·k² products instead of a Householder QR of the p × k matrix (~10× slower here).
-    gram_v = (v.T @ v).to(torch.float64)
-    if (gram_v - torch.eye(keep, dtype=torch.float64)).abs().max() > ORTHONORMAL_TOLERANCE:
+    return orthonormalize(v), eigenvalues.to(torch.float32)
+
+
+def orthonormalize(v: Tensor) -> Tensor:
+    """Restore orthonormal columns of a p × k float32 V if round-off cost them, same column space.
+
+    float32 round-off can cost orthonormality in small-eigenvalue directions. Check VᵀV (k × k,
+    accumulated in float64) and, if needed, re-orthonormalise with Cholesky-QR (V ← V L⁻ᵀ,
+    VᵀV = L Lᵀ): two p·k² products instead of a Householder QR of the p × k matrix (~10× slower
+    here, and in float32 only good to ~1e-4 for p ≈ 10⁶). Column directions (signs) are kept.
+    """
+    gram_v = _gram_float64(v)
+    if (gram_v - torch.eye(v.shape[1], dtype=torch.float64)).abs().max() > ORTHONORMAL_TOLERANCE:
         lower = torch.linalg.cholesky(gram_v)
         v = v @ torch.linalg.inv(lower).T.to(torch.float32)
-    return v, eigenvalues.to(torch.float32)
+    return v
+
+
+def _gram_float64(v: Tensor, rows: int = 1 << 18) -> Tensor:
+    """VᵀV accumulated in float64, in row blocks: float32 inner products over p ≈ 10⁶ entries are
+    only good to ~1e-4, too coarse to decide (or achieve) orthonormality."""
+    gram = torch.zeros(v.shape[1], v.shape[1], dtype=torch.float64)
+    for start in range(0, v.shape[0], rows):
+        block = v[start : start + rows].to(torch.float64)
+        gram += block.T @ block
+    return gram
 
 
 def check_public(batch: dict) -> None:
