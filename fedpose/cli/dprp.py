@@ -15,25 +15,8 @@ import io
 import sys
 from pathlib import Path
 
-from fedpose.cli.common import UserError
-from fedpose.cli.ldp import IMAGE_SUFFIXES, positive_float
-
-
-def _probability(text: str) -> float:
-    value = positive_float(text)
-    if value >= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1), got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
+from fedpose.cli.common import UserError, open_unit_interval, positive_float, positive_int
+from fedpose.cli.ldp import IMAGE_SUFFIXES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,10 +24,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("input", metavar="INPUT", help="directory of frames, or a .npy array F×H×W×3")
     parser.add_argument("--out", required=True, help="output .npy file, or a directory for PNG frames")
     parser.add_argument("--epsilon", type=positive_float, required=True, help="total ε for the clip")
-    parser.add_argument("--delta", type=_probability, required=True, help="total δ for the clip")
-    parser.add_argument("--proj-dim", type=_positive_int, required=True, help="JL projection dimension k")
-    parser.add_argument("--split", type=_probability, default=0.5, help="fraction of (ε, δ) for the projection")
-    parser.add_argument("--rank", type=_positive_int, default=None, help="singular vectors kept (default min(F, k))")
+    parser.add_argument("--delta", type=open_unit_interval, required=True, help="total δ for the clip")
+    parser.add_argument("--proj-dim", type=positive_int, required=True, help="JL projection dimension k")
+    parser.add_argument("--split", type=open_unit_interval, default=0.5, help="fraction of (ε, δ) for the projection")
+    parser.add_argument("--rank", type=positive_int, default=None, help="singular vectors kept (default min(F, k))")
     parser.add_argument("--seed", type=int, default=None, help="seed for P and the noise (default: OS entropy)")
     parser.set_defaults(handler=_run)
 

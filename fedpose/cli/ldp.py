@@ -14,23 +14,12 @@ from __future__ import annotations
 
 import argparse
 import io
-import math
 import sys
 from pathlib import Path
 
-from fedpose.cli.common import UserError, print_json
+from fedpose.cli.common import UserError, positive_float, print_json
 
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".ppm"})
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -14,57 +14,20 @@ import json
 import math
 from pathlib import Path
 
-from fedpose.cli.common import UserError, print_json
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
-def _nonnegative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+from fedpose.cli.common import UserError, nonnegative_float, open_unit_interval, positive_float, positive_int, print_json
 
 
 def _rate(text: str) -> float:
-    value = _positive_float(text)
+    value = positive_float(text)
     if value > 1:
         raise argparse.ArgumentTypeError(f"a sample rate is in (0, 1], got {text}")
     return value
 
 
-def _delta(text: str) -> float:
-    value = _positive_float(text)
-    if value >= 1:
-        raise argparse.ArgumentTypeError(f"δ must be in (0, 1), got {text}")
-    return value
-
-
-def _steps(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"steps must be >= 1, got {text}")
-    return value
-
-
 def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-rate", type=_rate, required=True, help="Poisson sampling rate q = B/N")
-    parser.add_argument("--steps", type=_steps, required=True, help="number of noisy steps T")
-    parser.add_argument("--delta", type=_delta, required=True, help="target δ (e.g. below 1/N)")
+    parser.add_argument("--steps", type=positive_int, required=True, help="number of noisy steps T")
+    parser.add_argument("--delta", type=open_unit_interval, required=True, help="target δ (e.g. below 1/N)")
     parser.add_argument("--json", action="store_true", help="print one JSON object only")
     parser.add_argument(
         "--guarantee", choices=("DP", "FDP", "MaskDP"), default="DP",
@@ -80,12 +43,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = parser.add_subparsers(dest="privacy_command", metavar="ACTION", required=True)
 
     eps = sub.add_parser("epsilon", help="ε of T Poisson-subsampled Gaussian steps (RDP accountant)")
-    eps.add_argument("--noise-multiplier", type=_nonnegative_float, required=True, help="σ (noise std / clip C)")
+    eps.add_argument("--noise-multiplier", type=nonnegative_float, required=True, help="σ (noise std / clip C)")
     _add_common(eps)
     eps.set_defaults(handler=_epsilon)
 
     noise = sub.add_parser("noise", help="smallest noise multiplier σ (to 0.5%%) reaching a target ε")
-    noise.add_argument("--target-epsilon", type=_positive_float, required=True)
+    noise.add_argument("--target-epsilon", type=positive_float, required=True)
     _add_common(noise)
     noise.set_defaults(handler=_noise)
 
