@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+
 import pytest
 
 dp_accounting = pytest.importorskip("dp_accounting")
@@ -136,3 +139,16 @@ def test_cli_rejects_bad_sample_rate(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["privacy", "epsilon", "--sample-rate", "1.5", "--noise-multiplier", "1", "--steps", "10", "--delta", "1e-5"])
     assert exc.value.code == 2 and "sample rate" in capsys.readouterr().err
+
+
+def test_accountant_import_skips_opacus_package_init():
+    """A deployed site imports the accountant in every ClientApp process: Opacus' package init
+    (PrivacyEngine, optimizers, torch.distributed, ~2 s) must not come with it."""
+    code = (
+        "import sys, fedpose.privacy.accountant as a; "
+        "assert 'opacus.privacy_engine' not in sys.modules, 'opacus package init ran'; "
+        "assert 'torch' not in sys.modules, 'the accountant pulled in torch'; "
+        "print(a.epsilon_for(1.1, 0.01, 1000, 1e-5)[0])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert float(out.stdout.split()[0]) > 0

@@ -11,9 +11,10 @@ Writes benchmarks/step_cost/results.json. Method:
   uses the non-private median of the same run;
 * basis refresh (m public samples → k vectors) and the projection V(Vᵀg) are timed separately;
 * noise generation: seeded torch generator vs the os.urandom CSPRNG, for p noise coordinates;
-* peak memory: each mechanism in a fresh subprocess doing 2 steps, ru_maxrss (whole process).
-The machine is shared with other jobs (2 cores): absolute numbers are noisy, the load average
-at start and end is recorded.
+* peak memory: each mechanism in a fresh subprocess doing 2 steps (basis refresh included),
+  the process's VmHWM from /proc/self/status. Not ru_maxrss: Linux carries it over from the
+  forking parent across exec, so every probe would report this (large) process's peak.
+The load average at start and end is recorded: on a shared 2-core machine numbers are noisy.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -83,6 +83,14 @@ def make_model(args: argparse.Namespace):
         return build_model(ModelConfig(backbone=args.backbone, scenario="finetune"), tuple(args.size))
 
 
+def peak_rss_mib() -> float:
+    """This process's peak resident set (VmHWM), MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
 def memory_probe(args: argparse.Namespace) -> int:
     """Subprocess mode: 2 steps of one mechanism, print peak RSS in MiB."""
     model = make_model(args)
@@ -92,7 +100,7 @@ def memory_probe(args: argparse.Namespace) -> int:
     batch = collate([private[i] for i in range(args.batch)])
     for _ in range(2):
         engine.step(model, batch)
-    print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(json.dumps({"peak_rss_mib": peak_rss_mib()}))
     return 0
 
 
@@ -162,7 +170,7 @@ def main() -> int:
             "public_samples_m": args.public_samples, "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "cpu_count": os.cpu_count(),
             "load_average_start": started_load, "load_average_end": load_average(),
-            "note": "shared 2-core machine, other jobs running; medians of round-robin timings",
+            "note": "medians of round-robin timings; see the load averages for how busy the machine was",
         },
         "seconds_per_step": medians,
         "all_step_seconds": times,

@@ -26,12 +26,40 @@ RDP composes by addition per order, so a federation's rounds simply append segme
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import Any, Iterable
 
 import numpy as np
-from opacus.accountants.analysis import rdp as rdp_analysis
+
+
+def _opacus_rdp_analysis() -> ModuleType:
+    """``opacus.accountants.analysis.rdp``, loaded from its file without running ``opacus/__init__``.
+
+    The package init imports Opacus' PrivacyEngine, optimizers and ``torch.distributed`` (~2 s
+    measured); a deployed site pays every import once per round, because Flower starts a new
+    ClientApp process per message. The analysis module itself needs only numpy and scipy.
+    """
+    name = "opacus.accountants.analysis.rdp"
+    if name in sys.modules:
+        return sys.modules[name]
+    package = importlib.util.find_spec("opacus")  # locates the package without importing it
+    if package is None or package.origin is None:
+        raise ImportError("opacus is not installed (fedpose uses its RDP analysis)")
+    path = Path(package.origin).parent / "accountants" / "analysis" / "rdp.py"
+    spec = importlib.util.spec_from_file_location("fedpose._opacus_rdp_analysis", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load Opacus' RDP analysis from {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+rdp_analysis = _opacus_rdp_analysis()
 
 #: RDP orders α. Opacus' default grid plus large orders for small-ε regimes.
 DEFAULT_ORDERS: tuple[float, ...] = tuple(

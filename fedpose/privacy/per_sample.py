@@ -83,8 +83,8 @@ def per_sample_gradients(
 
 def per_sample_norms(grads: dict[str, Tensor]) -> Tensor:
     """Flat L2 norm over all trainable parameters, per sample (b,)."""
-    squared = [g.reshape(g.shape[0], -1).pow(2).sum(1) for g in grads.values()]
-    return torch.stack(squared, 1).sum(1).sqrt()
+    per_tensor = [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1) for g in grads.values()]
+    return torch.linalg.vector_norm(torch.stack(per_tensor, 1), dim=1)
 
 
 def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
