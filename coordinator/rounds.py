@@ -111,11 +111,18 @@ class Coordinator:
     def _initial_model(self) -> tuple[CoordinatorState, dict[str, np.ndarray]]:
         import torch
 
+        from fedpose.federation.warm_start import warm_start
         from fedpose.model import build_model
         from fedpose.model.checkpoint import model_spec
 
         torch.manual_seed(self.cfg.seed)
         model = build_model(self.cfg.model, tuple(self.cfg.data.input_size))
+        from_scratch = self.cfg.model.init_checkpoint is None
+        if self.cfg.public_data is not None and (from_scratch or self.cfg.warm_start.steps > 0):
+            done = warm_start(model, self.cfg.public_data, self.cfg.warm_start.steps, self.cfg.warm_start.optim,
+                              self.cfg.warm_start.batch_size, self.cfg.seed, calibrate=from_scratch, echo=self.echo)
+            if done["steps"]:
+                self.echo(f"warm start: {int(done['steps'])} steps on public data in {done['seconds']:.0f} s (no privacy cost)")
         spec = model_spec(model)
         state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
         return CoordinatorState(model_spec=spec), state

@@ -75,6 +75,8 @@ def pretrain(args: argparse.Namespace, public: PoseDataset, test: PoseDataset) -
         saved = torch.load(path, weights_only=False)
         return saved["state"], saved["metrics"]
     model = new_model(args, "scratch")
+    # frozen BatchNorm statistics from public images (fedpose train does the same for scratch runs)
+    model.calibrate_batch_norm(torch.stack([public[i]["image"] for i in range(min(64, len(public)))]))
     optim_cfg = OptimConfig(lr=args.pretrain_lr, warmup_steps=min(50, args.pretrain_steps // 10))
     optimizer = build_optimizer(model, optim_cfg)
     engine = build_engine(PrivacyConfig(), model, len(public), args.batch, args.pretrain_steps, seed=args.seed)
@@ -207,7 +209,7 @@ def main() -> int:
     state, pretrained = pretrain(args, public_train, test)
 
     conditions = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("resume",)}
-    conditions["note"] = "shared 2-core CPU machine; synthetic data; reduced steps/size vs the papers"
+    conditions["note"] = "2-core CPU machine; synthetic data; reduced steps/size vs the papers"
     results = {"conditions": conditions, "pretrained": pretrained, "runs": []}
     previous = HERE / "results.json"
     if args.resume and previous.exists():

@@ -89,6 +89,14 @@ class SiteConfig(Strict):
         return self.privacy.delta
 
 
+class WarmStartConfig(Strict):
+    """Non-private training of the initial global model on the coordinator's public data."""
+
+    steps: int = Field(0, ge=0, description="optimizer steps on coordinator.public_data before round 1 (0 = none; no privacy cost)")
+    batch_size: int = Field(16, ge=1, description="warm-start batch size")
+    optim: OptimConfig = Field(OptimConfig(warmup_steps=20), description="warm-start optimizer and schedule")
+
+
 class CoordinatorConfig(Strict):
     """The coordinator (`coordinator/` ServerApp)."""
 
@@ -108,6 +116,17 @@ class CoordinatorConfig(Strict):
     checkpoint_dir: Path = Field(Path("runs/federation/coordinator"), description="global model, server-optimizer state, ledger")
     ledger_db: Path | None = Field(None, description="SQLite budget ledger (default: <checkpoint_dir>/ledger.sqlite)")
     seed: int = Field(0, description="seed for site selection and the public-sample choice")
+    warm_start: WarmStartConfig = Field(
+        WarmStartConfig(),
+        description="train the initial global model on public_data first (a from-scratch model's BatchNorm "
+        "statistics always come from public_data when it is set)",
+    )
+
+    @model_validator(mode="after")
+    def _warm_start_needs_public_data(self) -> "CoordinatorConfig":
+        if self.warm_start.steps > 0 and self.public_data is None:
+            raise ValueError("warm_start.steps > 0 needs coordinator.public_data (the warm start trains on public data only)")
+        return self
 
     @property
     def ledger_path(self) -> Path:
