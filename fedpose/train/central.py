@@ -189,7 +189,10 @@ def run_training(
 
     train_dir, input_guarantee = prepare_site_dataset(cfg.data.train, cfg.input_privacy)
     train_set = _load_dataset(Path(train_dir), cfg, train=True, seed=stream_seed)
-    val_set = _load_dataset(Path(cfg.data.val), cfg, train=False, seed=seed) if cfg.data.val else None
+    # The site's validation images are privatized too: input privacy covers every image the site
+    # trains or evaluates on (evaluate a checkpoint on clean data with `fedpose eval`).
+    val_dir = prepare_site_dataset(cfg.data.val, cfg.input_privacy)[0] if cfg.data.val else None
+    val_set = _load_dataset(Path(val_dir), cfg, train=False, seed=seed) if val_dir is not None else None
     public_set = None
     if cfg.privacy.mechanism in ("pdp", "fpdp"):
         if cfg.privacy.basis.public_data is None:
@@ -233,8 +236,9 @@ def run_training(
 
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.toml", to_toml(cfg.model_dump(mode="json")))
-    summary_info = {"model": model.describe(), "train_records": len(train_set),
-                    "val_records": len(val_set) if val_set is not None else 0}
+    summary_info = {"model": model.describe(), "train_records": len(train_set), "train_dir": str(train_dir),
+                    "val_records": len(val_set) if val_set is not None else 0,
+                    "val_dir": str(val_dir) if val_dir is not None else None}
     log(f"training {summary_info['model']['trainable_parameters']:,} parameters "
         f"({cfg.model.backbone}, scenario {cfg.model.scenario}) on {len(train_set)} records, "
         f"privacy mechanism '{cfg.privacy.mechanism}' → {run_dir}")
