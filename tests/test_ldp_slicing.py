@@ -10,15 +10,17 @@ import numpy as np
 import pytest
 import pywt
 from PIL import Image
+from scipy import stats
 
 from fedpose.cli import main
 from fedpose.privacy.ldp_slicing import (
-    THRESHOLD_BYTES,
+    THRESHOLD_BITS,
     LdpSlicer,
     LdpSlicingError,
     SeededBytes,
     allocate_budget,
     bernoulli_flips,
+    bernoulli_words,
     channel_output_distribution,
     flip_thresholds,
     max_log_likelihood_ratio,
@@ -27,11 +29,14 @@ from fedpose.privacy.ldp_slicing import (
     realized_budgets,
     realized_flip_probabilities,
     remove_low_frequency,
+    remove_low_frequency_pywt,
     rgb_to_ycbcr,
+    to_uint8,
     ycbcr_to_rgb,
 )
 
 EPSILON = 20.0
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def test_sqrt_allocation_sums_and_proportions():
@@ -69,28 +74,96 @@ def test_realized_budgets_never_exceed_allocation():
             assert realized.sum() >= 0.999 * eps
 
 
-@pytest.mark.parametrize("epsilon", [2.4, EPSILON])
-def test_per_bit_flip_rates_match_binomial(epsilon):
-    """Run the real mechanism on 10⁵ pixels and count flips per bit plane (5σ binomial bounds)."""
+def _within_binomial_bounds(counts: np.ndarray, n: int, p: np.ndarray, sigmas: float = 5.0) -> bool:
+    return bool((np.abs(counts - n * p) <= sigmas * np.sqrt(n * p * (1 - p))).all())
+
+
+@pytest.mark.parametrize(("epsilon", "pixels"), [(2.4, 100_000), (EPSILON, 100_000), (EPSILON, 100_003)])
+def test_per_bit_flip_rates_match_binomial(epsilon, pixels):
+    """Run the real mechanism on 10⁵ pixels and count flips per bit plane (5σ binomial bounds).
+    3·100_003 bytes is not a multiple of 8: the last flip word is cut after the last byte."""
     slicer = LdpSlicer(epsilon, seed=1234)
-    values = np.random.default_rng(0).integers(0, 256, (100_000, 3), dtype=np.uint8)
+    values = np.random.default_rng(0).integers(0, 256, (pixels, 3), dtype=np.uint8)
     out = slicer.privatize_ycbcr(values)
     flipped = ((values ^ out)[..., None] >> np.arange(8, dtype=np.uint8)) & 1  # (n, 3, 8)
-    counts = flipped.sum(axis=0)
     q = realized_flip_probabilities(slicer.thresholds)
-    n = values.shape[0]
-    bound = 5 * np.sqrt(n * q * (1 - q))
-    assert (np.abs(counts - n * q) <= bound).all(), (counts, n * q)
+    assert _within_binomial_bounds(flipped.sum(axis=0), pixels, q), (flipped.sum(axis=0), pixels * q)
 
 
-def test_bernoulli_refinement_levels_are_exact():
-    """Thresholds whose leading bytes are 0 are decided in the tie-refinement levels."""
-    thresholds = np.array([2 ** 32 // 1000, 2 ** 32 // 50_000, 123_456_789], dtype=np.uint64)
-    flips = bernoulli_flips(SeededBytes(7), 2_000_000, thresholds)
-    p = realized_flip_probabilities(thresholds)
-    counts = flips.sum(axis=0)
-    assert (np.abs(counts - 2_000_000 * p) <= 5 * np.sqrt(2_000_000 * p * (1 - p))).all()
-    assert THRESHOLD_BYTES == 4
+def test_flip_rates_on_channel_planar_and_strided_input():
+    """perceptual_mask returns channel-planar storage and callers may pass strided views: every bit
+    must still be flipped with its own plane's probability, and the input must stay untouched."""
+    slicer = LdpSlicer(EPSILON, seed=11)
+    q = realized_flip_probabilities(slicer.thresholds)
+    rgb = np.random.default_rng(2).integers(0, 256, (8, 96, 128, 3), dtype=np.uint8)
+    masked = perceptual_mask(rgb_to_ycbcr(rgb), True)
+    strided = np.concatenate([masked, masked], axis=2)[:, :, ::2]
+    for values in (masked, strided):
+        before = values.copy()
+        out = slicer.privatize_ycbcr(values)
+        np.testing.assert_array_equal(values, before)
+        flipped = ((values ^ out)[..., None] >> np.arange(8, dtype=np.uint8)) & 1
+        assert _within_binomial_bounds(flipped.reshape(-1, 3, 8).sum(axis=0), values[..., 0].size, q)
+
+
+def test_bernoulli_thresholds_near_zero_near_half_and_arbitrary():
+    """The bit-sliced sampler is exact for any 32-bit threshold: tiny ones (decided only after many
+    tied levels), ones at and just below 2³¹ (leading bits 1 or 0) and arbitrary bit patterns."""
+    thresholds = np.array(
+        [
+            [2**32 // 1000, 2**32 // 50_000, 123_456_789, 0x0000_FFFF],
+            [2**31, 2**31 - 1, 2**31 - 2**20, 0x7FF0_0001],
+            [0x5A5A_5A5A, 0x1234_5678, 0x2AAA_AAAB, 0x0F0F_0F0F],
+        ],
+        dtype=np.uint64,
+    )
+    n = 2_000_000
+    flips = bernoulli_flips(SeededBytes(7), n, thresholds)
+    assert flips.shape == (n, 3, 4) and flips.dtype == bool
+    assert _within_binomial_bounds(flips.sum(axis=0), n, realized_flip_probabilities(thresholds))
+    assert THRESHOLD_BITS == 32
+
+
+class _ConstantBytes:
+    """A deterministic byte source (not random): pins what the comparison does with all-0 / all-1 bits."""
+
+    name, cryptographically_secure = "constant (test only)", False
+
+    def __init__(self, byte: int) -> None:
+        self.byte = byte
+
+    def uint8(self, count: int) -> np.ndarray:
+        return np.full(count, self.byte, dtype=np.uint8)
+
+
+def test_bernoulli_comparison_at_the_extremes():
+    """Random bits all 0 keep every lane tied with T for all 32 bits (U = T is not below T: no
+    flip); all 1 decide every lane on the first bit (U ≥ 2³¹: a flip only when T = 2³¹)."""
+    lanes = np.array([[1] * 32 + [2**31 - 1] * 16 + [2**31] * 16], dtype=np.uint64)
+    assert not bernoulli_words(_ConstantBytes(0), lanes, 50_000).any()
+    np.testing.assert_array_equal(bernoulli_words(_ConstantBytes(0xFF), lanes, 50_000), np.uint64(0xFFFF) << np.uint64(48))
+    with pytest.raises(LdpSlicingError, match="2\\^32"):
+        bernoulli_words(_ConstantBytes(0), np.full((1, 64), 2**32, dtype=np.uint64), 1)
+
+
+def test_bits_of_a_flip_byte_are_independent():
+    """Chi-square over the 256 flip patterns of each channel byte (and the 16 joint patterns of the
+    LSBs of Y, Cb, Cr and the next pixel's Y) against the product of the per-bit probabilities."""
+    slicer = LdpSlicer(6.0, allocation="uniform", seed=3)  # q ≈ 0.44 on every plane: all patterns frequent
+    q = realized_flip_probabilities(slicer.thresholds)
+    pixels = 200_000
+    flips = slicer.privatize_ycbcr(np.zeros((pixels, 3), np.uint8))  # zero input: the output is the flip bytes
+    bits = (np.arange(256)[:, None] >> np.arange(8)) & 1
+    for channel in range(3):
+        expected = np.prod(np.where(bits == 1, q[channel], 1 - q[channel]), axis=1) * pixels
+        observed = np.bincount(flips[:, channel], minlength=256)
+        assert stats.chisquare(observed, expected).pvalue > 1e-4, channel
+    lsb = (flips & 1).astype(np.int64)
+    joint = lsb[0::2, 0] | lsb[0::2, 1] << 1 | lsb[0::2, 2] << 2 | lsb[1::2, 0] << 3
+    joint_q = np.array([q[0, 0], q[1, 0], q[2, 0], q[0, 0]])
+    bits = (np.arange(16)[:, None] >> np.arange(4)) & 1
+    expected = np.prod(np.where(bits == 1, joint_q, 1 - joint_q), axis=1) * joint.size
+    assert stats.chisquare(np.bincount(joint, minlength=16), expected).pvalue > 1e-4
 
 
 class ExactOutputDistribution:
@@ -180,6 +253,51 @@ def test_ll_pruning_zeroes_the_low_band_before_randomization():
     # the re-centred variant keeps negative details: clamp(x − block mean + 128)
     np.testing.assert_array_equal(perceptual_mask(ycbcr, True, 128.0), np.clip(np.rint(pruned + 128), 0, 255))
     assert (perceptual_mask(ycbcr, True) == 0).mean() > 0.3  # the specified clamp zeroes the negative half
+
+
+def _real_image(name: str) -> np.ndarray:
+    path = next(SHARED_DATA.glob(f"*/images/{name}"), None)
+    if path is None:
+        pytest.skip(f"{name} not under {SHARED_DATA}")
+    return np.asarray(Image.open(path).convert("RGB"))
+
+
+@pytest.mark.parametrize(
+    ("name", "window"),
+    [
+        ("000000040083.jpg", None),  # COCO, 333 × 500: odd height
+        ("052475643.jpg", (240, 320)),  # MPII crops: even × even
+        ("052475643.jpg", (241, 321)),  # odd × odd
+        ("004645041.jpg", (160, 203)),  # even × odd
+    ],
+)
+def test_closed_form_ll_pruning_equals_pywavelets(name, window):
+    """The fast path (x − 2×2 block mean, last row/column repeated for odd sizes) equals
+    pywt.dwt2 → LL zeroed → pywt.idwt2 to float32 precision on real photos: on YCbCr floats, on
+    the raw uint8 RGB, and after clamping and rounding up to ties at .5 (float32 noise in either
+    implementation can round those either way)."""
+    rgb = _real_image(name)
+    if window is not None:
+        rgb = rgb[100 : 100 + window[0], 200 : 200 + window[1]]
+    ycbcr = rgb_to_ycbcr(rgb)
+    fast, reference = remove_low_frequency(ycbcr), remove_low_frequency_pywt(ycbcr)
+    assert fast.shape == reference.shape == rgb.shape and fast.dtype == np.float32
+    np.testing.assert_allclose(fast, reference, rtol=0, atol=2e-4)
+    np.testing.assert_allclose(remove_low_frequency(rgb), remove_low_frequency_pywt(rgb), rtol=0, atol=2e-4)
+    masked = perceptual_mask(ycbcr, True)
+    rounded_difference = np.abs(masked.astype(int) - to_uint8(reference))
+    # JPEG-decoded photos have near-integer YCbCr, so x − (sum of 4)/4 is often exactly k + ½:
+    # the closed form rounds those half to even, PyWavelets' float noise either way. Nowhere else.
+    at_tie = np.abs(np.abs(fast - np.floor(fast)) - 0.5) < 1e-4
+    assert rounded_difference.max() <= 1 and not (rounded_difference[~at_tie]).any()
+    assert (masked > 0).mean() > 0.05  # some real detail survives the clamp (the test is not vacuous)
+
+
+def test_closed_form_ll_pruning_small_odd_shapes_and_batches():
+    rng = np.random.default_rng(4)
+    for shape in [(1, 1, 3), (1, 6, 3), (5, 1, 3), (3, 5, 7, 3), (2, 2, 9, 6, 3)]:
+        values = rng.uniform(0, 255, shape).astype(np.float32)
+        np.testing.assert_allclose(remove_low_frequency(values), remove_low_frequency_pywt(values), rtol=0, atol=2e-4)
 
 
 def test_odd_sizes_and_batches():
