@@ -25,7 +25,9 @@ import numpy as np  # noqa: E402
 from fedpose.privacy.ldp_slicing import (  # noqa: E402
     LdpSlicer,
     perceptual_mask,
+    remove_low_frequency_pywt,
     rgb_to_ycbcr,
+    to_uint8,
     ycbcr_to_rgb,
 )
 
@@ -77,16 +79,19 @@ def main() -> None:
             print(f"{source_name:28s} ll_prune={ll_prune!s:5s} {rate:8.1f} img/s wall  {1000 / rate:6.3f} ms/img"
                   f"  {cpu_rate:8.1f} img/CPU-s")
 
-    slicer = LdpSlicer(args.epsilon, seed=0)
-    masked = perceptual_mask(rgb_to_ycbcr(images[: args.batch]), True)
+    seeded, secure = LdpSlicer(args.epsilon, seed=0), LdpSlicer(args.epsilon)
+    ycbcr = rgb_to_ycbcr(images[: args.batch])
+    masked = perceptual_mask(ycbcr, True)
     stages = {
         "rgb_to_ycbcr": best_rate(rgb_to_ycbcr, images, args.batch, args.repeats),
-        "ll_prune (pywt haar dwt/idwt + clamp)": best_rate(lambda x: perceptual_mask(rgb_to_ycbcr(x), True), images, args.batch, args.repeats),
-        "randomized_response (pcg64)": best_rate(lambda x: slicer.privatize_ycbcr(masked[: len(x)]), images, args.batch, args.repeats),
+        "ll_prune (closed-form haar + clamp)": best_rate(lambda x: perceptual_mask(ycbcr[: len(x)], True), images, args.batch, args.repeats),
+        "ll_prune reference (pywt dwt2/idwt2 + clamp)": best_rate(lambda x: to_uint8(remove_low_frequency_pywt(ycbcr[: len(x)])), images, args.batch, args.repeats),
+        "randomized_response (aes-ctr)": best_rate(lambda x: secure.privatize_ycbcr(masked[: len(x)]), images, args.batch, args.repeats),
+        "randomized_response (pcg64)": best_rate(lambda x: seeded.privatize_ycbcr(masked[: len(x)]), images, args.batch, args.repeats),
         "ycbcr_to_rgb": best_rate(lambda x: ycbcr_to_rgb(masked[: len(x)]), images, args.batch, args.repeats),
     }
     for name, rate in stages.items():
-        print(f"stage {name:40s} {rate:9.1f} img/s")
+        print(f"stage {name:46s} {rate:9.1f} img/s")
     payload = {
         "benchmark": "ldp_throughput",
         "image_size": [args.size, args.size],
