@@ -26,8 +26,8 @@ Guarantee (exact, see :meth:`LdpSlicer.guarantee`):
 Randomness comes from a cryptographically secure generator by default (AES-256-CTR keyed from
 ``os.urandom``); a seeded PCG64 is available for tests and is labelled as not secure.
 
-Implementation (all numpy, one thread; ≈ 2000 images/s at 112×112 on one core here, see
-``benchmarks/ldp_throughput``):
+Implementation (all numpy, one thread; 1100–2000 images/s at 112×112 with LL pruning and
+AES-CTR on one core of a loaded machine, ≈ 4× the previous version; ``benchmarks/ldp_throughput``):
 
 * colour conversions are three planes of scalar multiply-adds on channel-planar float32, not a
   thin (P, 3) @ (3, 3) matmul; intermediate arrays are stored channel-planar and handed on as
