@@ -76,14 +76,20 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--run-dir", type=Path, default=REPO / "runs" / "bench-federation")
     parser.add_argument("--base-port", type=int, default=9192)
+    parser.add_argument("--from-run", action="store_true",
+                        help="summarize the rounds already in --run-dir (e.g. a run stopped after its first long round) instead of deploying")
+    parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
-    if args.run_dir.exists():
-        import shutil
-
-        shutil.rmtree(args.run_dir)  # a benchmark always starts fresh (never resumes)
     load_before = os.getloadavg()
     start_seconds = clientapp_start_seconds()
-    rounds = deployment(args.config, args.rounds, args.run_dir, args.base_port)
+    if args.from_run:
+        rounds = json.loads((args.run_dir / "coordinator" / "history.json").read_text())["rounds"]
+    else:
+        if args.run_dir.exists():
+            import shutil
+
+            shutil.rmtree(args.run_dir)  # a benchmark always starts fresh (never resumes)
+        rounds = deployment(args.config, args.rounds, args.run_dir, args.base_port)
     per_round = []
     for r in rounds:
         computes = [s["compute_seconds"] for s in r["sites"].values() if s.get("compute_seconds")]
@@ -100,16 +106,16 @@ def main() -> int:
         })
     results = {
         "conditions": {
-            "config": str(args.config), "sites": 3, "rounds": args.rounds, "transport": "gRPC (grpc-rere) + TLS + SuperNode auth, 127.0.0.1",
+            "config": str(args.config), "sites": 3, "rounds_measured": len(per_round), "from_existing_run": args.from_run, "transport": "gRPC (grpc-rere) + TLS + SuperNode auth, 127.0.0.1",
             "machine": f"{os.cpu_count()} cores, {platform.processor() or platform.machine()}",
             "load_average_before": load_before, "load_average_after": os.getloadavg(),
-            "note": "shared machine, other jobs running: noisy; 3 sites share 2 cores",
+            "note": "3 sites share 2 cores; the load averages say how busy the machine was",
         },
         "clientapp_start_seconds": start_seconds,
         "rounds": per_round,
         "basis": basis_bytes(args.config),
     }
-    OUT.write_text(json.dumps(results, indent=2))
+    args.out.write_text(json.dumps(results, indent=2))
     print(json.dumps({k: v for k, v in results.items() if k != "rounds"}, indent=2))
     for r in per_round:
         print(f"round {r['round']}: exchange {r['exchange_seconds']:.1f} s, overhead vs slowest site {r['overhead_vs_slowest_site']:.1%}, "
