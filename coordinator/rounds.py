@@ -59,16 +59,18 @@ class CoordinatorState:
     unaffordable: list[str] = field(default_factory=list)  #: sites that said one more round would pass ε_max
     basis_version: int = -1
     stopped_reason: str = ""
+    initial_pckh: float | None = None  #: PCKh@0.5 Mean of the initial global model (before any site data)
 
     def to_meta(self) -> dict[str, Any]:
         return {"round": self.round, "model_spec": self.model_spec, "node_sites": self.node_sites,
                 "site_basis": self.site_basis, "unaffordable": sorted(set(self.unaffordable)),
-                "basis_version": self.basis_version, "stopped_reason": self.stopped_reason}
+                "basis_version": self.basis_version, "stopped_reason": self.stopped_reason, "initial_pckh": self.initial_pckh}
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> "CoordinatorState":
         return cls(int(meta["round"]), dict(meta["model_spec"]), dict(meta["node_sites"]), dict(meta.get("site_basis", {})),
-                   list(meta.get("unaffordable", [])), int(meta.get("basis_version", -1)), str(meta.get("stopped_reason", "")))
+                   list(meta.get("unaffordable", [])), int(meta.get("basis_version", -1)), str(meta.get("stopped_reason", "")),
+                   meta.get("initial_pckh"))
 
 
 class Coordinator:
@@ -190,6 +192,11 @@ class Coordinator:
     # -- the loop --------------------------------------------------------------------------------------
     def run_rounds(self, grid: Grid) -> dict[str, Any]:
         self._trainable = list(self._model().trainable_parameters())
+        if self.state.round == 0 and self.state.initial_pckh is None:
+            scores = self.evaluate()
+            if scores is not None:  # the reference every private round is compared with
+                self.state.initial_pckh = float(scores["Mean"])
+                self.echo(f"round   0 | PCKh@0.5 = {self.state.initial_pckh:.2f} | initial global model (no site data used)")
         try:
             for round_id in range(self.state.round + 1, self.cfg.rounds + 1):
                 nodes = self.wait_for_nodes(grid)
@@ -345,7 +352,8 @@ class Coordinator:
         summary = json.loads(self.ledger.to_json())
         summary.pop("entries", None)
         path = write_report(self.dir, {"run_id": self.run.run_id, "stopped_reason": self.state.stopped_reason,
-                                       "aggregation": self.cfg.aggregation.strategy, "model_spec": self.state.model_spec},
+                                       "aggregation": self.cfg.aggregation.strategy, "model_spec": self.state.model_spec,
+                                       "initial_pckh": self.state.initial_pckh},
                             self.history, summary)
         self.echo(f"report: {path} (curves: {path.with_name('curves.png')})")
         return {"report": str(path), "rounds": len(self.history), "stopped_reason": self.state.stopped_reason}

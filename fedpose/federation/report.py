@@ -84,11 +84,11 @@ def write_report(directory: str | Path, run_info: dict[str, Any], rounds: list[d
     }
     path = directory / REPORT_FILE
     atomic_write_json(path, _finite(report))
-    save_curves(directory / CURVES_FILE, rounds)
+    save_curves(directory / CURVES_FILE, rounds, run_info.get("initial_pckh"))
     return path
 
 
-def save_curves(path: str | Path, rounds: list[dict[str, Any]]) -> None:
+def save_curves(path: str | Path, rounds: list[dict[str, Any]], initial_pckh: float | None = None) -> None:
     """PCKh@0.5 (server-side, held-out split) and per-site cumulative ε over rounds."""
     import io
 
@@ -101,6 +101,8 @@ def save_curves(path: str | Path, rounds: list[dict[str, Any]]) -> None:
     xs = [r["round"] for r in rounds if r.get("pckh")]
     ax_pckh.plot(xs, [r["pckh"]["Mean"] for r in rounds if r.get("pckh")], marker="o", label="Mean")
     ax_pckh.plot(xs, [r["pckh"].get("Mean@0.1", float("nan")) for r in rounds if r.get("pckh")], marker=".", label="Mean@0.1")
+    if initial_pckh is not None:
+        ax_pckh.axhline(initial_pckh, color="gray", ls=":", label="initial model (no site data)")
     ax_pckh.set(title="global model, held-out split", xlabel="round", ylabel="PCKh (%)")
     ax_pckh.legend()
     sites = sorted({s for r in rounds for s in r.get("sites", {})})
