@@ -95,6 +95,12 @@ def test_compose_commands_and_flags_exist(compose: dict, help_text: dict[str, st
             for flag in _flags(argv[1:]):
                 assert re.search(rf"(^|\s|\[){re.escape(flag)}(\s|=|\]|,|$)", help_text[exe], re.M), \
                     f"{name}: {exe} has no flag {flag}"
+        elif exe == "python":
+            assert argv[1:3] == ["-m", "sites.metrics"], f"{name}: unexpected python command {argv}"
+            usage = subprocess.run([sys.executable, "-m", "sites.metrics", "--help"], capture_output=True, text=True,
+                                   cwd=REPO, timeout=120).stdout
+            for flag in _flags(argv[3:]):
+                assert flag in usage, f"{name}: sites.metrics has no flag {flag}"
         else:
             assert exe == "submit-run.sh", f"{name}: unexpected command {exe}"
             assert (DOCKER / exe).exists() and (DOCKER / exe).stat().st_mode & 0o111, "submit-run.sh missing / not executable"
@@ -156,3 +162,17 @@ def test_submit_script_uses_existing_flwr_commands() -> None:
         assert result.returncode == 0, f"flwr {' '.join(sub)} does not exist"
     pyproject = (REPO / "pyproject.toml").read_text()
     assert 'serverapp = "coordinator.server_app:app"' in pyproject and 'clientapp = "sites.client_app:app"' in pyproject
+
+
+def test_every_site_has_a_metrics_exporter_on_its_state_volume(compose: dict) -> None:
+    """Site metrics come from a long-lived exporter reading the budget the ClientApps persist."""
+    sites = sorted(s for s in compose["services"] if s.startswith("site-"))
+    for name in sites:
+        exporter = compose["services"][f"metrics-{name}"]
+        argv = _service_argv(exporter)
+        config = next(a.split("=", 1)[1] for a in argv if a.startswith("--site-config="))
+        site = load_config(REPO / Path(config).relative_to(APP_ROOT), model=SiteConfig)
+        assert site.site_id == name
+        state_volume = next(v for v in compose["services"][name]["volumes"] if v.endswith(":/state"))
+        assert state_volume in exporter["volumes"], f"metrics-{name} does not read {name}'s state volume"
+        assert str(site.state_dir).startswith("/state"), f"{name}: state_dir is not on the shared volume"
