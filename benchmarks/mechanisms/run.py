@@ -102,7 +102,7 @@ def finetune(args, state, site, public_views, test, mechanism: str, epsilon: flo
         blur={"kernel_size": args.blur_kernel, "sigma": args.blur_sigma},
     )
     engine = build_engine(privacy, model, len(site), args.batch, args.finetune_steps, public_dataset=public_views, seed=args.seed)
-    optim_cfg = OptimConfig(lr=args.finetune_lr, weight_decay=0.0)
+    optim_cfg = OptimConfig(name=args.optimizer, lr=args.finetune_lr, weight_decay=0.0)
     optimizer = build_optimizer(model, optim_cfg)
     started = time.perf_counter()
     train_steps(model, engine, site, optimizer, args.finetune_steps,
@@ -121,10 +121,11 @@ def finetune(args, state, site, public_views, test, mechanism: str, epsilon: flo
 
 
 def write_outputs(results: dict) -> None:
-    atomic_write_json(HERE / "results.json", results)
+    stem = results["conditions"]["out_prefix"]
+    atomic_write_json(HERE / f"{stem}.json", results)
     runs = results["runs"]
     lines = [
-        "# Mechanism comparison (PCKh@0.5 Mean, synthetic data, reduced size)", "",
+        f"# Mechanism comparison (PCKh@0.5 Mean, synthetic data, reduced size; fine-tuning optimizer {results['conditions']['optimizer']})", "",
         f"Conditions: {json.dumps(results['conditions'])}", "",
         f"Pre-trained on the public split only (no site data): **{results['pretrained']['Mean']:.2f}**", "",
         "| mechanism | guarantee | C | target ε | achieved (guarantee, δ, accountant) | σ | PCKh@0.5 Mean | Mean@0.1 |",
@@ -137,7 +138,7 @@ def write_outputs(results: dict) -> None:
             f"{run['noise_multiplier']:.3f} | {run['pckh_mean']:.2f} | {run['pckh_mean_at_0.1'] or float('nan'):.2f} |"
         )
     lines += ["", "FDP (fdp, fpdp) and MaskDP ε protect less than record-level DP ε (see DESIGN.md); compare within a guarantee type."]
-    atomic_write_text(HERE / "results.md", "\n".join(lines) + "\n")
+    atomic_write_text(HERE / f"{stem}.md", "\n".join(lines) + "\n")
 
     import matplotlib
 
@@ -165,7 +166,7 @@ def write_outputs(results: dict) -> None:
         ax.set_title(f"C = {clip}")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(HERE / "results.png", dpi=110)
+    fig.savefig(HERE / f"{stem}.png", dpi=110)
     plt.close(fig)
 
 
@@ -183,6 +184,10 @@ def main() -> int:
     parser.add_argument("--pretrain-lr", type=float, default=1e-3)
     parser.add_argument("--finetune-steps", type=int, default=60)
     parser.add_argument("--finetune-lr", type=float, default=5e-4)
+    parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                        help="fine-tuning optimizer. AdamW rescales every coordinate, which spreads the noise left in "
+                             "PDP's k-dim subspace over all parameters; SGD keeps the projection's noise reduction")
+    parser.add_argument("--out-prefix", default="results", help="results file stem (results.json/.md/.png)")
     parser.add_argument("--mechanisms", nargs="+", default=["none", *DP_MECHANISMS])
     parser.add_argument("--epsilons", type=float, nargs="+", default=[0.2, 0.8])
     parser.add_argument("--clips", type=float, nargs="+", default=[0.1])
@@ -211,7 +216,7 @@ def main() -> int:
     conditions = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("resume",)}
     conditions["note"] = "2-core CPU machine; synthetic data; reduced steps/size vs the papers"
     results = {"conditions": conditions, "pretrained": pretrained, "runs": []}
-    previous = HERE / "results.json"
+    previous = HERE / f"{args.out_prefix}.json"
     if args.resume and previous.exists():
         results["runs"] = json.loads(previous.read_text()).get("runs", [])
 
