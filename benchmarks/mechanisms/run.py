@@ -108,14 +108,17 @@ def finetune(args, state, site, public_views, test, mechanism: str, epsilon: flo
     train_steps(model, engine, site, optimizer, args.finetune_steps,
                 scheduler=build_scheduler(optimizer, optim_cfg, args.finetune_steps), description=f"{mechanism} ε={epsilon} C={clip}")
     seconds = time.perf_counter() - started
-    metrics = evaluate(model, test, batch_size=32, max_samples=args.eval_samples)
+    diverged = not all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    # A run whose weights blew up (too much noise for the step size) is a result, not a crash: score 0.
+    metrics = {"Mean": 0.0, "Mean@0.1": 0.0, "diverged": True} if diverged else evaluate(
+        model, test, batch_size=32, max_samples=args.eval_samples)
     report = engine.privacy_report()
     return {
         "mechanism": mechanism, "guarantee": report["guarantee"], "target_epsilon": epsilon,
         "epsilon": report.get("epsilon"), "delta": report.get("delta"), "epsilon_text": report["epsilon_text"],
         "noise_multiplier": engine.noise_multiplier, "max_grad_norm": clip if mechanism != "none" else None,
         "sample_rate": engine.sample_rate, "steps": args.finetune_steps,
-        "pckh_mean": metrics["Mean"], "pckh_mean_at_0.1": metrics.get("Mean@0.1"), "pckh": metrics,
+        "pckh_mean": metrics["Mean"], "pckh_mean_at_0.1": metrics.get("Mean@0.1"), "pckh": metrics, "diverged": diverged,
         "train_seconds": seconds, "basis_refresh_seconds": engine.basis_seconds,
     }
 
@@ -135,7 +138,8 @@ def write_outputs(results: dict) -> None:
         lines.append(
             f"| {run['mechanism']} | {run['guarantee']} | {run['max_grad_norm'] if run['max_grad_norm'] is not None else '—'} | "
             f"{run['target_epsilon'] if run['target_epsilon'] is not None else '—'} | {run['epsilon_text']} | "
-            f"{run['noise_multiplier']:.3f} | {run['pckh_mean']:.2f} | {run['pckh_mean_at_0.1'] or float('nan'):.2f} |"
+            f"{run['noise_multiplier']:.3f} | {run['pckh_mean']:.2f}{' (diverged)' if run.get('diverged') else ''} | "
+            f"{run['pckh_mean_at_0.1'] or float('nan'):.2f} |"
         )
     lines += ["", "FDP (fdp, fpdp) and MaskDP ε protect less than record-level DP ε (see DESIGN.md); compare within a guarantee type."]
     atomic_write_text(HERE / f"{stem}.md", "\n".join(lines) + "\n")
