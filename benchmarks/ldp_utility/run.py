@@ -129,6 +129,8 @@ def main() -> None:
     parser.add_argument("--epsilons", type=float, nargs="+", default=[2.4, 20.0, 58.0])
     parser.add_argument("--no-ll-prune-ablation", dest="ablation", action="store_false",
                         help="skip the ε=20 run without LL pruning")
+    parser.add_argument("--only", nargs="+", metavar="NAME",
+                        help="run only these settings and merge them into the existing results.json (e.g. eps20-ll-offset128)")
     parser.add_argument("--work-dir", default="/tmp/fedpose_ldp_utility")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: the machine is shared)")
@@ -150,6 +152,11 @@ def main() -> None:
     settings += [{"name": f"eps{e:g}", "epsilon": e, "ll_prune": True} for e in args.epsilons]
     if args.ablation:
         settings.append({"name": "eps20-no-ll-prune", "epsilon": 20.0, "ll_prune": False})
+        # the specified clamp after LL pruning drops every negative detail; ll_offset re-centres first
+        settings.append({"name": "eps20-ll-offset128", "epsilon": 20.0, "ll_prune": True, "ll_offset": 128.0})
+    all_settings = settings
+    if args.only:
+        settings = [s for s in settings if s["name"] in args.only]
 
     baseline = mean_pose_baseline(train_clean, test_clean, args.input_size)
     print(f"mean-pose baseline (no pixels used): PCKh@0.5 {baseline}", flush=True)
@@ -161,7 +168,8 @@ def main() -> None:
             train_dir, test_dirs, guarantee = train_clean, {"clean_test": test_clean}, None
         else:
             # seed=None: CSPRNG noise, as a site would use. Each directory is privatized once.
-            cfg = InputPrivacyConfig(mechanism="ldp-slicing", epsilon=s["epsilon"], ll_prune=s["ll_prune"])
+            cfg = InputPrivacyConfig(mechanism="ldp-slicing", epsilon=s["epsilon"], ll_prune=s["ll_prune"],
+                                     ll_offset=s.get("ll_offset", 0.0))
             train_dir = work / f"{s['name']}-train"
             test_private = work / f"{s['name']}-test"
             guarantee = privatize_dataset(train_clean, train_dir, cfg)
@@ -175,7 +183,11 @@ def main() -> None:
         rows.append(row)
         print(f"   PCKh@0.5 {scores} in {row['seconds']} s", flush=True)
 
-    example_grid(test_clean, settings, HERE / "examples.png", args.seed)
+    if args.only:  # keep the other settings' rows from the last full run
+        previous = json.loads((HERE / "results.json").read_text())["results"]
+        rows = [r for r in previous if r["name"] not in args.only] + rows
+        rows.sort(key=lambda r: [s["name"] for s in all_settings].index(r["name"]))
+    example_grid(test_clean, all_settings, HERE / "examples.png", args.seed)
     payload = {
         "benchmark": "ldp_utility",
         "setup": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
