@@ -38,7 +38,7 @@ def train_and_evaluate(train_dir: Path, test_dirs: dict[str, Path], args: argpar
     from fedpose.data.dataset import PoseDataset, load_records
     from fedpose.model import build_model
     from fedpose.privacy.engine import build_engine
-    from fedpose.train import build_optimizer, build_scheduler, evaluate, train_steps
+    from fedpose.train import build_optimizer, build_scheduler, calibrate_batch_norm, evaluate, train_steps
 
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
@@ -50,7 +50,7 @@ def train_and_evaluate(train_dir: Path, test_dirs: dict[str, Path], args: argpar
 
     train_set = dataset(train_dir, train=True)
     model = build_model(ModelConfig(backbone=args.backbone, scenario="scratch"), size)
-    model.calibrate_batch_norm(torch.stack([train_set[i]["image"] for i in range(min(64, len(train_set)))]))
+    calibrate_batch_norm(model, train_set)
     optim_cfg = OptimConfig(lr=args.lr, weight_decay=0.01, warmup_steps=min(50, args.steps // 10), cosine=True)
     optimizer = build_optimizer(model, optim_cfg)
     engine = build_engine(PrivacyConfig(), model, len(train_set), args.batch, args.steps, seed=args.seed)

@@ -35,7 +35,7 @@ from fedpose.eval.pckh import pckh
 from fedpose.io import atomic_write_json
 from fedpose.model import build_model, save_checkpoint
 from fedpose.privacy.engine import build_engine
-from fedpose.train import build_optimizer, build_scheduler, evaluate, train_steps
+from fedpose.train import build_optimizer, build_scheduler, calibrate_batch_norm, evaluate, train_steps
 
 HERE = Path(__file__).resolve().parent
 
@@ -158,7 +158,7 @@ def main() -> None:
 
     model = build_model(ModelConfig(backbone=args.backbone, scenario="scratch", label_sigma=args.label_sigma), size)
     if args.calibration_images > 0:  # BatchNorm always runs on running statistics; start them at the data's
-        model.calibrate_batch_norm(torch.stack([public[i]["image"] for i in range(min(args.calibration_images, len(public)))]))
+        calibrate_batch_norm(model, public, args.calibration_images)
     results["scratch"] = {"train": train_phase(model, public, args, args.scratch_cpu_minutes, args.lr, args.max_steps, args.seed,
                                              args.scratch_steps)}
     results["scratch"]["test_pckh"] = rounded(evaluate(model, test, batch_size=64))

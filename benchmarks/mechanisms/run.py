@@ -37,7 +37,7 @@ from fedpose.model import build_model
 from fedpose.privacy.engine import build_engine
 from fedpose.privacy.report import format_epsilon
 from fedpose.train.evaluate import evaluate
-from fedpose.train.loop import train_steps
+from fedpose.train.loop import calibrate_batch_norm, train_steps
 from fedpose.train.optim import build_optimizer, build_scheduler
 
 HERE = Path(__file__).resolve().parent
@@ -76,7 +76,7 @@ def pretrain(args: argparse.Namespace, public: PoseDataset, test: PoseDataset) -
         return saved["state"], saved["metrics"]
     model = new_model(args, "scratch")
     # frozen BatchNorm statistics from public images (fedpose train does the same for scratch runs)
-    model.calibrate_batch_norm(torch.stack([public[i]["image"] for i in range(min(64, len(public)))]))
+    calibrate_batch_norm(model, public)
     optim_cfg = OptimConfig(lr=args.pretrain_lr, warmup_steps=min(50, args.pretrain_steps // 10))
     optimizer = build_optimizer(model, optim_cfg)
     engine = build_engine(PrivacyConfig(), model, len(public), args.batch, args.pretrain_steps, seed=args.seed)

@@ -13,17 +13,11 @@ the global model, which is why they must come from public data only.
 
 from __future__ import annotations
 
-import logging
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from fedpose.config import OptimConfig, PrivacyConfig
-
-log = logging.getLogger(__name__)
-
-#: public images used to calibrate a from-scratch model's BatchNorm statistics
-CALIBRATION_IMAGES = 64
 
 
 def warm_start(
@@ -38,11 +32,9 @@ def warm_start(
 ) -> dict[str, float]:
     """Calibrate BatchNorm on public images (``calibrate``) and train ``steps`` non-private steps
     on ``public_data``; returns {"steps", "final_loss", "seconds"}."""
-    import torch
-
     from fedpose.data.dataset import PoseDataset, load_records
     from fedpose.privacy.engine import build_engine
-    from fedpose.train import build_optimizer, build_scheduler, train_steps
+    from fedpose.train import build_optimizer, build_scheduler, calibrate_batch_norm, train_steps
 
     started = time.perf_counter()
     records, root = load_records(public_data)
@@ -50,8 +42,7 @@ def warm_start(
         raise ValueError(f"coordinator.public_data {public_data}: no records to warm-start on")
     size = tuple(model.input_size)
     if calibrate:
-        views = PoseDataset(records, root, input_size=size, train=False)
-        model.calibrate_batch_norm(torch.stack([views[i]["image"] for i in range(min(CALIBRATION_IMAGES, len(views)))]))
+        calibrate_batch_norm(model, PoseDataset(records, root, input_size=size, train=False))
     result = {"steps": 0.0, "final_loss": float("nan"), "seconds": 0.0}
     if steps > 0:
         dataset = PoseDataset(records, root, input_size=size, train=True, seed=seed, cache_images=True)

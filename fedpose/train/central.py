@@ -33,7 +33,7 @@ from fedpose.io import atomic_write_json, atomic_write_text
 from fedpose.model import build_model, load_checkpoint, save_checkpoint
 from fedpose.model.checkpoint import restore_rng_state
 from fedpose.train.evaluate import evaluate
-from fedpose.train.loop import train_steps
+from fedpose.train.loop import calibrate_batch_norm, train_steps
 from fedpose.train.optim import build_optimizer, build_scheduler
 
 CHECKPOINT_DIR = "checkpoints"
@@ -130,17 +130,6 @@ def _load_dataset(path: Path, cfg: RunConfig, train: bool, seed: int) -> Any:
                        scale_jitter=data.scale_jitter, rotation=data.rotation, seed=seed)
 
 
-def _calibrate_batch_norm(model: Any, dataset: Any, images: int = 64) -> None:
-    """Frozen BatchNorm statistics for a from-scratch model, from real images (PoseModel docstring).
-
-    BatchNorm statistics ship with the model, so a private run calibrates on public data only;
-    without any, the model keeps its data-independent (noise) calibration.
-    """
-    if dataset is None:
-        return
-    model.calibrate_batch_norm(torch.stack([dataset[i]["image"] for i in range(min(images, len(dataset)))]))
-
-
 def _curve_rows(state: RunState) -> list[dict[str, Any]]:
     rows = [{"step": r["step"], "loss": r["loss"]} for r in state.train if "loss" in r]
     rows += [{"step": v["step"], "val PCKh@0.5 Mean": v["Mean"]} for v in state.val]
@@ -206,7 +195,7 @@ def run_training(
     elif cfg.model.scenario == "scratch" and cfg.model.init_checkpoint is None:
         # Non-augmented view: calibration must not consume the training stream's augmentation draws.
         calibration_set = _load_dataset(Path(train_dir), cfg, train=False, seed=seed) if cfg.privacy.mechanism == "none" else public_set
-        _calibrate_batch_norm(model, calibration_set)
+        calibrate_batch_norm(model, calibration_set)
     model.train_mode()
     stream = _ReplayableDataset(train_set)
     engine = build_engine(cfg.privacy, model, len(train_set), cfg.train.batch_size, total_steps, public_set, stream_seed)

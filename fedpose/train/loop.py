@@ -21,6 +21,21 @@ from fedpose.train.evaluate import evaluate
 
 StepCallback = Callable[[int, dict[str, Any]], None]
 
+#: images used to calibrate a from-scratch model's frozen BatchNorm statistics
+CALIBRATION_IMAGES = 64
+
+
+def calibrate_batch_norm(model: Any, dataset: Dataset | None, images: int = CALIBRATION_IMAGES) -> None:
+    """Frozen BatchNorm statistics for a from-scratch model, from the first ``images`` of ``dataset``
+    (see :meth:`fedpose.model.PoseModel.calibrate_batch_norm`).
+
+    BatchNorm statistics ship with the model, so a private run passes public data only; with
+    ``dataset=None`` the model keeps its data-independent (noise) calibration.
+    """
+    if dataset is None:
+        return
+    model.calibrate_batch_norm(torch.stack([dataset[i]["image"] for i in range(min(images, len(dataset)))]))  # type: ignore[arg-type]
+
 
 def train_steps(
     model: Any,
