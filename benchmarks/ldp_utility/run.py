@@ -38,10 +38,11 @@ def train_and_evaluate(train_dir: Path, test_dirs: dict[str, Path], args: argpar
     from fedpose.data.dataset import PoseDataset, load_records
     from fedpose.model import build_model
     from fedpose.privacy.engine import build_engine
+    from fedpose.runtime import configure_cpu
     from fedpose.train import build_optimizer, build_scheduler, calibrate_batch_norm, evaluate, train_steps
 
     torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
+    configure_cpu(args.threads)
     size = args.input_size
 
     def dataset(directory: Path, train: bool) -> PoseDataset:

@@ -35,6 +35,7 @@ from fedpose.eval.pckh import pckh
 from fedpose.io import atomic_write_json
 from fedpose.model import build_model, save_checkpoint
 from fedpose.privacy.engine import build_engine
+from fedpose.runtime import configure_cpu
 from fedpose.train import build_optimizer, build_scheduler, calibrate_batch_norm, evaluate, train_steps
 
 HERE = Path(__file__).resolve().parent
@@ -127,7 +128,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
     args = parser.parse_args()
 
-    torch.set_num_threads(args.threads)
+    configure_cpu(args.threads)
     torch.manual_seed(args.seed)
     size = tuple(args.input)
     t0 = time.time()

@@ -35,6 +35,7 @@ from fedpose.data.loaders import load_records
 from fedpose.io import atomic_write_json, atomic_write_text
 from fedpose.model import build_model
 from fedpose.privacy.engine import build_engine
+from fedpose.runtime import configure_cpu
 from fedpose.privacy.report import format_epsilon
 from fedpose.train.evaluate import evaluate
 from fedpose.train.loop import calibrate_batch_norm, train_steps
@@ -206,8 +207,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--resume", action="store_true", help="keep finished runs from results.json")
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    configure_cpu(args.threads)
 
     size = tuple(args.size)
     root = ensure_data(args)

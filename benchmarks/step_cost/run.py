@@ -35,6 +35,7 @@ from fedpose.config import ModelConfig, PrivacyConfig
 from fedpose.io import atomic_write_json
 from fedpose.model import build_model
 from fedpose.privacy.engine import build_engine, collate
+from fedpose.runtime import configure_cpu
 from fedpose.privacy.noise import SecureNoise, SeededNoise
 
 HERE = Path(__file__).resolve().parent
@@ -118,8 +119,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=HERE / "results.json")
     parser.add_argument("--memory-probe", choices=MECHANISMS, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    configure_cpu(args.threads)
     if args.memory_probe:
         return memory_probe(args)
 

@@ -150,13 +150,13 @@ def train_site_round(
 
     from fedpose.model import build_model_from_spec
     from fedpose.privacy.engine import build_engine
+    from fedpose.runtime import configure_cpu
     from fedpose.train.loop import train_steps
 
     started = time.perf_counter()
     # The site caps the work it accepts per round at its own configured local_steps.
     local_steps = min(int(local_steps), site.local_steps)
-    if threads:
-        torch.set_num_threads(threads)
+    configure_cpu(threads)
     torch.manual_seed(site.train.seed * 100_003 + int(round_id))
     budget = open_budget(site)
 

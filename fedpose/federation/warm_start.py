@@ -34,8 +34,10 @@ def warm_start(
     on ``public_data``; returns {"steps", "final_loss", "seconds"}."""
     from fedpose.data.dataset import PoseDataset, load_records
     from fedpose.privacy.engine import build_engine
+    from fedpose.runtime import configure_cpu
     from fedpose.train import build_optimizer, build_scheduler, calibrate_batch_norm, train_steps
 
+    configure_cpu()
     started = time.perf_counter()
     records, root = load_records(public_data)
     if not records:

@@ -32,6 +32,7 @@ from fedpose.config import ConfigError, RunConfig, validate
 from fedpose.io import atomic_write_json, atomic_write_text
 from fedpose.model import build_model, load_checkpoint, save_checkpoint
 from fedpose.model.checkpoint import restore_rng_state
+from fedpose.runtime import configure_cpu
 from fedpose.train.evaluate import evaluate
 from fedpose.train.loop import calibrate_batch_norm, train_steps
 from fedpose.train.optim import build_optimizer, build_scheduler
@@ -156,8 +157,7 @@ def run_training(
         checkpoint = load_checkpoint(resolve_resume(resume))
     if cfg.data.train is None:
         raise ConfigError("data.train: required (a dataset directory with annotations.json, or a COCO keypoints json)")
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    configure_cpu(cfg.train.threads)
     run_dir = Path(cfg.train.out_dir)
     if checkpoint is None and (run_dir / CHECKPOINT_DIR / LAST).exists():
         raise ConfigError(
