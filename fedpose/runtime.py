@@ -26,7 +26,7 @@ import torch
 # mallopt parameter numbers from <malloc.h>
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 1 << 30
+MMAP_THRESHOLD_BYTES = 1 << 29
 TRIM_THRESHOLD_BYTES = (1 << 31) - 1  # mallopt takes an int
 OPT_OUT_VARIABLE = "FEDPOSE_MALLOC_TUNING"
 

@@ -107,6 +107,8 @@ class GradientEngine:
         self._basis_computed_at = -1
         self._basis_external = False
         self.basis_seconds: list[float] = []
+        # Storage for the public gradient matrix and V, reused by every refresh (see compute_basis).
+        self._basis_workspace: Tensor | None = None
 
         if not mechanism.noisy:
             self.sample_rate = min(1.0, self.batch_size / self.dataset_size)
@@ -212,8 +214,15 @@ class GradientEngine:
         """Recompute V from the public set at the model's current weights; returns seconds taken."""
         started = time.perf_counter()
         version = len(self.basis_seconds)
+        batch = self.public_batch()
+        self.basis = None  # the new basis is built in the old one's storage
+        k = self.privacy.basis.k
+        needed = (len(batch["index"]) + k) * sum(p.numel() for p in model.trainable_parameters().values())
+        if self._basis_workspace is None or self._basis_workspace.numel() < needed:
+            self._basis_workspace = None  # free the old one before allocating the new one
+            self._basis_workspace = torch.empty(needed, dtype=torch.float32)
         self.basis = projection.compute_basis(
-            model, self.public_batch(), self.privacy.basis.k, self.chunk_size, self.privacy.basis.dtype, version
+            model, batch, k, self.chunk_size, self.privacy.basis.dtype, version, self._basis_workspace
         )
         self._basis_computed_at = self.steps_done
         self._basis_external = False

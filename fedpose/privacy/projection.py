@@ -14,6 +14,7 @@ projecting the *noisy* gradient onto it is post-processing — the (ε, δ) guar
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +25,8 @@ from fedpose.privacy.per_sample import DEFAULT_CHUNK_SIZE, TrainableModel, froze
 PUBLIC = "public"
 #: max |VᵀV − I| accepted before re-orthonormalising
 ORTHONORMAL_TOLERANCE = 1e-5
+#: columns of Vᵀ per block when projecting (a k × block slice stays in cache between the two products)
+_PROJECTION_BLOCK = 1 << 18
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -33,31 +36,72 @@ class ProvenanceError(ValueError):
 
 @dataclass
 class Basis:
-    """Orthonormal columns V (p × k) and what they were computed from."""
+    """Orthonormal columns V (p × k) and what they were computed from.
+
+    V is kept column-major (Vᵀ contiguous, k × p), whatever layout it arrives in: projecting is
+    memory-bound (two passes over p·k floats, ~950 MB at p = 4.7 M), and reading each basis vector
+    as one contiguous row, in column blocks shared among torch's threads, runs at the machine's
+    memory bandwidth; torch's own V.T @ g / V @ c on a row-major V is single-threaded and ~1.7×
+    slower here (benchmarks/step_cost). Half-precision storage halves the memory but is not faster
+    on CPUs without native half GEMV (each block is converted to float32).
+    """
 
     vectors: Tensor
     eigenvalues: Tensor = field(default_factory=lambda: torch.zeros(0))
     version: int = 0
     public_ids: tuple[int, ...] = ()
 
+    def __post_init__(self) -> None:
+        if self.vectors.dim() != 2:
+            raise ValueError(f"basis must be a p × k matrix, got shape {tuple(self.vectors.shape)}")
+        if not self.vectors.T.is_contiguous():
+            self.vectors = self.vectors.T.contiguous().T
+
     @property
     def k(self) -> int:
         return int(self.vectors.shape[1])
 
     def project(self, gradient: Tensor) -> Tensor:
-        """V (Vᵀ g), computed in V's dtype, returned in g's dtype."""
-        v = self.vectors
-        if gradient.shape != (v.shape[0],):
-            raise ValueError(f"gradient has shape {tuple(gradient.shape)}, the basis is for p = {v.shape[0]}")
-        coefficients = v.T @ gradient.to(v.dtype)
-        return (v @ coefficients).to(gradient.dtype)
+        """V (Vᵀ g) in float32 (accumulated per block), returned in g's dtype."""
+        rows = self.vectors.T  # k × p, contiguous
+        p = rows.shape[1]
+        if gradient.shape != (p,):
+            raise ValueError(f"gradient has shape {tuple(gradient.shape)}, the basis is for p = {p}")
+        g = gradient.to(torch.float32)
+        workers = max(1, min(torch.get_num_threads(), -(-p // _PROJECTION_BLOCK)))
+        spans = [(start, min(start + _PROJECTION_BLOCK, p)) for start in range(0, p, _PROJECTION_BLOCK)]
+        shares = [spans[i::workers] for i in range(workers)]
+
+        def coefficients(share: list[tuple[int, int]]) -> Tensor:
+            partial = torch.zeros(rows.shape[0], dtype=torch.float32)
+            for start, stop in share:
+                partial.addmv_(rows[:, start:stop].float(), g[start:stop])
+            return partial
+
+        out = torch.empty(p, dtype=torch.float32)
+
+        def expand(share: list[tuple[int, int]], coefficients: Tensor) -> None:
+            for start, stop in share:
+                torch.mv(rows[:, start:stop].float().T, coefficients, out=out[start:stop])
+
+        if workers == 1:
+            expand(shares[0], coefficients(shares[0]))
+        else:
+            # One torch op per block and thread: torch releases the GIL inside each.
+            with ThreadPoolExecutor(workers) as pool:
+                total = sum(pool.map(coefficients, shares))
+                list(pool.map(expand, shares, [total] * workers))
+        return out.to(gradient.dtype)
 
 
-def basis_from_gradients(gradients: Tensor, k: int, rel_tolerance: float = 1e-7) -> tuple[Tensor, Tensor]:
+def basis_from_gradients(
+    gradients: Tensor, k: int, rel_tolerance: float = 1e-7, out: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """(V p × k' float32 orthonormal, eigenvalues k') from a gradient matrix G (m × p), k' ≤ k.
 
     Directions with eigenvalue below ``rel_tolerance`` × the largest are dropped (rank < k).
     Eigenvector signs are fixed (largest-magnitude entry of u positive) so V is deterministic.
+    ``out``: float32 storage of >= k·p elements, not overlapping G, to build V in (V is a view of it).
     """
     if gradients.dim() != 2:
         raise ValueError(f"expected an m × p gradient matrix, got shape {tuple(gradients.shape)}")
@@ -73,12 +117,20 @@ def basis_from_gradients(gradients: Tensor, k: int, rel_tolerance: float = 1e-7)
     eigenvalues, u = eigenvalues[:keep], eigenvectors[:, :keep]
     signs = torch.sign(u.gather(0, u.abs().argmax(0, keepdim=True)))
     u = u * signs
-    v = g.T @ (u / eigenvalues.sqrt()).to(torch.float32)
-    return orthonormalize(v), eigenvalues.to(torch.float32)
+    # (mixᵀ G)ᵀ: V comes out column-major, the layout Basis keeps (see Basis).
+    mixing_t = (u / eigenvalues.sqrt()).to(torch.float32).T
+    if out is None:
+        rows = mixing_t @ g
+    else:
+        if out.dtype != torch.float32 or out.numel() < keep * g.shape[1]:
+            raise ValueError(f"basis buffer must be float32 with >= {keep * g.shape[1]} elements")
+        rows = torch.matmul(mixing_t, g, out=out.view(-1)[: keep * g.shape[1]].view(keep, g.shape[1]))
+    return orthonormalize(rows.T), eigenvalues.to(torch.float32)
 
 
 def orthonormalize(v: Tensor) -> Tensor:
     """Restore orthonormal columns of a p × k float32 V if round-off cost them, same column space.
+    Works in place (returns ``v``), in blocks of rows, so no second p × k matrix is allocated.
 
     float32 round-off can cost orthonormality in small-eigenvalue directions. Check VᵀV (k × k,
     accumulated in float64) and, if needed, re-orthonormalise with Cholesky-QR (V ← V L⁻ᵀ,
@@ -88,19 +140,23 @@ def orthonormalize(v: Tensor) -> Tensor:
     gram_v = _gram_float64(v)
     if (gram_v - torch.eye(v.shape[1], dtype=torch.float64)).abs().max() > ORTHONORMAL_TOLERANCE:
         lower = torch.linalg.cholesky(gram_v)
-        v = v @ torch.linalg.inv(lower).T.to(torch.float32)
+        inverse_t = torch.linalg.inv(lower).T.to(torch.float32)
+        for start in range(0, v.shape[0], _PROJECTION_BLOCK):
+            block = v[start : start + _PROJECTION_BLOCK]
+            block.copy_(block @ inverse_t)  # V ← V L⁻ᵀ
     return v
 
 
-def _gram_float64(v: Tensor, rows: int = 4096) -> Tensor:
+def _gram_float64(v: Tensor, block: int = 4096) -> Tensor:
     """VᵀV accumulated in float64 from float32 products of 4096-row blocks. A float32 inner product
     over all p ≈ 10⁶ rows is only good to ~1e-4, too coarse to decide (or achieve) orthonormality;
     over 4096 rows it is good to ~1e-7 (measured at p = 4.7 M, k = 50, also with the mass of V
     concentrated in a few rows) and 7× faster than converting V to float64."""
+    rows = v.T  # k × p: contiguous slices when V is column-major (see Basis)
     gram = torch.zeros(v.shape[1], v.shape[1], dtype=torch.float64)
-    for start in range(0, v.shape[0], rows):
-        block = v[start : start + rows].to(torch.float32)
-        gram += (block.T @ block).to(torch.float64)
+    for start in range(0, v.shape[0], block):
+        part = rows[:, start : start + block].to(torch.float32)
+        gram += (part @ part.T).to(torch.float64)
     return gram
 
 
@@ -119,18 +175,31 @@ def compute_basis(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     dtype: str = "float32",
     version: int = 0,
+    workspace: Tensor | None = None,
 ) -> Basis:
     """The projection basis from ``public_batch`` (m public samples) at the model's current weights.
 
     ``public_batch`` is a collated batch dict ("image", "joints", "weight", "index") that must carry
     ``provenance = "public"``. Per-sample gradients are unclipped (no privacy is spent on public data).
+
+    ``workspace``: float32 storage of >= (m + k)·p elements, reused across refreshes: the m × p
+    gradient matrix goes into its head and V into its tail, so a refresh maps no fresh memory
+    (~2.8 GB at m = 100, p = 4.7 M, which costs seconds of page faults on these VMs). A float32
+    basis is then a view of the workspace: the next refresh with it overwrites that basis.
     """
     check_public(public_batch)
     if dtype not in _DTYPES:
         raise ValueError(f"privacy.basis.dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     features = frozen_features(model, public_batch["image"])
-    gradients = gradient_matrix(model, features, public_batch["joints"], public_batch["weight"], chunk_size)
-    vectors, eigenvalues = basis_from_gradients(gradients, k)
+    m = features.shape[0]
+    gradient_buffer = basis_buffer = None
+    if workspace is not None:
+        p = sum(param.numel() for param in model.trainable_parameters().values())
+        if workspace.dtype != torch.float32 or workspace.numel() < (m + k) * p:
+            raise ValueError(f"basis workspace must be float32 with >= (m + k)·p = {(m + k) * p} elements")
+        gradient_buffer, basis_buffer = workspace.view(-1)[: m * p], workspace.view(-1)[m * p : (m + k) * p]
+    gradients = gradient_matrix(model, features, public_batch["joints"], public_batch["weight"], chunk_size, gradient_buffer)
+    vectors, eigenvalues = basis_from_gradients(gradients, k, out=basis_buffer)
     del gradients
     ids = tuple(int(i) for i in torch.as_tensor(public_batch.get("index", [])).reshape(-1).tolist())
     return Basis(vectors.to(_DTYPES[dtype]), eigenvalues, version, ids)
