@@ -130,3 +130,49 @@ def test_coordinator_basis_is_used_as_given() -> None:
     assert engine.basis.version == 7 and engine.privacy_report()["basis"]["source"] == "coordinator"
     with pytest.raises(ValueError, match="does not project"):
         build_engine(PrivacyConfig(mechanism="dpsgd", noise_multiplier=1.0), model, 10, 2, 10).set_basis(v)
+
+
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_blocked_threaded_projection_matches_the_exact_projector(layout: str) -> None:
+    """p spans several 2^18-column blocks shared among threads; any input layout gives V V^T g."""
+    torch.manual_seed(5)
+    p, k = 700_001, 7
+    v = torch.linalg.qr(torch.randn(p, k, dtype=torch.float64))[0]
+    stored = v.float() if layout == "row-major" else v.float().T.contiguous().T
+    basis = Basis(stored)
+    assert basis.vectors.T.is_contiguous() and basis.k == k
+    g = torch.randn(p)
+    exact = v @ (v.T @ g.double())
+    for threads in (1, 2):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            projected = basis.project(g)
+        finally:
+            torch.set_num_threads(previous)
+        assert projected.dtype == torch.float32
+        assert (projected.double() - exact).norm() <= 1e-5 * exact.norm()
+    with pytest.raises(ValueError, match="basis is for p"):
+        basis.project(torch.randn(p - 1))
+
+
+def test_refreshes_reuse_one_workspace_for_gradients_and_basis() -> None:
+    model = make_model()
+    private, public = TensorPoseSet(10), TensorPoseSet(12, offset=10_000)
+    cfg = PrivacyConfig(mechanism="pdp", noise_multiplier=1.0, basis={"k": 3, "public_samples": 5, "refresh_every": 1})
+    engine = build_engine(cfg, model, len(private), 2, 10, public_dataset=public, seed=0)
+    p = model.num_trainable()
+    engine.refresh_basis(model)
+    workspace = engine._basis_workspace
+    assert workspace is not None and workspace.numel() == (5 + 3) * p
+    first = engine.basis.vectors.clone()
+    engine.refresh_basis(model)
+    assert engine._basis_workspace is workspace  # nothing new allocated
+    # V lives in the workspace's tail, after the 5 × p gradient matrix
+    start = workspace.data_ptr() + 5 * p * workspace.element_size()
+    assert engine.basis.vectors.data_ptr() == start
+    v = engine.basis.vectors.double()
+    assert torch.allclose(v.T @ v, torch.eye(v.shape[1], dtype=torch.float64), atol=1e-5)
+    assert not torch.equal(first, engine.basis.vectors)  # another public sample, another basis
+    with pytest.raises(ValueError, match="workspace must be float32"):
+        compute_basis(model, engine.public_batch(), k=3, workspace=torch.empty(10))
