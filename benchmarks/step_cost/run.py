@@ -10,8 +10,11 @@ Writes benchmarks/step_cost/results.json. Method:
   mechanism is reported, so slow phases of a shared machine hit all of them alike; the ratio
   uses the non-private median of the same run;
 * basis refresh (m public samples → k vectors) and the projection V(Vᵀg) are timed separately;
+  each projecting engine refreshes twice before the timed steps: the first ("cold") maps the
+  engine's basis workspace, the second ("warm") is what every later refresh of a run costs;
 * noise generation: seeded torch generator vs the os.urandom CSPRNG, for p noise coordinates;
-* peak memory: each mechanism in a fresh subprocess doing 2 steps (basis refresh included),
+* peak memory: each mechanism in a fresh subprocess doing 2 steps (basis refresh included), with
+  fedpose's allocator settings and with glibc's defaults (FEDPOSE_MALLOC_TUNING=0),
   the process's VmHWM from /proc/self/status. Not ru_maxrss: Linux carries it over from the
   forking parent across exec, so every probe would report this (large) process's peak.
 The load average at start and end is recorded: on a shared 2-core machine numbers are noisy.
@@ -134,11 +137,12 @@ def main() -> int:
                for name in args.mechanisms}
 
     print(f"p = {p} trainable parameters, input {size}, batch {args.batch}, torch threads {torch.get_num_threads()}, load {started_load}")
-    refresh_seconds = []
-    for name, engine in engines.items():  # one basis per projecting engine, timed; also the warm-up
+    refresh_seconds: dict[str, list[float]] = {"cold": [], "warm": []}
+    for name, engine in engines.items():  # cold + warm refresh per projecting engine; also the warm-up step
         if engine.mechanism.projects:
-            refresh_seconds.append(engine.refresh_basis(model))
-            print(f"basis refresh ({name}): {refresh_seconds[-1]:.2f} s (m = {args.public_samples}, k = {args.k})")
+            for kind in ("cold", "warm"):
+                refresh_seconds[kind].append(engine.refresh_basis(model))
+                print(f"basis refresh ({name}, {kind}): {refresh_seconds[kind][-1]:.2f} s (m = {args.public_samples}, k = {args.k})")
         engine.step(model, batch)
 
     times: dict[str, list[float]] = {name: [] for name in engines}
@@ -176,20 +180,22 @@ def main() -> int:
         "all_step_seconds": times,
         "ratio_to_non_private": {n: (m / base if base else None) for n, m in medians.items()},
         "basis_refresh_seconds": refresh_seconds,
+        "basis_refresh_warm_median": statistics.median(refresh_seconds["warm"]) if refresh_seconds["warm"] else None,
         "projection_seconds_median": statistics.median(projection) if projection else None,
         "projection_share_of_pdp_step": (statistics.median(projection) / medians["pdp"]) if projection and "pdp" in medians else None,
         "noise_seconds_for_p_coordinates": noise,
         "goals": GOALS,
     }
     if not args.skip_memory:
-        peaks = {}
-        for name in args.mechanisms:
-            cmd = [sys.executable, __file__, "--memory-probe", name, "--size", *map(str, size), "--batch", str(args.batch),
-                   "--backbone", args.backbone, "--k", str(args.k), "--public-samples", str(args.public_samples)]
-            out = subprocess.run(cmd, capture_output=True, text=True)
-            peaks[name] = json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mib"] if out.returncode == 0 else f"failed: {out.stderr[-300:]}"
-            print(f"peak RSS {name}: {peaks[name]}")
-        results["peak_rss_mib"] = peaks
+        for key, tuning in (("peak_rss_mib", "1"), ("peak_rss_mib_glibc_defaults", "0")):
+            peaks = {}
+            for name in args.mechanisms:
+                cmd = [sys.executable, __file__, "--memory-probe", name, "--size", *map(str, size), "--batch", str(args.batch),
+                       "--backbone", args.backbone, "--k", str(args.k), "--public-samples", str(args.public_samples)]
+                out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "FEDPOSE_MALLOC_TUNING": tuning})
+                peaks[name] = json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_mib"] if out.returncode == 0 else f"failed: {out.stderr[-300:]}"
+                print(f"{key} {name}: {peaks[name]}")
+            results[key] = peaks
     atomic_write_json(args.out, results)
     print(json.dumps({k: results[k] for k in ("seconds_per_step", "ratio_to_non_private", "basis_refresh_seconds",
                                               "projection_seconds_median", "noise_seconds_for_p_coordinates")}, indent=1))
