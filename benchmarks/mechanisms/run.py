@@ -175,6 +175,28 @@ def write_outputs(results: dict) -> None:
     plt.close(fig)
 
 
+def merge(target: Path, sources: list[Path]) -> int:
+    """Add the runs of ``sources`` to ``target`` (a run = mechanism, target ε, C; later files win)."""
+    results = json.loads(target.read_text())
+    key = lambda run: (run["mechanism"], run["target_epsilon"], run["max_grad_norm"])  # noqa: E731
+    runs = {key(run): run for run in results["runs"]}
+    conditions = results["conditions"]
+    conditions["out_prefix"] = target.stem
+    for source in sources:
+        other = json.loads(source.read_text())
+        protocol = ("size", "backbone", "pretrain_steps", "finetune_steps", "finetune_lr", "optimizer", "delta", "batch")
+        mismatch = [name for name in protocol if other["conditions"].get(name) != conditions.get(name)]
+        if mismatch:
+            raise SystemExit(f"{source}: not the same protocol as {target} ({', '.join(mismatch)} differ)")
+        runs.update({key(run): run for run in other["runs"]})
+        conditions["clips"] = sorted(set(conditions["clips"]) | set(other["conditions"]["clips"]))
+        conditions["note"] += f"; runs merged from {source.name}"
+    results["runs"] = sorted(runs.values(), key=lambda r: (r["mechanism"] != "none", r["max_grad_norm"] or 0, r["target_epsilon"] or 0))
+    write_outputs(results)
+    print(f"{target}: {len(results['runs'])} runs")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=Path("/tmp/fedpose_mechbench/data"))
@@ -206,7 +228,12 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--resume", action="store_true", help="keep finished runs from results.json")
+    parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                        help="merge the runs of these result files (same protocol, e.g. one process per C) into "
+                             "<out-prefix>.json and re-render its table and chart; trains nothing")
     args = parser.parse_args()
+    if args.merge:
+        return merge(HERE / f"{args.out_prefix}.json", args.merge)
     configure_cpu(args.threads)
 
     size = tuple(args.size)
