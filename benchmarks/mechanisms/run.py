@@ -37,6 +37,7 @@ from fedpose.model import build_model
 from fedpose.privacy.engine import build_engine
 from fedpose.runtime import configure_cpu
 from fedpose.privacy.report import format_epsilon
+from fedpose.train import TrainingDiverged
 from fedpose.train.evaluate import evaluate
 from fedpose.train.loop import calibrate_batch_norm, train_steps
 from fedpose.train.optim import build_optimizer, build_scheduler
@@ -106,10 +107,14 @@ def finetune(args, state, site, public_views, test, mechanism: str, epsilon: flo
     optim_cfg = OptimConfig(name=args.optimizer, lr=args.finetune_lr, weight_decay=0.0)
     optimizer = build_optimizer(model, optim_cfg)
     started = time.perf_counter()
-    train_steps(model, engine, site, optimizer, args.finetune_steps,
-                scheduler=build_scheduler(optimizer, optim_cfg, args.finetune_steps), description=f"{mechanism} ε={epsilon} C={clip}")
+    try:
+        train_steps(model, engine, site, optimizer, args.finetune_steps,
+                    scheduler=build_scheduler(optimizer, optim_cfg, args.finetune_steps), description=f"{mechanism} ε={epsilon} C={clip}")
+        diverged = False
+    except TrainingDiverged as exc:
+        print(f"{mechanism} ε={epsilon} C={clip}: {exc}", flush=True)
+        diverged = True
     seconds = time.perf_counter() - started
-    diverged = not all(bool(torch.isfinite(p).all()) for p in model.parameters())
     # A run whose weights blew up (too much noise for the step size) is a result, not a crash: score 0.
     metrics = {"Mean": 0.0, "Mean@0.1": 0.0, "diverged": True} if diverged else evaluate(
         model, test, batch_size=32, max_samples=args.eval_samples)

@@ -109,6 +109,8 @@ def basis_from_gradients(
         raise ValueError(f"basis dimension k must be >= 1, got {k}")
     g = gradients.to(torch.float32)
     gram = (g @ g.T).to(torch.float64)
+    if not bool(torch.isfinite(gram).all()):
+        raise ValueError("public gradients are not finite (the model's weights have diverged?): no basis can be computed")
     eigenvalues, eigenvectors = torch.linalg.eigh(gram)  # ascending
     eigenvalues, eigenvectors = eigenvalues.flip(0), eigenvectors.flip(1)
     if not eigenvalues.numel() or eigenvalues[0] <= 0:

@@ -17,12 +17,30 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import Dataset
 
+from fedpose.config import ConfigError
 from fedpose.train.evaluate import evaluate
 
 StepCallback = Callable[[int, dict[str, Any]], None]
 
 #: images used to calibrate a from-scratch model's frozen BatchNorm statistics
 CALIBRATION_IMAGES = 64
+
+
+class TrainingDiverged(ConfigError):
+    """An optimizer step left non-finite weights. A configuration problem (step size against the
+    gradient and noise scale), so the CLI reports it like one; the weights of the step before are
+    what any checkpoint holds (the failing step is never handed to ``on_step``)."""
+
+
+def _check_finite(model: Any, step: int, metrics: dict[str, Any]) -> None:
+    if all(bool(torch.isfinite(param).all()) for param in model.trainable_parameters().values()):
+        return
+    noise = f", noise std per coordinate {metrics['noise_std']:.3g}" if "noise_std" in metrics else ""
+    raise TrainingDiverged(
+        f"optim.lr: training diverged at step {step}: the weights are no longer finite "
+        f"(loss {metrics.get('loss', math.nan):.4g}{noise}). Lower optim.lr, or for a private run "
+        "lower privacy.max_grad_norm or use a projecting mechanism (pdp, fpdp)"
+    )
 
 
 def calibrate_batch_norm(model: Any, dataset: Dataset | None, images: int = CALIBRATION_IMAGES) -> None:
@@ -75,6 +93,7 @@ def train_steps(
             optimizer.zero_grad(set_to_none=True)
             metrics = engine.step(model, batch)
             optimizer.step()
+            _check_finite(model, first_step + i + 1, metrics)
             if scheduler is not None:
                 scheduler.step()
             record: dict[str, Any] = {"step": first_step + i + 1}
@@ -94,4 +113,4 @@ def train_steps(
     return history
 
 
-__all__ = ["StepCallback", "evaluate", "train_steps"]
+__all__ = ["StepCallback", "TrainingDiverged", "evaluate", "train_steps"]
