@@ -3,7 +3,7 @@
     python benchmarks/step_cost/run.py                    # 256×192, batch 16, tiny_vit_5m_224, finetune
     python benchmarks/step_cost/run.py --size 128 96 --repeats 3
 
-Writes benchmarks/step_cost/results.json. Method:
+Writes benchmarks/step_cost/results.json (earlier runs worth keeping are moved to history/). Method:
 * one model (random weights: speed does not depend on them), one fixed batch of exactly B
   samples, so every mechanism does the same work; Poisson batch-size variation is not timed;
 * mechanisms are timed round-robin (none, dpsgd, pdp, ... then again) and the median per
