@@ -13,8 +13,8 @@ and the trim threshold to 2 GiB keeps freed buffers in the heap for reuse. Not h
 allocates 64-byte aligned, and glibc cannot hand an aligned request an exactly-sized freed chunk,
 so buffers of ~1 GB in the heap fragment it and raise peak memory; the few buffers that large
 (the basis workspace) are reused explicitly instead (see ``fedpose.privacy.projection``).
-Measured peak memory (benchmarks/step_cost, 256×192): the same as glibc's defaults within 2 % for
-none/dpsgd/fdp/maskdp, +3 % for pdp and +7 % for fpdp (6.0 vs 5.6 GiB).
+Measured peak memory (benchmarks/step_cost, 256×192, two runs): within 3 % of glibc's defaults for
+none/dpsgd/fdp/maskdp, +3–5 % for pdp and +4–7 % for fpdp (6.0–6.1 vs 5.6–5.9 GiB).
 Set ``FEDPOSE_MALLOC_TUNING=0`` to keep the C library's defaults.
 """
 
