@@ -35,11 +35,10 @@ from fedpose.data.loaders import load_records
 from fedpose.io import atomic_write_json, atomic_write_text
 from fedpose.model import build_model
 from fedpose.privacy.engine import build_engine
-from fedpose.runtime import configure_cpu
 from fedpose.privacy.report import format_epsilon
-from fedpose.train import TrainingDiverged
+from fedpose.runtime import configure_cpu
 from fedpose.train.evaluate import evaluate
-from fedpose.train.loop import calibrate_batch_norm, train_steps
+from fedpose.train.loop import TrainingDiverged, calibrate_batch_norm, train_steps
 from fedpose.train.optim import build_optimizer, build_scheduler
 
 HERE = Path(__file__).resolve().parent

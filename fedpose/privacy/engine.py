@@ -217,7 +217,8 @@ class GradientEngine:
         batch = self.public_batch()
         self.basis = None  # the new basis is built in the old one's storage
         k = self.privacy.basis.k
-        needed = (len(batch["index"]) + k) * sum(p.numel() for p in model.trainable_parameters().values())
+        p = sum(param.numel() for param in model.trainable_parameters().values())
+        needed = projection.workspace_elements(len(batch["index"]), k, p)
         if self._basis_workspace is None or self._basis_workspace.numel() < needed:
             self._basis_workspace = None  # free the old one before allocating the new one
             self._basis_workspace = torch.empty(needed, dtype=torch.float32)

@@ -128,6 +128,14 @@ def clipped_gradient_sum(
     return total, torch.cat(norms), torch.cat(losses)
 
 
+def buffer_view(buffer: Tensor, shape: tuple[int, int], what: str) -> Tensor:
+    """The first rows·cols elements of a reused float32 ``buffer`` as a ``shape`` matrix."""
+    size = shape[0] * shape[1]
+    if buffer.dtype != torch.float32 or buffer.numel() < size:
+        raise ValueError(f"{what} must be float32 with >= {size} elements, got {buffer.dtype} with {buffer.numel()}")
+    return buffer.view(-1)[:size].view(shape)
+
+
 def gradient_matrix(
     model: TrainableModel,
     features: Tensor,
@@ -144,12 +152,7 @@ def gradient_matrix(
     """
     params = model.trainable_parameters()
     shape = (features.shape[0], sum(p.numel() for p in params.values()))
-    if out is None:
-        matrix = torch.empty(shape, dtype=torch.float32)
-    else:
-        if out.dtype != torch.float32 or out.numel() < shape[0] * shape[1]:
-            raise ValueError(f"gradient buffer must be float32 with >= {shape[0] * shape[1]} elements")
-        matrix = out.view(-1)[: shape[0] * shape[1]].view(shape)
+    matrix = torch.empty(shape, dtype=torch.float32) if out is None else buffer_view(out, shape, "gradient buffer")
     for start in range(0, features.shape[0], chunk_size):
         grads, _ = per_sample_gradients(
             model, features[start: start + chunk_size], joints[start: start + chunk_size], weight[start: start + chunk_size]

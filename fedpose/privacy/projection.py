@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from fedpose.privacy.per_sample import DEFAULT_CHUNK_SIZE, TrainableModel, frozen_features, gradient_matrix
+from fedpose.privacy.per_sample import DEFAULT_CHUNK_SIZE, TrainableModel, buffer_view, frozen_features, gradient_matrix
 
 PUBLIC = "public"
 #: max |VᵀV − I| accepted before re-orthonormalising
@@ -124,9 +124,7 @@ def basis_from_gradients(
     if out is None:
         rows = mixing_t @ g
     else:
-        if out.dtype != torch.float32 or out.numel() < keep * g.shape[1]:
-            raise ValueError(f"basis buffer must be float32 with >= {keep * g.shape[1]} elements")
-        rows = torch.matmul(mixing_t, g, out=out.view(-1)[: keep * g.shape[1]].view(keep, g.shape[1]))
+        rows = torch.matmul(mixing_t, g, out=buffer_view(out, (keep, g.shape[1]), "basis buffer"))
     return orthonormalize(rows.T), eigenvalues.to(torch.float32)
 
 
@@ -160,6 +158,11 @@ def _gram_float64(v: Tensor, block: int = 4096) -> Tensor:
         part = rows[:, start : start + block].to(torch.float32)
         gram += (part @ part.T).to(torch.float64)
     return gram
+
+
+def workspace_elements(m: int, k: int, p: int) -> int:
+    """Size of a :func:`compute_basis` workspace: the m × p gradient matrix, then V (k × p)."""
+    return (m + k) * p
 
 
 def check_public(batch: dict) -> None:
@@ -197,9 +200,10 @@ def compute_basis(
     gradient_buffer = basis_buffer = None
     if workspace is not None:
         p = sum(param.numel() for param in model.trainable_parameters().values())
-        if workspace.dtype != torch.float32 or workspace.numel() < (m + k) * p:
-            raise ValueError(f"basis workspace must be float32 with >= (m + k)·p = {(m + k) * p} elements")
-        gradient_buffer, basis_buffer = workspace.view(-1)[: m * p], workspace.view(-1)[m * p : (m + k) * p]
+        needed = workspace_elements(m, k, p)
+        if workspace.dtype != torch.float32 or workspace.numel() < needed:
+            raise ValueError(f"basis workspace must be float32 with >= (m + k)·p = {needed} elements")
+        gradient_buffer, basis_buffer = workspace.view(-1)[: m * p], workspace.view(-1)[m * p : needed]
     gradients = gradient_matrix(model, features, public_batch["joints"], public_batch["weight"], chunk_size, gradient_buffer)
     vectors, eigenvalues = basis_from_gradients(gradients, k, out=basis_buffer)
     del gradients
