@@ -16,6 +16,7 @@ from scipy import stats
 from fedpose.config import ModelConfig, PrivacyConfig
 from fedpose.model import build_model
 from fedpose.privacy import engine as engine_module
+from fedpose.privacy import per_sample as per_sample_module
 from fedpose.privacy.accountant import epsilon_for
 from fedpose.privacy.engine import build_engine
 from fedpose.privacy.noise import SecureNoise
@@ -97,7 +98,21 @@ def test_per_sample_gradients_equal_a_loop_test_backbone(model) -> None:
 def test_per_sample_gradients_equal_a_loop_real_tinyvit() -> None:
     real = make_model("tiny_vit_5m_224", (128, 96))
     assert real.num_trainable() > 2_000_000  # stage 3 + LayerNorms + head of the real TinyViT-5M
+    # Stages 1-2's LayerNorms take the batched path; at 128×96 stage 1 folds 6 padded attention
+    # windows per sample into the batch, so a wrong row-to-sample attribution would show.
+    assert len(real.norm_tuned_layer_norms()) == 16
     assert_per_sample_matches_loop(real, batch_of(TensorPoseSet(2, (128, 96)), range(2)))
+
+
+def test_layer_norm_rows_must_split_evenly_into_samples() -> None:
+    module = torch.nn.LayerNorm(8)
+    inputs = torch.randn(5, 3, 8)
+    record = per_sample_module._LayerNormRecord("block.norm", module, inputs, module(inputs))
+    with pytest.raises(RuntimeError, match="block.norm: its input has 5 rows for 2 samples"):
+        record.per_sample_gradients(torch.ones(5, 3, 8), batch=2)
+    # batch-major rows: sample i owns rows [i·w, (i+1)·w)
+    grads = record.per_sample_gradients(torch.ones(5, 3, 8), batch=5)
+    assert grads["block.norm.bias"].shape == (5, 8) and torch.all(grads["block.norm.bias"] == 3)
 
 
 def test_every_sample_is_clipped_and_the_sum_is_exact(model) -> None:

@@ -91,6 +91,13 @@ def test_finetune_trainable_set_is_stage3_layernorms_and_head() -> None:
     assert "backbone.stages.1.blocks.0.attn.qkv.weight" not in expected
     assert not any(n.startswith(("backbone.patch_embed", "backbone.stages.0")) for n in expected)
     assert model.frozen_prefix == ["backbone.patch_embed", "backbone.stages.0", "backbone.stages.1.downsample"]
+    # stages 1-2 train only LayerNorms: the norm-tuned part, whose per-sample gradients the
+    # engine takes from one batched backward
+    assert model.norm_tuned_part == ["backbone.stages.1.blocks", "backbone.stages.2.downsample", "backbone.stages.2.blocks"]
+    norm_tuned = {
+        f"{name}.{p}" for name, module in model.norm_tuned_layer_norms().items() for p, _ in module.named_parameters(recurse=False)
+    }
+    assert norm_tuned == {n for n in expected if n.startswith(("backbone.stages.1.", "backbone.stages.2."))}
 
 
 @pytest.mark.parametrize("scenario", ["full", "scratch"])
@@ -98,6 +105,7 @@ def test_full_and_scratch_train_everything(scenario: str) -> None:
     model = make(scenario)
     assert set(model.trainable_parameters()) == {n for n, _ in model.named_parameters()}
     assert model.frozen_prefix == []
+    assert model.norm_tuned_part == [] and model.norm_tuned_layer_norms() == {}
 
 
 def test_scratch_rejects_init_checkpoint(tmp_path) -> None:
@@ -137,9 +145,13 @@ def test_forward_equals_trainable_of_frozen(scenario: str) -> None:
     with torch.no_grad():
         full = model(images)
         split = model.forward_trainable(model.forward_frozen(images))
-        functional = functional_call(model, dict(model.named_parameters()), (model.forward_frozen(images),), {"from_features": True})
-    for a, b, c in zip(full, split, functional):
-        assert torch.equal(a, b) and torch.equal(a, c)
+        features = model.forward_frozen(images)
+        functional = functional_call(model, dict(model.named_parameters()), (features,), {"start": "features"})
+        suffix = functional_call(model, dict(model.named_parameters()), (model.forward_norm_tuned(features),), {"start": "hidden"})
+    for a, b, c, d in zip(full, split, functional, suffix):
+        assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
+    with pytest.raises(ValueError, match="start"):
+        model(images, start="pixels")
     assert full[0].shape == (3, 16, SIZE[1] * 2) and full[1].shape == (3, 16, SIZE[0] * 2)
 
 
@@ -155,7 +167,7 @@ def test_vmap_per_sample_gradients_equal_per_sample_loop(scenario: str, size: tu
         features = model.forward_frozen(images)
 
     def sample_loss(p, feature, joint, w):
-        logits = functional_call(model, (p, buffers), (feature.unsqueeze(0),), {"from_features": True})
+        logits = functional_call(model, (p, buffers), (feature.unsqueeze(0),), {"start": "features"})
         return model.loss(*logits, joint.unsqueeze(0), w.unsqueeze(0)).sum()
 
     for _ in range(2):  # twice: caching must not zero any gradient on the second call

@@ -18,6 +18,13 @@ and its blocks). The longest prefix of units without trainable parameters is the
 prefix*: :meth:`forward_frozen` runs it (callers wrap it in ``torch.no_grad``), and
 :meth:`forward_trainable` runs the rest — a pure function of parameters and buffers, used with
 ``torch.func.functional_call`` + ``vmap`` for per-sample gradients.
+
+The trainable rest splits once more. Its leading units whose only trainable parameters are
+LayerNorm affines (stages 1–2 under ``finetune``) are the *norm-tuned* part
+(:meth:`forward_norm_tuned`); from the first unit with any other trainable parameter on is the
+*suffix* (:meth:`forward_suffix`). The DP engine takes per-sample gradients of the suffix with
+``vmap`` and of the norm-tuned LayerNorms from one batched backward
+(:mod:`fedpose.privacy.per_sample` explains why).
 """
 
 from __future__ import annotations
@@ -32,11 +39,26 @@ from fedpose.joints import NUM_JOINTS
 from fedpose.model.simcc import SimCCCodec, SimCCHead
 
 Scenario = Literal["finetune", "full", "scratch"]
+Start = Literal["images", "features", "hidden"]
 FEATURE_STRIDE = 32
 
 
 def _is_layer_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.LayerNorm)  # includes timm LayerNorm2d
+
+
+def _is_channels_last_layer_norm(module: nn.Module) -> bool:
+    """A plain ``nn.LayerNorm`` over the last dimension (timm's LayerNorm2d is a subclass that is not)."""
+    return type(module) is nn.LayerNorm and len(module.normalized_shape) == 1
+
+
+def _norm_tuned(unit: nn.Module) -> bool:
+    """True if every trainable parameter of ``unit`` is the affine of a channels-last LayerNorm."""
+    trainable = {id(p) for p in unit.parameters() if p.requires_grad}
+    in_layer_norms = {
+        id(p) for m in unit.modules() if _is_channels_last_layer_norm(m) for p in m.parameters(recurse=False)
+    }
+    return trainable <= in_layer_norms
 
 
 def _is_batch_norm(module: nn.Module) -> bool:
@@ -124,11 +146,33 @@ class PoseModel(nn.Module):
             if any(p.requires_grad for p in unit.parameters()):
                 break
             self._frozen_units += 1
+        self._norm_tuned_units = 0
+        for _, unit in self._units[self._frozen_units:]:
+            if not _norm_tuned(unit):
+                break
+            self._norm_tuned_units += 1
 
     @property
     def frozen_prefix(self) -> list[str]:
         """Names of the units :meth:`forward_frozen` runs."""
         return [name for name, _ in self._units[: self._frozen_units]]
+
+    @property
+    def norm_tuned_part(self) -> list[str]:
+        """Names of the units :meth:`forward_norm_tuned` runs (see the module docstring)."""
+        start = self._frozen_units
+        return [name for name, _ in self._units[start: start + self._norm_tuned_units]]
+
+    def norm_tuned_layer_norms(self) -> dict[str, nn.LayerNorm]:
+        """The LayerNorms with trainable affines in the norm-tuned part, by module name."""
+        start = self._frozen_units
+        inside = {id(m) for _, unit in self._units[start: start + self._norm_tuned_units] for m in unit.modules()}
+        return {
+            name: module
+            for name, module in self.named_modules()
+            if id(module) in inside and _is_channels_last_layer_norm(module)
+            and any(p.requires_grad for p in module.parameters(recurse=False))
+        }
 
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
         return {name: p for name, p in self.named_parameters() if p.requires_grad}
@@ -181,17 +225,30 @@ class PoseModel(nn.Module):
         """The parameter-free-to-train prefix (identity when nothing is frozen). Run it under no_grad."""
         return self._run(self._units[: self._frozen_units], images)
 
+    def forward_norm_tuned(self, features: Tensor) -> Tensor:
+        """The norm-tuned part after the frozen prefix (identity when there is none)."""
+        start = self._frozen_units
+        return self._run(self._units[start: start + self._norm_tuned_units], features)
+
+    def forward_suffix(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """The rest after the norm-tuned part, head included → (logits_x, logits_y)."""
+        return self.head(self._run(self._units[self._frozen_units + self._norm_tuned_units:], hidden))
+
     def forward_trainable(self, features: Tensor) -> tuple[Tensor, Tensor]:
         """Everything after the frozen prefix → (logits_x (B, J, W·k), logits_y (B, J, H·k))."""
-        return self.head(self._run(self._units[self._frozen_units:], features))
+        return self.forward_suffix(self.forward_norm_tuned(features))
 
-    def forward(self, images: Tensor, from_features: bool = False) -> tuple[Tensor, Tensor]:
-        """Full forward. ``from_features=True``: ``images`` is already ``forward_frozen``'s output,
-        so ``torch.func.functional_call(model, params, (features,), {"from_features": True})``
-        is the functional form of :meth:`forward_trainable`."""
-        if from_features:
-            return self.forward_trainable(images)
-        return self.forward_trainable(self.forward_frozen(images))
+    def forward(self, inputs: Tensor, start: Start = "images") -> tuple[Tensor, Tensor]:
+        """Forward from ``start``: "images", "features" (``forward_frozen``'s output) or "hidden"
+        (``forward_norm_tuned``'s output). ``torch.func.functional_call(model, params, (x,),
+        {"start": "features"})`` is the functional form of :meth:`forward_trainable`."""
+        if start == "images":
+            return self.forward_trainable(self.forward_frozen(inputs))
+        if start == "features":
+            return self.forward_trainable(inputs)
+        if start == "hidden":
+            return self.forward_suffix(inputs)
+        raise ValueError(f"start must be 'images', 'features' or 'hidden', got {start!r}")
 
     # --------------------------------------------------------- loss / decode
     def loss(self, logits_x: Tensor, logits_y: Tensor, joints: Tensor, weight: Tensor) -> Tensor:

@@ -8,33 +8,58 @@ Why ``torch.func`` and not Opacus' hooks (measured, see shared/FACTS.md):
   window — a privacy bug, not just a crash.
 * ``functional_call`` + ``vmap`` + ``grad`` differentiates the model as one function of its
   parameters for one sample at a time, whatever the model does with its batch dimension inside
-  (window folding included). It matches a per-sample loop to float precision and, with the frozen
-  prefix run once outside ``vmap`` under ``no_grad``, costs about the same as a non-private step.
+  (window folding included). It matches a per-sample loop to float precision.
 
-Contract with the model: ``forward_frozen(images)`` (run here under ``no_grad``) and
-``model(features, from_features=True)`` = ``forward_trainable(features)``, a pure function of
-the parameters and buffers (BatchNorm in eval mode, no stochastic layers); ``loss(...)`` is
-per-sample. Gradients are taken w.r.t. ``model.trainable_parameters()``, in that order; a
-"flat" gradient is their concatenation (``flatten`` / ``unflatten``).
+Where the trainable part starts with units whose only trainable parameters are LayerNorm affines
+(the model's *norm-tuned* part: stages 1–2 under ``finetune``), running them under ``vmap`` too
+costs ~30 % over a plain backward at 256×192, because vmap backpropagates through their
+high-resolution convolutions and attention sample by sample. Their per-sample gradients need
+far less: for a LayerNorm y = γ ⊙ x̂ + β, sample i's gradients are Σ_t ∂l_i/∂y_t ⊙ x̂_t and
+Σ_t ∂l_i/∂y_t over that sample's rows t. So :func:`per_sample_gradients`
+
+1. runs the norm-tuned part once, batched, with autograd, recording each trainable LayerNorm's
+   x̂ and output (:class:`_LayerNormRecord`);
+2. takes per-sample gradients of the suffix *and of its input* with ``vmap`` (as above);
+3. backpropagates those input gradients through the norm-tuned part in one batched backward,
+   which yields ∂l_i/∂y for every recorded output: the gradient of Σ_i l_i at sample i's rows
+   is ∂l_i/∂y, because samples do not interact (BatchNorm runs on frozen statistics, and
+   nothing else mixes the batch);
+4. sums x̂ ⊙ ∂l/∂y and ∂l/∂y over each sample's rows.
+
+Rows belong to samples in batch-major order: a LayerNorm input of shape (B·w, …, C) holds
+sample i's rows at [i·w, (i+1)·w) — true of TinyViT's window folding ((B, windows, …) reshaped to
+(B·windows, …)), the trap that breaks Opacus. tests/test_dp_engine.py checks the result against
+a per-sample loop on the real TinyViT at a size with several padded windows per sample.
+
+Contract with the model: ``forward_frozen(images)`` (run here under ``no_grad``),
+``forward_norm_tuned(features)``, ``norm_tuned_layer_norms()``, and
+``model(x, start="features" | "hidden")``, a pure function of the parameters and buffers
+(BatchNorm in eval mode, no stochastic layers); ``loss(...)`` is per-sample. Gradients are taken
+w.r.t. ``model.trainable_parameters()``, in that order; a "flat" gradient is their concatenation
+(``flatten`` / ``unflatten``).
 
 The vmap runs in chunks of ``chunk_size`` samples to bound memory (per-sample gradients of a
-chunk are ``chunk_size × p`` floats, ~11.5 MiB per sample at p = 2.88 M).
+chunk are ``chunk_size × p`` floats, ~18 MiB per sample at p = 4.74 M).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from contextlib import contextmanager
+from typing import Iterator, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
 
 class TrainableModel(Protocol):
-    """What the privacy engine needs from a pose model (see CONTRACTS.md)."""
+    """What the privacy engine needs from a pose model (the contract in the module docstring)."""
 
     def forward_frozen(self, images: Tensor) -> Tensor: ...
+    def forward_norm_tuned(self, features: Tensor) -> Tensor: ...
     def forward_trainable(self, features: Tensor) -> tuple[Tensor, Tensor]: ...
+    def norm_tuned_layer_norms(self) -> dict[str, nn.LayerNorm]: ...
     def loss(self, logits_x: Tensor, logits_y: Tensor, joints: Tensor, weight: Tensor) -> Tensor: ...
     def trainable_parameters(self) -> dict[str, nn.Parameter]: ...
 
@@ -64,21 +89,91 @@ def unflatten(flat: Tensor, like: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def _sample_loss_fn(model: TrainableModel):
-    def sample_loss(params: dict[str, Tensor], features: Tensor, joints: Tensor, weight: Tensor) -> Tensor:
-        logits_x, logits_y = functional_call(model, params, (features.unsqueeze(0),), {"from_features": True})
+def _sample_loss_fn(model: TrainableModel, start: str):
+    def sample_loss(params: dict[str, Tensor], inputs: Tensor, joints: Tensor, weight: Tensor) -> Tensor:
+        logits_x, logits_y = functional_call(model, params, (inputs.unsqueeze(0),), {"start": start})
         return model.loss(logits_x, logits_y, joints.unsqueeze(0), weight.unsqueeze(0)).squeeze(0)
 
     return sample_loss
 
 
+class _LayerNormRecord:
+    """One call of a trainable channels-last LayerNorm: its normalised input x̂ and its output y."""
+
+    def __init__(self, name: str, module: nn.LayerNorm, inputs: Tensor, output: Tensor) -> None:
+        self.name, self.module, self.output = name, module, output
+        with torch.no_grad():
+            self.normalized = F.layer_norm(inputs, module.normalized_shape, None, None, module.eps)
+
+    def per_sample_gradients(self, output_grad: Tensor | None, batch: int) -> dict[str, Tensor]:
+        """{parameter name: (batch, C)} from ∂(Σ_i l_i)/∂y, rows grouped batch-major (module docstring)."""
+        rows, channels = self.output.shape[0], self.output.shape[-1]
+        if rows % batch:
+            raise RuntimeError(
+                f"LayerNorm {self.name}: its input has {rows} rows for {batch} samples, so rows cannot "
+                "be attributed to samples; per-sample gradients of this model need the vmap path"
+            )
+        if output_grad is None:  # y does not reach the loss
+            output_grad = torch.zeros_like(self.output)
+        by_sample = output_grad.reshape(batch, -1, channels)
+        grads = {
+            "weight": (by_sample * self.normalized.reshape(batch, -1, channels)).sum(1),
+            "bias": by_sample.sum(1),
+        }
+        return {f"{self.name}.{key}": grad for key, grad in grads.items() if getattr(self.module, key) is not None}
+
+
+@contextmanager
+def _record_layer_norms(layer_norms: dict[str, nn.LayerNorm]) -> Iterator[list[_LayerNormRecord]]:
+    records: list[_LayerNormRecord] = []
+
+    def hook_for(name: str):
+        def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
+            records.append(_LayerNormRecord(name, module, args[0], output))  # type: ignore[arg-type]
+
+        return hook
+
+    handles = [module.register_forward_hook(hook_for(name)) for name, module in layer_norms.items()]
+    try:
+        yield records
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def per_sample_gradients(
     model: TrainableModel, features: Tensor, joints: Tensor, weight: Tensor
 ) -> tuple[dict[str, Tensor], Tensor]:
-    """({name: (b, *param.shape)}, per-sample losses (b,)) for one chunk — no clipping."""
-    params = {name: p.detach() for name, p in model.trainable_parameters().items()}
-    grads, losses = vmap(grad_and_value(_sample_loss_fn(model)), in_dims=(None, 0, 0, 0))(params, features, joints, weight)
-    return grads, losses.detach()
+    """({name: (b, *param.shape)}, per-sample losses (b,)) for one chunk — no clipping.
+
+    The norm-tuned LayerNorms' gradients come from one batched backward, the rest from ``vmap``
+    (module docstring).
+    """
+    trainable = model.trainable_parameters()
+    layer_norms = model.norm_tuned_layer_norms()
+    if not layer_norms:
+        params = {name: p.detach() for name, p in trainable.items()}
+        grads, losses = vmap(grad_and_value(_sample_loss_fn(model, "features")), in_dims=(None, 0, 0, 0))(
+            params, features, joints, weight
+        )
+        return grads, losses.detach()
+
+    with torch.enable_grad(), _record_layer_norms(layer_norms) as records:
+        hidden = model.forward_norm_tuned(features)
+    norm_tuned = {f"{name}.{key}" for name, module in layer_norms.items() for key, _ in module.named_parameters(recurse=False)}
+    if not norm_tuned <= trainable.keys():
+        raise RuntimeError(f"norm_tuned_layer_norms() names parameters that are not trainable: {sorted(norm_tuned - trainable.keys())}")
+    suffix_params = {name: p.detach() for name, p in trainable.items() if name not in norm_tuned}
+    (grads, hidden_grads), losses = vmap(
+        grad_and_value(_sample_loss_fn(model, "hidden"), argnums=(0, 1)), in_dims=(None, 0, 0, 0)
+    )(suffix_params, hidden.detach(), joints, weight)
+    output_grads = torch.autograd.grad(hidden, [r.output for r in records], hidden_grads, allow_unused=True)
+    grads = dict(grads)
+    for record, output_grad in zip(records, output_grads):
+        for name, grad in record.per_sample_gradients(output_grad, features.shape[0]).items():
+            # a LayerNorm called more than once contributes once per call
+            grads[name] = grads[name] + grad if name in grads else grad
+    return {name: grads[name] for name in trainable}, losses.detach()
 
 
 def per_sample_norms(grads: dict[str, Tensor]) -> Tensor:
