@@ -120,7 +120,11 @@ class _LayerNormRecord:
             "weight": (by_sample * self.normalized.reshape(batch, -1, channels)).sum(1),
             "bias": by_sample.sum(1),
         }
-        return {f"{self.name}.{key}": grad for key, grad in grads.items() if getattr(self.module, key) is not None}
+        return {
+            f"{self.name}.{key}": grad
+            for key, grad in grads.items()
+            if getattr(self.module, key) is not None and getattr(self.module, key).requires_grad
+        }
 
 
 @contextmanager
@@ -160,7 +164,12 @@ def per_sample_gradients(
 
     with torch.enable_grad(), _record_layer_norms(layer_norms) as records:
         hidden = model.forward_norm_tuned(features)
-    norm_tuned = {f"{name}.{key}" for name, module in layer_norms.items() for key, _ in module.named_parameters(recurse=False)}
+    norm_tuned = {
+        f"{name}.{key}"
+        for name, module in layer_norms.items()
+        for key, param in module.named_parameters(recurse=False)
+        if param.requires_grad
+    }
     if not norm_tuned <= trainable.keys():
         raise RuntimeError(f"norm_tuned_layer_norms() names parameters that are not trainable: {sorted(norm_tuned - trainable.keys())}")
     suffix_params = {name: p.detach() for name, p in trainable.items() if name not in norm_tuned}
@@ -210,11 +219,11 @@ def clipped_gradient_sum(
         grads, chunk_losses = per_sample_gradients(model, features[start:stop], joints[start:stop], weight[start:stop])
         chunk_norms = per_sample_norms(grads)
         factors = clip_factors(chunk_norms, max_grad_norm)
-        # Σ_i factor_i · g_i per parameter, written straight into the flat sum.
+        # Σ_i factor_i · g_i per parameter, accumulated straight into the flat sum (one gemv each).
         offset = 0
         for g in grads.values():
             size = g[0].numel()
-            total[offset: offset + size] += torch.einsum("b,bn->n", factors, g.reshape(g.shape[0], -1).float())
+            total[offset: offset + size].addmv_(g.reshape(g.shape[0], -1).float().T, factors)
             offset += size
         norms.append(chunk_norms)
         losses.append(chunk_losses)
