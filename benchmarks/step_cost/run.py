@@ -18,6 +18,10 @@ Writes benchmarks/step_cost/results.json (earlier runs worth keeping are moved t
   the process's VmHWM from /proc/self/status. Not ru_maxrss: Linux carries it over from the
   forking parent across exec, so every probe would report this (large) process's peak.
 The load average at start and end is recorded: on a shared 2-core machine numbers are noisy.
+So is the hypervisor's *steal* over the timed steps (share of this VM's CPU time that its host
+gave to others, from /proc/stat): wall-clock steps slow down by about that much, unevenly. Each
+step's process CPU time is recorded beside its wall time; stolen time is not counted in it, so
+the CPU-time ratios show the work itself (they are not what the goals are stated in).
 """
 
 from __future__ import annotations
@@ -78,6 +82,12 @@ def privacy_config(name: str, k: int, m: int) -> PrivacyConfig:
 
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def cpu_jiffies() -> tuple[int, int]:
+    """(steal, total) jiffies of all CPUs so far, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return fields[7], sum(fields[:8])  # user nice system idle iowait irq softirq steal
 
 
 def make_model(args: argparse.Namespace):
@@ -146,16 +156,21 @@ def main() -> int:
         engine.step(model, batch)
 
     times: dict[str, list[float]] = {name: [] for name in engines}
+    cpu_times: dict[str, list[float]] = {name: [] for name in engines}
     projection: list[float] = []
+    steal_start, total_start = cpu_jiffies()
     for rep in range(args.repeats):
         for name, engine in engines.items():
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             metrics = engine.step(model, batch)
             times[name].append(time.perf_counter() - started)
+            cpu_times[name].append(time.process_time() - cpu_started)
             if "projection_seconds" in metrics:
                 projection.append(metrics["projection_seconds"])
         print(f"repeat {rep + 1}/{args.repeats}: " + ", ".join(f"{n} {t[-1]:.2f}s" for n, t in times.items()))
 
+    steal_end, total_end = cpu_jiffies()
+    steal_share = (steal_end - steal_start) / max(1, total_end - total_start)
     noise = {}
     for label, source in (("seeded_torch", SeededNoise(0)), ("os_urandom_box_muller", SecureNoise())):
         runs = []
@@ -166,7 +181,8 @@ def main() -> int:
         noise[label] = statistics.median(runs)
 
     medians = {name: statistics.median(t) for name, t in times.items()}
-    base = medians.get("none")
+    cpu_medians = {name: statistics.median(t) for name, t in cpu_times.items()}
+    base, cpu_base = medians.get("none"), cpu_medians.get("none")
     results: dict = {
         "conditions": {
             "backbone": args.backbone, "scenario": "finetune", "input_size": list(size), "batch_size": args.batch,
@@ -174,11 +190,15 @@ def main() -> int:
             "public_samples_m": args.public_samples, "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "cpu_count": os.cpu_count(),
             "load_average_start": started_load, "load_average_end": load_average(),
+            "steal_share_during_timed_steps": round(steal_share, 4),
             "note": "medians of round-robin timings; see the load averages for how busy the machine was",
         },
         "seconds_per_step": medians,
         "all_step_seconds": times,
         "ratio_to_non_private": {n: (m / base if base else None) for n, m in medians.items()},
+        "cpu_seconds_per_step": cpu_medians,
+        "all_step_cpu_seconds": cpu_times,
+        "cpu_ratio_to_non_private": {n: (m / cpu_base if cpu_base else None) for n, m in cpu_medians.items()},
         "basis_refresh_seconds": refresh_seconds,
         "basis_refresh_warm_median": statistics.median(refresh_seconds["warm"]) if refresh_seconds["warm"] else None,
         "projection_seconds_median": statistics.median(projection) if projection else None,
@@ -197,7 +217,8 @@ def main() -> int:
                 print(f"{key} {name}: {peaks[name]}")
             results[key] = peaks
     atomic_write_json(args.out, results)
-    print(json.dumps({k: results[k] for k in ("seconds_per_step", "ratio_to_non_private", "basis_refresh_seconds",
+    print(f"steal during the timed steps: {steal_share:.1%} of CPU time")
+    print(json.dumps({k: results[k] for k in ("seconds_per_step", "ratio_to_non_private", "cpu_ratio_to_non_private", "basis_refresh_seconds",
                                               "projection_seconds_median", "noise_seconds_for_p_coordinates")}, indent=1))
     return 0
 

@@ -12,10 +12,11 @@ Why ``torch.func`` and not Opacus' hooks (measured, see shared/FACTS.md):
 
 Where the trainable part starts with units whose only trainable parameters are LayerNorm affines
 (the model's *norm-tuned* part: stages 1–2 under ``finetune``), running them under ``vmap`` too
-costs ~30 % over a plain backward at 256×192, because vmap backpropagates through their
-high-resolution convolutions and attention sample by sample. Their per-sample gradients need
-far less: for a LayerNorm y = γ ⊙ x̂ + β, sample i's gradients are Σ_t ∂l_i/∂y_t ⊙ x̂_t and
-Σ_t ∂l_i/∂y_t over that sample's rows t. So :func:`per_sample_gradients`
+is slow: vmap backpropagates through their high-resolution convolutions and attention sample by
+sample (at 256×192, batch 16: a dpsgd step took 1.90 s that way against 1.75 s as below, with
+1.54 s for a non-private step; benchmarks/step_cost). Their per-sample gradients need far less:
+for a LayerNorm y = γ ⊙ x̂ + β, sample i's gradients are Σ_t ∂l_i/∂y_t ⊙ x̂_t and Σ_t ∂l_i/∂y_t
+over that sample's rows t. So :func:`per_sample_gradients`
 
 1. runs the norm-tuned part once, batched, with autograd, recording each trainable LayerNorm's
    x̂ and output (:class:`_LayerNormRecord`);
