@@ -31,6 +31,8 @@ class CoordinatorMetrics:
                 m.refused_rounds.labels(site=site_id).inc()
             elif status == "missing":
                 m.missing_replies.labels(site=site_id).inc()
+            elif status == "failed":
+                m.failed_rounds.labels(site=site_id).inc()
         if entry.get("basis_bytes"):
             m.basis_bytes_sent.labels(transport=entry.get("basis_transport", "full")).inc(entry["basis_bytes"])
         m.exhausted_sites.set(entry.get("exhausted", 0))

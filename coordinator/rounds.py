@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 
 from fedpose.federation import protocol
@@ -249,11 +250,15 @@ class Coordinator:
         entries: list[LedgerEntry] = []
         sites: dict[str, dict[str, Any]] = {}
         answered: set[int] = set()
+        failures: dict[int, str] = {}
         updates: list[tuple[str, Any, float, dict[str, Any]]] = []
         for reply in replies:
             node = reply.metadata.src_node_id
-            if reply.has_error() or not reply.has_content():
-                continue  # counted as missing below (an error reply comes from the SuperLink, not the site)
+            if reply.has_error():
+                failures[node] = _failure_reason(reply)
+                continue  # counted as missing below: we do not know whether the site spent
+            if not reply.has_content():
+                continue
             answered.add(node)
             metrics = dict(reply.content[protocol.METRICS_RECORD])
             strings = dict(reply.content[protocol.SITE_RECORD])
@@ -275,6 +280,11 @@ class Coordinator:
                 info["status"] = "missing"
                 entries.append(LedgerEntry.from_site_report(round_id, report, status="missing", reason=strings.get("reason", "")))
                 continue
+            if strings["status"] == "failed":
+                # it spent (its report says how much) but its training stopped: nothing to aggregate
+                log.warning("round %d: site %s %s", round_id, site_id, strings.get("reason", ""))
+                entries.append(LedgerEntry.from_site_report(round_id, report, status="missing", reason=strings.get("reason", "")))
+                continue
             if strings["status"] == "refused":
                 log.warning("round %d: %s", round_id, strings.get("reason", ""))
                 entries.append(LedgerEntry.from_site_report(round_id, report, status="refused", reason=strings.get("reason", "")))
@@ -287,7 +297,7 @@ class Coordinator:
         unidentified: list[int] = []
         for node in selected:
             if node not in answered:
-                reason = f"no reply within the round timeout ({self.cfg.round_timeout_s:g} s)"
+                reason = failures.get(node, f"no reply within the round timeout ({self.cfg.round_timeout_s:g} s)")
                 site_id = self.state.node_sites.get(str(node))
                 if site_id is None:
                     # A node that never told us its site id (e.g. a stale registration after a restart)
@@ -357,6 +367,21 @@ class Coordinator:
                             self.history, summary)
         self.echo(f"report: {path} (curves: {path.with_name('curves.png')})")
         return {"report": str(path), "rounds": len(self.history), "stopped_reason": self.state.stopped_reason}
+
+
+#: Flower error codes that mean the site's own ClientApp failed; the others come from the SuperLink
+_SITE_FAILURES = (ErrorCode.LOAD_CLIENT_APP_EXCEPTION, ErrorCode.CLIENT_APP_RAISED_EXCEPTION, ErrorCode.CLIENT_APP_CRASHED)
+
+
+def _failure_reason(reply: Message) -> str:
+    """Why an error reply carries no update, for the round record and the ledger."""
+    error = reply.error
+    detail = " ".join(str(error.reason).split())
+    if len(detail) > 600:  # a traceback (Ray's, in simulation) ends with the exception's message
+        detail = "…" + detail[-600:]
+    if error.code in _SITE_FAILURES:
+        return f"the site's ClientApp failed: {detail}"
+    return f"no update (Flower error {error.code}): {detail}"
 
 
 class _NoMetrics:

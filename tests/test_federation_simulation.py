@@ -1,5 +1,6 @@
 """The federation under Flower's simulation runtime (Ray), as `fedpose simulate` runs it; a site
-whose update is corrupted on the way out is rejected and logged, the round goes on."""
+whose update is corrupted on the way out is rejected and logged, a site whose training fails is
+recorded with the site's own error, and the round goes on."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tomli_w
 from flwr.app import Array, ArrayRecord
 
 from federation_helpers import history, ledger_rows, tiny_federation
@@ -25,6 +27,14 @@ def corrupt_site_2(msg, context, call_next):
     return reply
 
 
+def crash_site_4(msg, context, call_next):
+    """site-4's ClientApp raises after training, as a site with a full disk would."""
+    reply = call_next(msg, context)
+    if reply.has_content() and reply.content["site"]["site-id"] == "site-4":
+        raise OSError("No space left on device (site-4)")
+    return reply
+
+
 class _Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.WARNING)
@@ -35,16 +45,21 @@ class _Records(logging.Handler):
 
 
 def test_simulation_rejects_a_corrupted_update_and_keeps_going(tmp_path: Path) -> None:
+    import tomllib
+
     from fedpose.cli.simulate import ensure_synthetic, resolve_federation, run_federation_simulation
 
     data_dir = tmp_path / "data"
-    config = tiny_federation(tmp_path, data_dir, sites=2, rounds=1)
+    config = tiny_federation(tmp_path, data_dir, sites=4, rounds=1)
+    raw = tomllib.loads(config.read_text())
+    raw["sites"][2]["optim"] = {"name": "sgd", "lr": 1e30}  # site-3's training diverges at once
+    config.write_text(tomli_w.dumps(raw))
     federation, synthetic, resolved = resolve_federation(config, [])
     ensure_synthetic({**synthetic, "dir": str(data_dir)}, len(federation.sites))
     records = _Records()
     logging.getLogger("fedpose.coordinator").addHandler(records)
     try:
-        run_federation_simulation(federation, resolved, client_mods=(corrupt_site_2,))
+        run_federation_simulation(federation, resolved, client_mods=(corrupt_site_2, crash_site_4))
     finally:
         logging.getLogger("fedpose.coordinator").removeHandler(records)
 
@@ -57,6 +72,17 @@ def test_simulation_rejects_a_corrupted_update_and_keeps_going(tmp_path: Path) -
     assert rows["site-2"].status == "rejected" and "non_finite" in rows["site-2"].reason
     assert rows["site-2"].epsilon is not None  # it trained: its spend is on record
     assert any("site-2" in m and "rejected" in m and "non_finite" in m for m in records.messages), records.messages
+    # site-3's training diverged: it says so, with its spend, instead of timing out
+    assert entry["sites"]["site-3"]["status"] == "failed"
+    assert entry["sites"]["site-3"]["reason"].startswith("training failed: optim.lr: training diverged at step")
+    assert rows["site-3"].status == "missing" and "diverged" in rows["site-3"].reason
+    assert rows["site-3"].epsilon is not None and rows["site-3"].epsilon > 0  # spent before training
+    assert any("site-3" in m and "diverged" in m for m in records.messages), records.messages
+    assert not any("site-3" in m and "timeout" in m for m in records.messages), records.messages
+    # site-4's ClientApp crashed in round 1, before the coordinator learnt which node it is: the
+    # node is reported (not charged to a site) with the site's own error, not as a timeout
+    assert len(entry["unidentified_missing_nodes"]) == 1
+    assert any("ClientApp failed" in m and "No space left on device (site-4)" in m for m in records.messages), records.messages
 
     from fedpose.federation.aggregation import load_array_checkpoint
 

@@ -11,7 +11,9 @@ Status per (site, round):
   ``ok``        the site trained and its update was aggregated;
   ``rejected``  the site trained (budget spent!) but the update failed validation;
   ``refused``   the site refused the round (its budget guard said no), nothing spent;
-  ``missing``   no reply before the round timeout (unknown whether the site spent).
+  ``missing``   no update: no reply before the round timeout or a Flower error reply (unknown
+                whether the site spent), or a site reporting that its training failed (its
+                reported spend is recorded; the round history says "failed").
 """
 
 from __future__ import annotations

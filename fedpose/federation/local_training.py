@@ -27,12 +27,14 @@ from fedpose.federation.site_budget import BudgetExhausted, SiteBudget
 
 log = logging.getLogger(__name__)
 
-RoundStatus = Literal["ok", "refused", "replayed"]
+RoundStatus = Literal["ok", "refused", "replayed", "failed"]
 
 
 @dataclass
 class SiteRoundResult:
-    """What a site sends back for one round (``update`` is empty when it refused)."""
+    """What a site sends back for one round (``update`` is empty unless ``status`` is "ok").
+
+    "failed": the spend was recorded, then training stopped (it diverged); nothing is released."""
 
     site_id: str
     status: RoundStatus
@@ -151,7 +153,7 @@ def train_site_round(
     from fedpose.model import build_model_from_spec
     from fedpose.privacy.engine import build_engine
     from fedpose.runtime import configure_cpu
-    from fedpose.train.loop import train_steps
+    from fedpose.train.loop import TrainingDiverged, train_steps
 
     started = time.perf_counter()
     # The site caps the work it accepts per round at its own configured local_steps.
@@ -211,18 +213,20 @@ def train_site_round(
                                    compute_seconds=time.perf_counter() - started)
 
     optimizer = _build_optimizer(site, list(trainable.values()))
-    history = train_steps(model, engine, dataset, optimizer, local_steps, progress=False)
+    try:
+        history = train_steps(model, engine, dataset, optimizer, local_steps, progress=False)
+    except TrainingDiverged as failure:
+        # Spent (recorded above) but nothing released: say so, with the spend, instead of vanishing.
+        log.warning("site %s round %d: %s", site.site_id, round_id, failure)
+        return SiteRoundResult(site.site_id, "failed", {}, 0, _report_after_training(site, budget, engine, local_steps),
+                               reason=f"training failed: {failure}",
+                               basis_version=basis_version, compute_seconds=time.perf_counter() - started)
     update = {name: (p.detach() - start_weights[name]).cpu().numpy() for name, p in model.trainable_parameters().items()}
     if budget is not None:
         _save_released(site, run_id, round_id, update, len(dataset))
     losses = [float(h["loss"]) for h in history if "loss" in h and math.isfinite(float(h["loss"]))]
-    report = privacy_report(site, budget)
-    if budget is not None:
-        report = _with_outlook(report, budget, float(engine.noise_multiplier), float(engine.sample_rate), local_steps)
-    else:
-        report["next_round_affordable"] = True
     return SiteRoundResult(
-        site.site_id, "ok", update, len(dataset), report,
+        site.site_id, "ok", update, len(dataset), _report_after_training(site, budget, engine, local_steps),
         train_metrics={"train_loss": float(np.mean(losses)) if losses else float("nan"), "local_steps": float(local_steps)},
         basis_version=basis_version, compute_seconds=time.perf_counter() - started,
     )
@@ -248,6 +252,13 @@ def _load_released(site: SiteConfig, run_id: str, round_id: int) -> tuple[dict[s
     if meta.get("run_id") != run_id or meta.get("round") != int(round_id):
         return None
     return arrays, int(meta["num_examples"])
+
+
+def _report_after_training(site: SiteConfig, budget: SiteBudget | None, engine: Any, local_steps: int) -> dict[str, Any]:
+    report = privacy_report(site, budget)
+    if budget is None:
+        return {**report, "next_round_affordable": True}
+    return _with_outlook(report, budget, float(engine.noise_multiplier), float(engine.sample_rate), local_steps)
 
 
 def _with_outlook(report: dict[str, Any], budget: SiteBudget, sigma: float, rate: float, steps: int) -> dict[str, Any]:

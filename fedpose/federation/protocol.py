@@ -7,10 +7,11 @@ Coordinator → site, message type ``train``:
   ``config``  ConfigRecord: run-id, round, local-steps, model-spec (JSON), basis-version
 
 Site → coordinator (the reply; nothing else ever leaves a site):
-  ``update``  ArrayRecord: Δ = w_local − w_global of the trainable parameters (absent if refused)
+  ``update``  ArrayRecord: Δ = w_local − w_global of the trainable parameters (only with status ok)
   ``metrics`` MetricRecord (numbers only): num-examples, cumulative epsilon / delta / rdp / orders,
               steps, rounds-spent, basis-version, next-round-affordable, train-loss, compute-seconds
-  ``site``    ConfigRecord (strings): site-id, status (ok | refused), guarantee, accountant, reason
+  ``site``    ConfigRecord (strings): site-id, status (ok | refused | replayed | failed), guarantee,
+              accountant, reason
 """
 
 from __future__ import annotations
