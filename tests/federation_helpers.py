@@ -6,6 +6,7 @@ import json
 import os
 import random
 import socket
+import signal
 import subprocess
 import sys
 import time
@@ -87,6 +88,9 @@ def start_deploy(config: Path, run_dir: Path, base_port: int, sites: int, *extra
         [*FEDPOSE, "deploy", "local", "--sites", str(sites), "--config", str(config), "--run-dir", str(run_dir),
          "--base-port", str(base_port), "--timeout", "1500", *extra],
         cwd=REPO, env=env or flower_env(), stdout=log, stderr=subprocess.STDOUT, text=True,
+        # Ctrl-C must reach it even when pytest itself runs as a background job, whose shell
+        # leaves SIGINT ignored (an ignored signal stays ignored across exec)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     log.close()
     proc.log_path = log_path  # type: ignore[attr-defined]
