@@ -200,10 +200,8 @@ def compute_basis(
     gradient_buffer = basis_buffer = None
     if workspace is not None:
         p = sum(param.numel() for param in model.trainable_parameters().values())
-        needed = workspace_elements(m, k, p)
-        if workspace.dtype != torch.float32 or workspace.numel() < needed:
-            raise ValueError(f"basis workspace must be float32 with >= (m + k)·p = {needed} elements")
-        gradient_buffer, basis_buffer = workspace.view(-1)[: m * p], workspace.view(-1)[m * p : needed]
+        region = buffer_view(workspace, (m + k, p), "basis workspace").view(-1)  # (m + k)·p elements
+        gradient_buffer, basis_buffer = region[: m * p], region[m * p :]
     gradients = gradient_matrix(model, features, public_batch["joints"], public_batch["weight"], chunk_size, gradient_buffer)
     vectors, eigenvalues = basis_from_gradients(gradients, k, out=basis_buffer)
     del gradients
