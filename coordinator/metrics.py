@@ -31,7 +31,7 @@ class CoordinatorMetrics:
                 m.refused_rounds.labels(site=site_id).inc()
             elif status == "missing":
                 m.missing_replies.labels(site=site_id).inc()
-            elif status == "failed":
+            elif status in ("failed", "error"):
                 m.failed_rounds.labels(site=site_id).inc()
         if entry.get("basis_bytes"):
             m.basis_bytes_sent.labels(transport=entry.get("basis_transport", "full")).inc(entry["basis_bytes"])

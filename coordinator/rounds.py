@@ -259,40 +259,33 @@ class Coordinator:
                 continue  # counted as missing below: we do not know whether the site spent
             if not reply.has_content():
                 continue
+            try:
+                site_reply = protocol.decode_reply(dict(reply.content[protocol.REPLY_RECORD]))
+            except (KeyError, protocol.ProtocolError) as exc:
+                failures[node] = f"malformed reply: {exc}"
+                continue
             answered.add(node)
-            metrics = dict(reply.content[protocol.METRICS_RECORD])
-            strings = dict(reply.content[protocol.SITE_RECORD])
-            site_id = str(strings["site-id"])
+            site_id = site_reply.site_id
             self.state.node_sites[str(node)] = site_id
-            self.state.site_basis[site_id] = int(metrics.get("basis-version", -1))
-            report = protocol.site_report_from_reply(metrics, strings)
-            affordable = bool(metrics.get("next-round-affordable", 1))
-            if not affordable and site_id not in self.state.unaffordable:
+            self.state.site_basis[site_id] = site_reply.basis_version
+            privacy = site_reply.privacy
+            if privacy is not None and not privacy.next_round_affordable and site_id not in self.state.unaffordable:
                 self.state.unaffordable.append(site_id)
-            info = {"status": strings["status"], "epsilon": report["epsilon"], "delta": report["delta"],
-                    "guarantee": report["guarantee"], "accountant": report["accountant"], "reason": strings.get("reason", ""),
-                    "num_examples": int(metrics.get("num-examples", 0)), "compute_seconds": float(metrics.get("compute-seconds", 0.0)),
-                    "train_loss": metrics.get("train-loss"), "bytes_down": bytes_down.get(node, 0), "bytes_up": 0}
+            reason = site_reply.describe() if site_reply.reason else ""
+            info = {"status": site_reply.status, "epsilon": privacy.epsilon if privacy else None,
+                    "delta": privacy.delta if privacy else None, "guarantee": privacy.guarantee if privacy else None,
+                    "accountant": privacy.accountant if privacy else None, "reason": reason,
+                    "local_steps": site_reply.local_steps, "bytes_down": bytes_down.get(node, 0), "bytes_up": 0}
             sites[site_id] = info
-            if strings["status"] == "replayed":
-                # the site spent this round before (e.g. before a coordinator restart) and has nothing to re-send
-                log.warning("round %d: %s", round_id, strings.get("reason", ""))
-                info["status"] = "missing"
-                entries.append(LedgerEntry.from_site_report(round_id, report, status="missing", reason=strings.get("reason", "")))
-                continue
-            if strings["status"] == "failed":
-                # it spent (its report says how much) but its training stopped: nothing to aggregate
-                log.warning("round %d: site %s %s", round_id, site_id, strings.get("reason", ""))
-                entries.append(LedgerEntry.from_site_report(round_id, report, status="missing", reason=strings.get("reason", "")))
-                continue
-            if strings["status"] == "refused":
-                log.warning("round %d: %s", round_id, strings.get("reason", ""))
-                entries.append(LedgerEntry.from_site_report(round_id, report, status="refused", reason=strings.get("reason", "")))
+            if not site_reply.carries_update:
+                # refused: nothing spent; replayed / failed / error: spent (or unknown), nothing to aggregate
+                log.warning("round %d: site %s %s: %s", round_id, site_id, site_reply.status, reason)
+                status = "refused" if site_reply.status == "refused" else "missing"
+                entries.append(LedgerEntry.from_reply(round_id, site_reply, status=status, reason=reason))
                 continue
             update_record = reply.content.get(protocol.UPDATE_RECORD)
             info["bytes_up"] = update_record.count_bytes() if update_record is not None else 0
-            report["steps"] = int(metrics.get("local-steps", self.cfg.local_steps))
-            updates.append((site_id, update_record, float(metrics.get("num-examples", 0)), report))
+            updates.append((site_id, update_record, site_reply.aggregation_weight, site_reply))
 
         unidentified: list[int] = []
         for node in selected:
@@ -317,17 +310,17 @@ class Coordinator:
                 yield site_id, arrays, weight
 
         result = aggregate_round(trainable, decoded(), self.optimizer, max_norm=self.cfg.update_norm_bound)
-        reports = {site_id: report for site_id, _, _, report in updates}
+        site_replies = {site_id: site_reply for site_id, _, _, site_reply in updates}
         for check in result.accepted + result.rejected:
             sites[check.site_id]["update_norm"] = check.norm
         for check in result.accepted:
-            entries.append(LedgerEntry.from_site_report(round_id, reports[check.site_id], status="ok", steps=reports[check.site_id]["steps"]))
+            entries.append(LedgerEntry.from_reply(round_id, site_replies[check.site_id], status="ok"))
         for check in result.rejected:
             log.warning("round %d: %s", round_id, check)
             self.echo(f"round {round_id}: rejected update from site '{check.site_id}': {check.reason}: {check.detail}")
             sites[check.site_id].update(status="rejected", reason=f"{check.reason}: {check.detail}", reject_reason=check.reason)
-            entries.append(LedgerEntry.from_site_report(round_id, reports[check.site_id], status="rejected",
-                                                        steps=reports[check.site_id]["steps"], reason=f"{check.reason}: {check.detail}"))
+            entries.append(LedgerEntry.from_reply(round_id, site_replies[check.site_id], status="rejected",
+                                                  reason=f"{check.reason}: {check.detail}"))
         if result.weights is not None and len(result.accepted) >= self.cfg.min_sites:
             self.global_state.update(result.weights)
             aggregated = True

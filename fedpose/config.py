@@ -104,8 +104,17 @@ class PrivacyConfig(Strict):
     target_epsilon: float | None = Field(None, gt=0, description="calibrate σ so the planned steps reach this ε (at privacy.delta, RDP)")
     noise_multiplier: float | None = Field(None, ge=0, description="σ: noise std = σ·C (alternative to target_epsilon)")
     max_grad_norm: float = Field(1.0, gt=0, description="per-sample clipping bound C")
+    sample_rate: float | None = Field(
+        None, gt=0, le=1,
+        description="declared Poisson sampling rate q; the accountant, the noise normalisation (÷ train.batch_size) and "
+        "everything sent use it, so the dataset size N stays secret (required at federation sites; None: q = B/N and N is public)",
+    )
     delta: float = Field(1e-5, gt=0, lt=1, description="δ at which ε is reported and budgets are enforced")
-    secure_rng: bool = Field(False, description="draw noise from a CSPRNG (slower; see docs)")
+    insecure_seeded_noise: bool = Field(
+        False,
+        description="TESTS ONLY: draw DP noise and Poisson sampling from train.seed (reproducible). NOT PRIVATE: "
+        "anyone who knows the seed removes the noise; sites refuse to federate with it",
+    )
     basis: BasisConfig = BasisConfig()
     blur: BlurConfig = BlurConfig()
     mask: MaskConfig = MaskConfig()
@@ -127,7 +136,11 @@ class InputPrivacyConfig(Strict):
     ll_prune: bool = Field(True, description="zero the Haar LL band before randomization (guarantee then per 2×2 block)")
     ll_offset: float = Field(0.0, ge=0, le=255, description="added after LL pruning, before the clamp (128 keeps negative details)")
     allocation: Literal["sqrt", "uniform"] = Field("sqrt", description="per-bit budget split (uniform = ablation)")
-    seed: int | None = Field(None, description="seed for tests; None = cryptographically secure randomness")
+    insecure_seed: int | None = Field(
+        None,
+        description="TESTS ONLY: seeded PCG64 for the randomized response (reproducible). NOT PRIVATE: anyone who "
+        "knows the seed can undo the flips; None = cryptographically secure randomness (AES-256-CTR)",
+    )
 
     @model_validator(mode="after")
     def _eps(self) -> "InputPrivacyConfig":

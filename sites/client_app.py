@@ -18,14 +18,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import Mod
 
 from fedpose.config import ConfigError, load_config
 from fedpose.federation import protocol
 from fedpose.federation.config import FederationConfig, SiteConfig
-from fedpose.federation.local_training import cached_basis_version, train_site_round
+from fedpose.federation.local_training import run_site_round
 from sites.egress import egress_guard
 
 log = logging.getLogger("fedpose.site")
@@ -60,16 +60,14 @@ def handle_train(msg: Message, context: Context, site: SiteConfig) -> Message:
     basis_message = None
     if protocol.BASIS_RECORD in msg.content:
         basis_message = (_arrays(msg.content[protocol.BASIS_RECORD]), dict(msg.content[protocol.BASIS_CONFIG_RECORD]))
-    result = train_site_round(
+    result = run_site_round(
         site, run_id, round_id, _arrays(msg.content[protocol.GLOBAL_RECORD]), model_spec, local_steps,
         basis_version=basis_version, basis_message=basis_message, threads=site.train.threads,
     )
-    metrics, strings = protocol.reply_fields(result)
-    metrics["basis-version"] = cached_basis_version(site)  # what the site holds now (the coordinator ships only news)
-    content = RecordDict({protocol.METRICS_RECORD: MetricRecord(metrics), protocol.SITE_RECORD: ConfigRecord(strings)})
-    if result.status == "ok":
+    content = RecordDict({protocol.REPLY_RECORD: ConfigRecord(protocol.encode_reply(result.reply))})
+    if result.reply.carries_update:
         content[protocol.UPDATE_RECORD] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in result.update.items()})
-    log.info("site %s round %d: %s", site.site_id, round_id, result.status if not result.reason else result.reason)
+    log.info("site %s round %d: %s (%s)", site.site_id, round_id, result.reply.status, result.reply.describe())
     return Message(content, reply_to=msg)
 
 

@@ -1,25 +1,43 @@
 """Egress guard: a ClientApp mod that checks every message before it leaves the site.
 
-Only what the round protocol allows may leave (``fedpose.federation.protocol``): an ``update``
-ArrayRecord whose arrays are named like the global model's parameters with the same shapes and
-dtypes, numeric ``metrics`` from a fixed key list, and short ``site`` strings from a fixed key
-list. Anything else — an image, a per-sample gradient, an extra array, a free-form record — is
-replaced by an error reply, so a bug elsewhere cannot leak it. Set ``FEDPOSE_EGRESS_LOG`` to a
-file path to also append a JSON line describing every outgoing message (used by the tests).
+Only what the round protocol allows may leave (:mod:`fedpose.federation.protocol`): a ``reply``
+record holding one valid :class:`~fedpose.federation.protocol.SiteReply`, and — with status "ok"
+only — an ``update`` ArrayRecord whose arrays are named like the global model's parameters with
+the same shapes and dtypes. Anything else (an image, a per-sample gradient, an extra array or
+field, free text) is replaced by an error reply, so a bug elsewhere cannot leak it.
+
+Failures are sanitized here too: an exception raised by the ClientApp would otherwise reach the
+coordinator as Flower's error message, with its text (file paths, values) and traceback. The
+guard logs it locally and sends only the exception's class name and a fixed sentence.
+
+Set ``FEDPOSE_EGRESS_LOG`` to a file path to also append a JSON line describing every outgoing
+message (used by the tests).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import traceback
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message
 from flwr.clientapp.typing import ClientAppCallable
 
 from fedpose.federation import protocol
 
-MAX_STRING_LENGTH = 2000  # a refusal reason is ~250 characters; nothing a site says is longer
-EGRESS_ERROR_CODE = 451
+log = logging.getLogger("fedpose.site.egress")
+
+EGRESS_ERROR_CODE = 451  #: the reply broke the protocol and was blocked
+SITE_ERROR_CODE = 500  #: the ClientApp raised; only the class name leaves
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
+
+
+def sanitized_error(exc: BaseException) -> Error:
+    """An error reply that names the exception's class only (details stay in the local log)."""
+    name = type(exc).__name__ if _IDENTIFIER.match(type(exc).__name__) else "Exception"
+    return Error(code=SITE_ERROR_CODE, reason=f"{name}: {protocol.REASON_TEXT['site-error']}")
 
 
 def describe_outgoing(reply: Message) -> dict:
@@ -30,8 +48,6 @@ def describe_outgoing(reply: Message) -> dict:
     for name, record in reply.content.items():
         if isinstance(record, ArrayRecord):
             records[name] = {"kind": "arrays", "arrays": {k: {"shape": list(a.shape), "dtype": a.dtype} for k, a in record.items()}}
-        elif isinstance(record, MetricRecord):
-            records[name] = {"kind": "metrics", "values": dict(record)}
         elif isinstance(record, ConfigRecord):
             records[name] = {"kind": "config", "values": {k: v if not isinstance(v, bytes) else f"<{len(v)} bytes>" for k, v in record.items()}}
         else:
@@ -42,46 +58,46 @@ def describe_outgoing(reply: Message) -> dict:
 def violations(incoming: Message, reply: Message) -> list[str]:
     """Why ``reply`` may not leave the site (empty list: it may)."""
     if reply.has_error():
-        return []
-    problems = []
+        return [] if reply.error.code in (SITE_ERROR_CODE, EGRESS_ERROR_CODE) else ["error replies must come from the guard"]
+    problems = [f"record '{name}' is not part of the protocol" for name in reply.content if name not in protocol.SITE_REPLY_RECORDS]
+    record = reply.content.get(protocol.REPLY_RECORD)
+    if not isinstance(record, ConfigRecord):
+        return problems + [f"record '{protocol.REPLY_RECORD}' must be a ConfigRecord holding the site reply"]
+    try:
+        site_reply = protocol.decode_reply(dict(record))
+    except protocol.ProtocolError as exc:
+        return problems + [str(exc)]
+    update = reply.content.get(protocol.UPDATE_RECORD)
+    if site_reply.carries_update != (update is not None):
+        problems.append(f"status '{site_reply.status}' {'needs' if site_reply.carries_update else 'forbids'} an update record")
+    if update is None:
+        return problems
+    if not isinstance(update, ArrayRecord):
+        return problems + [f"record '{protocol.UPDATE_RECORD}' must be an ArrayRecord"]
     allowed_arrays = {}
     if incoming.has_content() and protocol.GLOBAL_RECORD in incoming.content:
         allowed_arrays = {k: (tuple(a.shape), a.dtype) for k, a in incoming.content[protocol.GLOBAL_RECORD].items()}
-    for name, record in reply.content.items():
-        if name not in protocol.SITE_REPLY_RECORDS:
-            problems.append(f"record '{name}' is not part of the protocol")
-        elif name == protocol.UPDATE_RECORD:
-            if not isinstance(record, ArrayRecord):
-                problems.append(f"record '{name}' must be an ArrayRecord")
-                continue
-            for key, array in record.items():
-                expected = allowed_arrays.get(key)
-                if expected is None:
-                    problems.append(f"array '{key}' is not a parameter of the global model")
-                elif (tuple(array.shape), array.dtype) != expected:
-                    problems.append(f"array '{key}' has shape {tuple(array.shape)}/{array.dtype}, global has {expected}")
-        elif name == protocol.METRICS_RECORD:
-            if not isinstance(record, MetricRecord):
-                problems.append(f"record '{name}' must be a MetricRecord")
-                continue
-            problems += [f"metric '{k}' is not part of the protocol" for k in record if k not in protocol.SITE_METRIC_KEYS]
-        elif name == protocol.SITE_RECORD:
-            if not isinstance(record, ConfigRecord):
-                problems.append(f"record '{name}' must be a ConfigRecord")
-                continue
-            for key, value in record.items():
-                if key not in protocol.SITE_STRING_KEYS:
-                    problems.append(f"field '{key}' is not part of the protocol")
-                elif not isinstance(value, str) or len(value) > MAX_STRING_LENGTH:
-                    problems.append(f"field '{key}' must be a short string")
+    for key, array in update.items():
+        expected = allowed_arrays.get(key)
+        if expected is None:
+            problems.append(f"array '{key}' is not a parameter of the global model")
+        elif (tuple(array.shape), array.dtype) != expected:
+            problems.append(f"array '{key}' has shape {tuple(array.shape)}/{array.dtype}, global has {expected}")
     return problems
 
 
 def egress_guard(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
-    reply = call_next(msg, context)
+    try:
+        reply = call_next(msg, context)
+    except Exception as exc:  # noqa: BLE001 - nothing unsanitized may leave, whatever failed
+        log.error("the ClientApp failed; the coordinator gets the class name only:\n%s", traceback.format_exc())
+        reply = Message(sanitized_error(exc), reply_to=msg)
     problems = violations(msg, reply)
     if problems:
-        reply = Message(Error(code=EGRESS_ERROR_CODE, reason="egress guard blocked the reply: " + "; ".join(problems)), reply_to=msg)
+        # the problems name keys and shapes, which the coordinator needs to see a protocol bug;
+        # they come from fixed checks, never from values
+        log.error("egress guard blocked a reply: %s", "; ".join(problems))
+        reply = Message(Error(code=EGRESS_ERROR_CODE, reason="egress guard blocked the reply: " + "; ".join(problems)[:1000]), reply_to=msg)
     log_path = os.environ.get("FEDPOSE_EGRESS_LOG")
     if log_path:
         with open(log_path, "a", encoding="utf-8") as fh:

@@ -14,9 +14,8 @@ import threading
 
 from fedpose.config import load_config
 from fedpose.federation.config import SiteConfig
-from fedpose.federation.local_training import guarantee_for
+from fedpose.federation.local_training import open_budget
 from fedpose.federation.metrics import SiteMetrics, start_metrics_server
-from fedpose.federation.site_budget import SiteBudget
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,9 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     port = args.port if args.port is not None else site.metrics_port
     if port is None:
         parser.error("no --port and no metrics_port in the site config")
-    budget = None
-    if site.privacy.mechanism != "none":
-        budget = SiteBudget(site.state_dir, site.site_id, site.eps_max, site.delta, guarantee_for(site.privacy.mechanism).name)
+    budget = open_budget(site)
     server = start_metrics_server(port, SiteMetrics(site.site_id, budget=budget).registry, addr=args.addr)
     print(f"site '{site.site_id}' metrics on http://{args.addr}:{server.port}/metrics", flush=True)
     stop = threading.Event()

@@ -21,6 +21,7 @@ INPUT_SIZE = [64, 64]
 BATCH_SIZE = 8
 PER_SITE = 24
 NOISE = 1.0
+SAMPLE_RATE = BATCH_SIZE / PER_SITE  # declared by each site (N stays secret)
 LOCAL_STEPS = 2
 DELTA = 1e-5
 
@@ -35,7 +36,7 @@ def tiny_federation(tmp: Path, data_dir: Path, *, sites: int = 2, rounds: int = 
             "local_steps": LOCAL_STEPS,
             "model": {"backbone": "tiny_vit_test", "scenario": "scratch"},
             "train": {"batch_size": BATCH_SIZE, "threads": 1, "seed": k},
-            "privacy": {"mechanism": "dpsgd", "noise_multiplier": NOISE, "max_grad_norm": 1.0, "delta": DELTA},
+            "privacy": {"mechanism": "dpsgd", "noise_multiplier": NOISE, "sample_rate": SAMPLE_RATE, "max_grad_norm": 1.0, "delta": DELTA},
         }
 
     raw = {

@@ -30,6 +30,7 @@ from fedpose.privacy.per_sample import (
     per_sample_norms,
 )
 from fedpose.privacy.public_views import gaussian_blur, mask_boxes
+from fedpose.privacy.report import describe
 
 SIZE = (64, 64)
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -171,25 +172,36 @@ def test_noise_on_a_real_batch_is_the_difference_to_the_noise_free_gradient(mode
     assert 0.98 < noise.std() < 1.02
 
 
-def test_secure_noise_is_standard_normal_and_unseeded() -> None:
-    source = SecureNoise()
-    a, b = source.normal(200_000, 2.0).double().numpy(), source.normal(200_000, 2.0).double().numpy()
-    assert stats.kstest(a / 2.0, "norm").pvalue > 1e-3
-    assert not np.array_equal(a, b)
-    u = source.uniform(100_000).numpy()
-    assert 0 <= u.min() and u.max() < 1 and stats.kstest(u, "uniform").pvalue > 1e-3
+def test_default_engine_draws_secure_noise_that_no_seed_reproduces(model) -> None:
+    dataset = TensorPoseSet(20)
+    empty = engine_module.collate([], engine_module.collate([dataset[0]]))
+    noises = []
+    for _ in range(2):
+        engine = build_engine(dp_config(), model, len(dataset), 4, 10, seed=5)
+        assert isinstance(engine.noise, SecureNoise)
+        engine.step(model, empty)
+        noises.append(flatten([p.grad for p in model.trainable_parameters().values()]).clone())
+    assert not torch.equal(noises[0], noises[1])
+    report = engine.privacy_report()
+    assert report["randomness"] == SecureNoise.description and report["reproducible_noise"] is False
+    assert report["guarantee_void"] is False and report["epsilon_text"].startswith("ε = ")
 
 
-def test_seeded_engine_is_reproducible(model) -> None:
+def test_seeded_engine_is_reproducible_and_reports_no_guarantee(model) -> None:
     dataset = TensorPoseSet(30)
     results = []
     for _ in range(2):
-        engine = build_engine(dp_config(), model, len(dataset), 6, 10, seed=5)
+        engine = build_engine(dp_config(insecure_seeded_noise=True), model, len(dataset), 6, 10, seed=5)
         batch = next(engine.batches(dataset))
         engine.step(model, batch)
         results.append((batch["index"].tolist(), flatten([p.grad for p in model.trainable_parameters().values()])))
     assert results[0][0] == results[1][0]
     assert torch.equal(results[0][1], results[1][1])
+    report = engine.privacy_report()
+    assert report["epsilon_text"].startswith("NO PRIVACY GUARANTEE (seeded test noise): ε = ")
+    assert report["guarantee_void"] is True and report["reproducible_noise"] is True
+    assert "NOT PRIVATE" in report["randomness"] and "seed 5" in report["randomness"]
+    assert "NO PRIVACY GUARANTEE (seeded test noise)" in describe(report)
 
 
 def test_seeded_noise_differs_per_step_and_a_resumed_engine_does_not_replay_it(model) -> None:
@@ -200,10 +212,10 @@ def test_seeded_noise_differs_per_step_and_a_resumed_engine_does_not_replay_it(m
         engine.step(model, empty)
         return flatten([p.grad for p in model.trainable_parameters().values()]).clone()
 
-    engine = build_engine(dp_config(), model, len(dataset), 4, 10, seed=9)
+    engine = build_engine(dp_config(insecure_seeded_noise=True), model, len(dataset), 4, 10, seed=9)
     first, second = noise_of(engine), noise_of(engine)
     assert not torch.allclose(first, second)
-    resumed = build_engine(dp_config(), model, len(dataset), 4, 10, seed=9)
+    resumed = build_engine(dp_config(insecure_seeded_noise=True), model, len(dataset), 4, 10, seed=9)
     resumed.steps_done = 1  # what central training does on --resume
     assert torch.equal(noise_of(resumed), second)
 

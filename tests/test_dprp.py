@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from scipy.stats import norm
 
@@ -17,6 +18,7 @@ from fedpose.privacy.dprp import (
     proportional_split,
     video_dprp,
 )
+from fedpose.privacy.noise import InsecureSeededNoise
 
 
 def _clip(frames=6, height=12, width=16):
@@ -35,10 +37,12 @@ def _exact_delta(sigma: float, sensitivity: float, epsilon: float) -> float:
 
 def test_output_shape_range_and_guarantee():
     clip = _clip()
-    result = video_dprp(clip, 100.0, 1e-5, 64, seed=0)
+    result = video_dprp(clip, 100.0, 1e-5, 64)
     assert result.frames.shape == clip.shape and result.frames.dtype == np.float32
     assert result.frames.min() >= 0 and result.frames.max() <= 1
     g = result.guarantee
+    assert g["cryptographically_secure"] is True and g["guarantee_void"] is False
+    assert "AES-256-CTR" in g["randomness"] and not g["guarantee_statement"].startswith("NO PRIVACY")
     assert g["mechanism"] == "video-dprp" and g["unit_protected"] == "one frame of the clip"
     assert g["epsilon_projection"] + g["epsilon_covariance"] == pytest.approx(100.0)
     assert g["delta_projection"] + g["delta_covariance"] == pytest.approx(1e-5)
@@ -48,9 +52,10 @@ def test_output_shape_range_and_guarantee():
 @pytest.mark.parametrize("epsilon,split", [(1.0, 0.5), (40.0, 0.5), (40.0, 0.8)])
 def test_noise_scales_follow_the_formulas(epsilon, split):
     clip, delta, k = _clip(), 1e-5, 48
-    g = video_dprp(clip, epsilon, delta, k, split=split, seed=3).guarantee
+    g = video_dprp(clip, epsilon, delta, k, split=split, insecure_seed=3).guarantee
     d = clip[0].size
-    projection = np.random.default_rng(3).normal(0.0, 1 / math.sqrt(k), size=(d, k))  # the mechanism's first draw
+    # the mechanism's first draw
+    projection = InsecureSeededNoise(3).normal(d * k, 1 / math.sqrt(k), torch.float64).numpy().reshape(d, k)
     w2 = math.sqrt(d) * np.linalg.norm(projection, 2)
     assert g["sensitivity_projection"] == pytest.approx(w2, rel=1e-9)
     assert g["sensitivity_covariance"] == pytest.approx(math.sqrt(2) * w2**2, rel=1e-9)
@@ -79,17 +84,27 @@ def test_calibrations_are_really_epsilon_delta_dp(epsilon, delta):
 def test_reconstruction_error_falls_as_epsilon_grows():
     clip = _clip()
     errors = [
-        float(np.sqrt(((video_dprp(clip, eps, 1e-5, 256, seed=0).frames - clip) ** 2).mean()))
+        float(np.sqrt(((video_dprp(clip, eps, 1e-5, 256, insecure_seed=0).frames - clip) ** 2).mean()))
         for eps in (10.0, 1e3, 1e5, 1e7)
     ]
     assert all(a > b for a, b in zip(errors, errors[1:])), errors
 
 
-def test_seeded_runs_are_reproducible():
+def test_seeded_runs_are_reproducible_and_void_the_guarantee():
     clip = _clip()
-    a = video_dprp(clip, 50.0, 1e-5, 32, seed=7).frames
-    np.testing.assert_array_equal(a, video_dprp(clip, 50.0, 1e-5, 32, seed=7).frames)
-    assert not np.array_equal(a, video_dprp(clip, 50.0, 1e-5, 32, seed=8).frames)
+    seeded = video_dprp(clip, 50.0, 1e-5, 32, insecure_seed=7)
+    np.testing.assert_array_equal(seeded.frames, video_dprp(clip, 50.0, 1e-5, 32, insecure_seed=7).frames)
+    assert not np.array_equal(seeded.frames, video_dprp(clip, 50.0, 1e-5, 32, insecure_seed=8).frames)
+    g = seeded.guarantee
+    assert g["guarantee_void"] is True and g["cryptographically_secure"] is False
+    assert g["guarantee_statement"].startswith("NO PRIVACY GUARANTEE (seeded test noise): ")
+    assert "NOT PRIVATE" in g["randomness"]
+
+
+def test_default_runs_draw_fresh_randomness():
+    clip = _clip()
+    a, b = (video_dprp(clip, 50.0, 1e-5, 32).frames for _ in range(2))
+    assert not np.array_equal(a, b)
 
 
 @pytest.mark.parametrize(
@@ -123,11 +138,15 @@ def test_invalid_clips_are_rejected():
 def test_cli_npy_and_frame_directory(tmp_path, capsys):
     clip = (_clip() * 255).astype(np.uint8)
     np.save(tmp_path / "clip.npy", clip)
-    args = ["--epsilon", "1000", "--delta", "1e-5", "--proj-dim", "64", "--seed", "1"]
+    args = ["--epsilon", "1000", "--delta", "1e-5", "--proj-dim", "64"]
     assert main(["dprp", str(tmp_path / "clip.npy"), "--out", str(tmp_path / "out.npy"), *args]) == 0
     out = np.load(tmp_path / "out.npy")
     assert out.shape == clip.shape and out.dtype == np.float32
-    assert "one frame of the clip" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "one frame of the clip" in printed and "randomness: AES-256-CTR" in printed and "NO PRIVACY" not in printed
+    seeded = ["--insecure-seed", "1", "--out", str(tmp_path / "seeded.npy")]
+    assert main(["dprp", str(tmp_path / "clip.npy"), *seeded, *args]) == 0
+    assert "NO PRIVACY GUARANTEE (seeded test noise): ε = 1000" in capsys.readouterr().out
 
     frames = tmp_path / "frames"
     frames.mkdir()

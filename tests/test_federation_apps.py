@@ -11,7 +11,6 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.supercore.task_identity import TaskIdentity
 
 from fedpose.federation import protocol
-from fedpose.federation.local_training import SiteRoundResult
 from sites.egress import egress_guard, violations
 
 
@@ -37,17 +36,32 @@ def _reply(msg: Message, records: dict) -> Message:
     return Message(RecordDict(records), reply_to=msg)
 
 
+def _site_reply(**changes) -> protocol.SiteReply:
+    privacy = protocol.PrivacyReport(guarantee="DP", unit="one record", adjacency="add_remove", accountant="rdp",
+                                     epsilon=0.5, delta=1e-5, eps_max=8.0, steps=4, rounds_spent=1, orders=[2.0, 4.0],
+                                     rdp=[0.1, 0.2], next_round_affordable=True)
+    fields = dict(site_id="site-1", run_id="run", round=1, status="ok", privacy=privacy, basis_version=-1, local_steps=2)
+    return protocol.SiteReply(**{**fields, **changes})
+
+
 def _ok_records() -> dict:
     return {
         protocol.UPDATE_RECORD: ArrayRecord({"head.w": Array(np.ones((4, 3), np.float32))}),
-        protocol.METRICS_RECORD: MetricRecord({"num-examples": 10, "epsilon": 0.5, "rdp": [0.1, 0.2]}),
-        protocol.SITE_RECORD: ConfigRecord({"site-id": "site-1", "status": "ok", "guarantee": "DP", "accountant": "rdp", "reason": ""}),
+        protocol.REPLY_RECORD: ConfigRecord(protocol.encode_reply(_site_reply())),
     }
+
+
+def _tamper_reply(records: dict, **extra) -> None:
+    raw = json.loads(records[protocol.REPLY_RECORD][protocol.REPLY_KEY])
+    raw.update(extra)
+    records[protocol.REPLY_RECORD][protocol.REPLY_KEY] = json.dumps(raw)
 
 
 def test_egress_guard_lets_the_protocol_through(task_identity) -> None:
     msg = _train_message()
     assert violations(msg, _reply(msg, _ok_records())) == []
+    refused = {protocol.REPLY_RECORD: ConfigRecord(protocol.encode_reply(_site_reply(status="refused", reason="budget-exhausted")))}
+    assert violations(msg, _reply(msg, refused)) == []
 
 
 @pytest.mark.parametrize(
@@ -57,8 +71,13 @@ def test_egress_guard_lets_the_protocol_through(task_identity) -> None:
         (lambda r: r[protocol.UPDATE_RECORD].__setitem__("per_sample_grad", Array(np.zeros((16, 4, 3), np.float32))), "per_sample_grad"),
         (lambda r: r[protocol.UPDATE_RECORD].__setitem__("head.w", Array(np.zeros((16, 4, 3), np.float32))), "shape"),
         (lambda r: r[protocol.UPDATE_RECORD].__setitem__("head.b", Array(np.zeros(3, np.float64))), "head.b"),
-        (lambda r: r[protocol.METRICS_RECORD].__setitem__("raw_loss_per_sample", [1.0, 2.0]), "raw_loss_per_sample"),
-        (lambda r: r[protocol.SITE_RECORD].__setitem__("patient", "John Doe"), "'patient'"),
+        (lambda r: r.update(metrics=MetricRecord({"train-loss": 2.5})), "record 'metrics'"),
+        (lambda r: _tamper_reply(r, train_loss=2.5), "train_loss"),
+        (lambda r: _tamper_reply(r, num_examples=160), "num_examples"),
+        (lambda r: _tamper_reply(r, reason="loss 2.5 at /data/patient-17.png"), "reason"),
+        (lambda r: _tamper_reply(r, status="refused"), "status"),
+        (lambda r: r[protocol.REPLY_RECORD].__setitem__("patient", "John Doe"), "'patient'"),
+        (lambda r: r.pop(protocol.REPLY_RECORD), "record 'reply'"),
     ],
 )
 def test_egress_guard_blocks_anything_else(task_identity, mutate, expected: str) -> None:
@@ -72,23 +91,36 @@ def test_egress_guard_blocks_anything_else(task_identity, mutate, expected: str)
     out = egress_guard(msg, Context(1, 1, {}, RecordDict(), {}), lambda m, c: _reply(m, records))
     assert out.has_error() and not out.has_content()
     assert expected.strip("'") in out.error.reason
+    assert "2.5" not in out.error.reason and "John Doe" not in out.error.reason and "patient-17" not in out.error.reason
 
 
-def test_reply_fields_are_numbers_and_short_strings() -> None:
-    result = SiteRoundResult(
-        "site-1", "ok", {"w": np.zeros(2, np.float32)}, 12,
-        {"site_id": "site-1", "guarantee": "FDP", "accountant": "rdp", "epsilon": 1.5, "delta": 1e-5, "eps_max": 8.0,
-         "steps": 4, "rounds_spent": 1, "orders": [2.0, 4.0], "rdp": [0.1, 0.3], "next_round_affordable": False},
-        train_metrics={"train_loss": 2.5, "local_steps": 4.0}, basis_version=3, compute_seconds=1.2,
-    )
-    metrics, strings = protocol.reply_fields(result)
-    assert set(metrics) <= protocol.SITE_METRIC_KEYS and set(strings) <= protocol.SITE_STRING_KEYS
-    assert metrics["next-round-affordable"] == 0 and metrics["train-loss"] == 2.5
-    MetricRecord(metrics)  # Flower accepts them (no bool / str)
-    ConfigRecord(strings)
-    report = protocol.site_report_from_reply(metrics, strings)
-    assert report == {"site_id": "site-1", "epsilon": 1.5, "delta": 1e-5, "guarantee": "FDP", "accountant": "rdp",
-                      "rdp": [0.1, 0.3], "orders": [2.0, 4.0]}
+def test_a_crashing_client_app_sends_only_the_error_class(task_identity) -> None:
+    """An exception's message can hold paths or values of private data: only its class leaves."""
+    msg = _train_message()
+
+    def crash(m, c):
+        raise FileNotFoundError("/hospital/data/patient-0042/scan.png: loss was 0.731")
+
+    out = egress_guard(msg, Context(1, 1, {}, RecordDict(), {}), crash)
+    assert out.has_error() and not out.has_content()
+    assert out.error.reason.startswith("FileNotFoundError:")
+    assert "patient" not in out.error.reason and "0.731" not in out.error.reason and "/hospital" not in out.error.reason
+
+
+def test_reply_schema_is_consistent() -> None:
+    """Each status carries exactly what its kind allows (the guard relies on the schema for this)."""
+    with pytest.raises(ValueError):
+        _site_reply(status="error")  # needs error_class + site-error
+    with pytest.raises(ValueError):
+        _site_reply(status="refused")  # needs its reason code
+    with pytest.raises(ValueError):
+        _site_reply(error_class="ValueError")  # only with "error"
+    with pytest.raises(ValueError):
+        _site_reply(status="error", reason="site-error", error_class="x: /path")  # a class name, not text
+    error = _site_reply(status="error", reason="site-error", error_class="ImageLoadError", privacy=None)
+    assert protocol.decode_reply(protocol.encode_reply(error)) == error
+    with pytest.raises(protocol.ProtocolError, match="malformed"):
+        protocol.decode_reply({protocol.REPLY_KEY: "{}"})
 
 
 def test_dev_certificates_chain_san_and_supernode_keys(tmp_path) -> None:

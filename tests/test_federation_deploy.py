@@ -127,13 +127,12 @@ def test_deployment_grpc_tls_auth_results_ledgers_and_budget_stop(tmp_path: Path
     trainable = _trainable_shapes(run_dir)
     for message in outgoing:
         records = message["records"]
-        assert set(records) == {"update", "metrics", "site"}
+        assert set(records) == {"update", "reply"}
         arrays = records["update"]["arrays"]
         assert arrays and {k: tuple(v["shape"]) for k, v in arrays.items()} == trainable
         assert all(v["dtype"] == "float32" for v in arrays.values())
-        assert set(records["metrics"]["values"]) <= protocol.SITE_METRIC_KEYS
-        assert all(isinstance(v, (int, float)) or all(isinstance(x, (int, float)) for x in v) for v in records["metrics"]["values"].values())
-        assert set(records["site"]["values"]) <= protocol.SITE_STRING_KEYS
+        reply = protocol.decode_reply(records["reply"]["values"])  # exactly the typed schema, nothing else
+        assert reply.status == "ok" and reply.privacy is not None and reply.privacy.guarantee == "DP"
     assert not no_leftover_processes(run_dir), "deploy local left processes running"
 
     # A restarted site (fresh process, state from disk) still refuses, whatever it is asked.
@@ -146,8 +145,8 @@ def test_deployment_grpc_tls_auth_results_ledgers_and_budget_stop(tmp_path: Path
     before = site_budget(run_dir, "site-2")
     weights, meta = load_array_checkpoint(run_dir / "coordinator" / "global.npz")
     result = train_site_round(site, "itest", 3, weights, meta["state"]["model_spec"], local_steps=2)
-    assert result.status == "refused" and result.update == {}
-    assert "ε_max" in result.reason and "DP" in result.reason
+    assert result.reply.status == "refused" and result.reply.reason == "budget-exhausted" and result.update == {}
+    assert result.reply.privacy is not None and result.reply.privacy.guarantee == "DP"
     after = site_budget(run_dir, "site-2")
     assert after["accountant"] == before["accountant"]  # nothing spent
     assert [(e["round"], e["status"]) for e in after["entries"]] == [(1, "spent"), (3, "refused")]

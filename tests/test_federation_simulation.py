@@ -13,15 +13,20 @@ import pytest
 import tomli_w
 from flwr.app import Array, ArrayRecord
 
+from fedpose.federation import protocol
 from federation_helpers import history, ledger_rows, tiny_federation
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
+def _site_id(reply) -> str:
+    return protocol.decode_reply(dict(reply.content[protocol.REPLY_RECORD])).site_id
+
+
 def corrupt_site_2(msg, context, call_next):
     """Outside the egress guard: turn site-2's (valid) update into NaNs, as a broken site would."""
     reply = call_next(msg, context)
-    if reply.has_content() and reply.content["site"]["site-id"] == "site-2" and "update" in reply.content:
+    if reply.has_content() and _site_id(reply) == "site-2" and "update" in reply.content:
         update = reply.content["update"]
         reply.content["update"] = ArrayRecord({k: Array(np.full(a.shape, np.nan, dtype=np.float32)) for k, a in update.items()})
     return reply
@@ -30,7 +35,7 @@ def corrupt_site_2(msg, context, call_next):
 def crash_site_4(msg, context, call_next):
     """site-4's ClientApp raises after training, as a site with a full disk would."""
     reply = call_next(msg, context)
-    if reply.has_content() and reply.content["site"]["site-id"] == "site-4":
+    if reply.has_content() and _site_id(reply) == "site-4":
         raise OSError("No space left on device (site-4)")
     return reply
 
@@ -52,7 +57,7 @@ def test_simulation_rejects_a_corrupted_update_and_keeps_going(tmp_path: Path) -
     data_dir = tmp_path / "data"
     config = tiny_federation(tmp_path, data_dir, sites=4, rounds=1)
     raw = tomllib.loads(config.read_text())
-    raw["sites"][2]["optim"] = {"name": "sgd", "lr": 1e30}  # site-3's training diverges at once
+    raw["sites"][2]["optim"] = {"name": "sgd", "lr": 3e38}  # site-3: near float32 max, the noisy step overflows
     config.write_text(tomli_w.dumps(raw))
     federation, synthetic, resolved = resolve_federation(config, [])
     ensure_synthetic({**synthetic, "dir": str(data_dir)}, len(federation.sites))
@@ -74,7 +79,7 @@ def test_simulation_rejects_a_corrupted_update_and_keeps_going(tmp_path: Path) -
     assert any("site-2" in m and "rejected" in m and "non_finite" in m for m in records.messages), records.messages
     # site-3's training diverged: it says so, with its spend, instead of timing out
     assert entry["sites"]["site-3"]["status"] == "failed"
-    assert entry["sites"]["site-3"]["reason"].startswith("training failed: optim.lr: training diverged at step")
+    assert entry["sites"]["site-3"]["reason"].startswith("local training diverged")  # a fixed text: no loss leaves the site
     assert rows["site-3"].status == "missing" and "diverged" in rows["site-3"].reason
     assert rows["site-3"].epsilon is not None and rows["site-3"].epsilon > 0  # spent before training
     assert any("site-3" in m and "diverged" in m for m in records.messages), records.messages

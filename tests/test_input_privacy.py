@@ -14,6 +14,7 @@ from fedpose.data.annotations import PoseRecord, read_annotations, resolve_image
 from fedpose.privacy.input_privacy import (
     MANIFEST_FILE,
     InputPrivacyError,
+    guarantee_record,
     prepare_site_dataset,
     privatize_dataset,
 )
@@ -37,14 +38,16 @@ def _snapshot(directory):
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
-CFG = InputPrivacyConfig(mechanism="ldp-slicing", epsilon=20.0, seed=5)
+CFG = InputPrivacyConfig(mechanism="ldp-slicing", epsilon=20.0, insecure_seed=5)  # reproducible, NOT PRIVATE
 
 
 def test_privatized_copy_has_same_schema_and_guarantee(tmp_path):
     src = _dataset(tmp_path / "site")
     guarantee = privatize_dataset(src, tmp_path / "private", CFG)
     assert guarantee["mechanism"] == "ldp-slicing"
-    assert guarantee["guarantee_statement"].startswith("pure ε-LDP per pixel")
+    # the seeded test source voids the guarantee, and says so first
+    assert guarantee["guarantee_statement"].startswith("NO PRIVACY GUARANTEE (seeded test noise): pure ε-LDP per pixel")
+    assert guarantee["guarantee_void"] is True and guarantee["cryptographically_secure"] is False
     assert guarantee["epsilon_total"] == 20.0 and guarantee["delta"] == 0.0
     assert "2×2" in guarantee["block_note"]
     original, private = read_annotations(src), read_annotations(tmp_path / "private")
@@ -116,3 +119,20 @@ def test_corrupt_image_is_named_and_nothing_is_published(tmp_path):
     assert not (tmp_path / "private").exists()
     with pytest.raises(InputPrivacyError, match="destination"):
         privatize_dataset(src, src, CFG)
+
+
+def test_default_config_uses_the_csprng_and_keeps_the_guarantee():
+    guarantee = guarantee_record(InputPrivacyConfig(mechanism="ldp-slicing", epsilon=20.0))
+    assert guarantee["guarantee_statement"].startswith("pure ε-LDP per pixel")
+    assert guarantee["guarantee_void"] is False and guarantee["cryptographically_secure"] is True
+    assert guarantee["randomness"].startswith("aes-256-ctr")
+
+
+def test_manifest_written_before_the_insecure_seed_rename_is_reused(tmp_path):
+    src, dst = _dataset(tmp_path / "site"), tmp_path / "private"
+    first = privatize_dataset(src, dst, CFG)
+    manifest = json.loads((dst / MANIFEST_FILE).read_text())
+    settings = manifest["settings"]
+    settings["seed"] = settings.pop("insecure_seed")
+    (dst / MANIFEST_FILE).write_text(json.dumps(manifest))
+    assert privatize_dataset(src, dst, CFG) == first  # same settings under the old key: no second release

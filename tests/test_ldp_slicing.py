@@ -82,7 +82,7 @@ def _within_binomial_bounds(counts: np.ndarray, n: int, p: np.ndarray, sigmas: f
 def test_per_bit_flip_rates_match_binomial(epsilon, pixels):
     """Run the real mechanism on 10⁵ pixels and count flips per bit plane (5σ binomial bounds).
     3·100_003 bytes is not a multiple of 8: the last flip word is cut after the last byte."""
-    slicer = LdpSlicer(epsilon, seed=1234)
+    slicer = LdpSlicer(epsilon, insecure_seed=1234)
     values = np.random.default_rng(0).integers(0, 256, (pixels, 3), dtype=np.uint8)
     out = slicer.privatize_ycbcr(values)
     flipped = ((values ^ out)[..., None] >> np.arange(8, dtype=np.uint8)) & 1  # (n, 3, 8)
@@ -93,7 +93,7 @@ def test_per_bit_flip_rates_match_binomial(epsilon, pixels):
 def test_flip_rates_on_channel_planar_and_strided_input():
     """perceptual_mask returns channel-planar storage and callers may pass strided views: every bit
     must still be flipped with its own plane's probability, and the input must stay untouched."""
-    slicer = LdpSlicer(EPSILON, seed=11)
+    slicer = LdpSlicer(EPSILON, insecure_seed=11)
     q = realized_flip_probabilities(slicer.thresholds)
     rgb = np.random.default_rng(2).integers(0, 256, (8, 96, 128, 3), dtype=np.uint8)
     masked = perceptual_mask(rgb_to_ycbcr(rgb), True)
@@ -149,7 +149,7 @@ def test_bernoulli_comparison_at_the_extremes():
 def test_bits_of_a_flip_byte_are_independent():
     """Chi-square over the 256 flip patterns of each channel byte (and the 16 joint patterns of the
     LSBs of Y, Cb, Cr and the next pixel's Y) against the product of the per-bit probabilities."""
-    slicer = LdpSlicer(6.0, allocation="uniform", seed=3)  # q ≈ 0.44 on every plane: all patterns frequent
+    slicer = LdpSlicer(6.0, allocation="uniform", insecure_seed=3)  # q ≈ 0.44 on every plane: all patterns frequent
     q = realized_flip_probabilities(slicer.thresholds)
     pixels = 200_000
     flips = slicer.privatize_ycbcr(np.zeros((pixels, 3), np.uint8))  # zero input: the output is the flip bytes
@@ -190,7 +190,7 @@ class ExactOutputDistribution:
 
 @pytest.mark.parametrize("allocation", ["sqrt", "uniform"])
 def test_pixel_is_pure_epsilon_total_ldp_exactly(allocation):
-    slicer = LdpSlicer(EPSILON, allocation=allocation, seed=0)
+    slicer = LdpSlicer(EPSILON, allocation=allocation, insecure_seed=0)
     rng = np.random.default_rng(1)
     pairs = [(np.zeros(3, np.uint8), np.full(3, 255, np.uint8))]
     pairs += [tuple(rng.integers(0, 256, (2, 3), dtype=np.uint8)) for _ in range(200)]
@@ -208,7 +208,7 @@ def test_pixel_is_pure_epsilon_total_ldp_exactly(allocation):
 def test_ll_pruned_guarantee_is_per_2x2_block():
     """With LL pruning one original pixel moves all 4 masked pixels of its block: the exact ratio
     stays within 4·ε_total for the block, and a single-pixel change can exceed ε_total."""
-    slicer = LdpSlicer(EPSILON, ll_prune=True, seed=0)
+    slicer = LdpSlicer(EPSILON, ll_prune=True, insecure_seed=0)
     exact_distribution = ExactOutputDistribution(slicer.thresholds)
     rng = np.random.default_rng(0)
     blocks = rng.integers(0, 256, (3000, 2, 2, 3), dtype=np.uint8)
@@ -228,7 +228,7 @@ def test_ll_pruned_guarantee_is_per_2x2_block():
 
 
 def test_without_pruning_other_pixels_are_untouched_by_a_change():
-    slicer = LdpSlicer(EPSILON, ll_prune=False, seed=0)
+    slicer = LdpSlicer(EPSILON, ll_prune=False, insecure_seed=0)
     image = np.random.default_rng(3).integers(0, 256, (2, 2, 3), dtype=np.uint8)
     other = image.copy()
     other[0, 0] = 255 - other[0, 0]
@@ -247,7 +247,7 @@ def test_ll_pruning_zeroes_the_low_band_before_randomization():
     block_mean = ycbcr.reshape(24, 2, 32, 2, 3).mean(axis=(1, 3))
     np.testing.assert_allclose(pruned, ycbcr - np.repeat(np.repeat(block_mean, 2, 0), 2, 1), atol=1e-3)
     # With an enormous budget (flip probability 2⁻³²) the release is exactly the masked image.
-    released = LdpSlicer(1e5, ll_prune=True, seed=0)(rgb).ycbcr
+    released = LdpSlicer(1e5, ll_prune=True, insecure_seed=0)(rgb).ycbcr
     np.testing.assert_array_equal(released, perceptual_mask(ycbcr, True))
     assert not np.array_equal(released, perceptual_mask(ycbcr, False))
     # the re-centred variant keeps negative details: clamp(x − block mean + 128)
@@ -301,7 +301,7 @@ def test_closed_form_ll_pruning_small_odd_shapes_and_batches():
 
 
 def test_odd_sizes_and_batches():
-    slicer = LdpSlicer(EPSILON, seed=0)
+    slicer = LdpSlicer(EPSILON, insecure_seed=0)
     single = slicer(np.zeros((31, 17, 3), np.uint8))
     assert single.ycbcr.shape == (31, 17, 3) and single.rgb.dtype == np.uint8
     batch = slicer(np.zeros((4, 16, 16, 3), np.uint8))
@@ -312,13 +312,17 @@ def test_odd_sizes_and_batches():
 
 def test_seeded_is_reproducible_and_default_is_secure():
     rgb = np.random.default_rng(0).integers(0, 256, (24, 32, 3), dtype=np.uint8)
-    a = LdpSlicer(EPSILON, seed=9)(rgb).ycbcr
-    b = LdpSlicer(EPSILON, seed=9)(rgb).ycbcr
+    a = LdpSlicer(EPSILON, insecure_seed=9)(rgb).ycbcr
+    b = LdpSlicer(EPSILON, insecure_seed=9)(rgb).ycbcr
     np.testing.assert_array_equal(a, b)
     secure = LdpSlicer(EPSILON)
     assert secure.guarantee()["cryptographically_secure"] is True
     assert not np.array_equal(secure(rgb).ycbcr, LdpSlicer(EPSILON)(rgb).ycbcr)
-    assert LdpSlicer(EPSILON, seed=1).guarantee()["cryptographically_secure"] is False
+    seeded = LdpSlicer(EPSILON, insecure_seed=1).guarantee()
+    assert seeded["cryptographically_secure"] is False and seeded["guarantee_void"] is True
+    assert seeded["guarantee_statement"].startswith("NO PRIVACY GUARANTEE (seeded test noise): ")
+    assert "not cryptographically secure" in seeded["randomness"]
+    assert secure.guarantee()["guarantee_void"] is False
 
 
 def test_randomize_rejects_wrong_input():
@@ -335,7 +339,7 @@ def test_cli_png_equals_npy_converted(tmp_path, capsys):
     """The PNG is exactly ycbcr_to_rgb of the released YCbCr array (same seed). The reverse is
     not exact: out-of-gamut YCbCr triples are clipped to RGB and both conversions round."""
     _write_png(tmp_path / "a.png", 0)
-    common = ["ldp", "slice", str(tmp_path / "a.png"), "--epsilon", "20", "--seed", "3"]
+    common = ["ldp", "slice", str(tmp_path / "a.png"), "--epsilon", "20", "--insecure-seed", "3"]
     assert main(common + ["--out", str(tmp_path / "png")]) == 0
     assert main(common + ["--out", str(tmp_path / "npy"), "--format", "npy"]) == 0
     ycbcr = np.load(tmp_path / "npy" / "a.npy")

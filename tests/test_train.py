@@ -147,6 +147,34 @@ def test_dp_resume_continues_the_privacy_ledger(synth: Path, tmp_path: Path) -> 
     assert resumed["epsilon"] == pytest.approx(straight["epsilon"])
 
 
+@pytest.mark.slow
+def test_dp_runs_draw_fresh_noise_unless_seeded_test_noise_voids_the_guarantee(synth: Path, tmp_path: Path) -> None:
+    """Identical config and seed: DP-SGD runs differ (CSPRNG noise); with insecure_seeded_noise they
+    are identical, and every output says there is no privacy guarantee."""
+    dp = ('privacy.mechanism="dpsgd"', "privacy.noise_multiplier=1.0", "train.steps=2", "train.seed=7")
+    weights: dict[str, list[dict[str, torch.Tensor]]] = {"secure": [], "seeded": []}
+    logs: dict[str, list[str]] = {"secure": [], "seeded": []}
+    for kind, extra in (("secure", ()), ("seeded", ("privacy.insecure_seeded_noise=true",))):
+        for run in range(2):
+            out = tmp_path / f"{kind}{run}"
+            run_training(run_config(synth, out, *dp, *extra, val=False), progress=False, log=logs[kind].append)
+            weights[kind].append(load_checkpoint(out / "checkpoints/last.pt")["model"])
+    (secure_a, secure_b), (seeded_a, seeded_b) = weights["secure"], weights["seeded"]
+    assert any(not torch.equal(secure_a[key], secure_b[key]) for key in secure_a)
+    assert all(torch.equal(seeded_a[key], seeded_b[key]) for key in seeded_a)
+
+    void = "NO PRIVACY GUARANTEE (seeded test noise)"
+    secure_report = json.loads((tmp_path / "secure0/privacy.json").read_text())
+    assert secure_report["guarantee_void"] is False and secure_report["randomness"].startswith("AES-256-CTR")
+    assert not any(void in line for line in logs["secure"])
+    seeded_report = json.loads((tmp_path / "seeded0/privacy.json").read_text())
+    assert seeded_report["epsilon_text"].startswith(void + ": ε = ")
+    assert seeded_report["guarantee_void"] is True and seeded_report["reproducible_noise"] is True
+    assert json.loads((tmp_path / "seeded0/metrics.json").read_text())["privacy"].startswith(void)
+    assert json.loads((tmp_path / "secure0/metrics.json").read_text())["privacy"].startswith("ε = ")
+    assert logs["seeded"][1].startswith(void) and logs["seeded"][-1].endswith(seeded_report["epsilon_text"])
+
+
 def test_existing_run_dir_is_not_overwritten(synth: Path, tmp_path: Path) -> None:
     from fedpose.config import ConfigError
 
@@ -191,7 +219,7 @@ def test_input_privacy_covers_training_and_validation_images(synth: Path, tmp_pa
     for split in ("public", "test"):
         shutil.copytree(synth / split, data / split)
     cfg = run_config(data, tmp_path / "run", "train.steps=2", 'input_privacy.mechanism="ldp-slicing"',
-                     "input_privacy.epsilon=20.0", "input_privacy.seed=3")
+                     "input_privacy.epsilon=20.0", "input_privacy.insecure_seed=3")
     summary = run_training(cfg, progress=False, log=lambda _: None)
     assert summary["train_dir"] == str(data / "public.ldp-sliced")
     assert summary["val_dir"] == str(data / "test.ldp-sliced")

@@ -8,9 +8,11 @@ model. Writes ``benchmarks/federation/results.json``.
     python benchmarks/federation/run.py [--rounds 3] [--config configs/demo.toml]
 
 Overhead is reported two ways, because deployment starts a new ClientApp process per message:
-``overhead_vs_slowest_site`` = 1 − (slowest site's train_site_round time) / (round exchange time)
+``overhead_vs_slowest_site`` = 1 − (slowest site's local round time) / (round exchange time)
 includes that process start (imports of torch/timm/opacus); ``clientapp_start_seconds`` measures
-the start alone in a fresh process so the two can be told apart. Timings on a shared 2-core
+the start alone in a fresh process so the two can be told apart. A site's compute time never
+leaves it (it grows with the realised batch sizes): the benchmark reads it from each site's local
+diagnostics (``<state_dir>/rounds.jsonl``), which it can because all sites run on this machine. Timings on a shared 2-core
 machine are noisy: the load average at the start and end is recorded with the numbers.
 """
 
@@ -43,6 +45,20 @@ def deployment(config: Path, rounds: int, run_dir: Path, base_port: int) -> list
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, env=env, check=True)
     return json.loads((run_dir / "coordinator" / "history.json").read_text())["rounds"]
+
+
+def site_compute_seconds(run_dir: Path) -> dict[int, dict[str, float]]:
+    """round → site → seconds of local work, from each site's own diagnostics log."""
+    from fedpose.federation.local_training import ROUND_LOG
+
+    out: dict[int, dict[str, float]] = {}
+    for state_dir in sorted((run_dir / "sites").iterdir()):
+        log = state_dir / ROUND_LOG
+        for line in log.read_text().splitlines() if log.exists() else []:
+            entry = json.loads(line)
+            if entry.get("seconds") is not None:
+                out.setdefault(int(entry["round"]), {})[state_dir.name] = float(entry["seconds"])
+    return out
 
 
 def basis_bytes(config: Path) -> dict:
@@ -91,12 +107,13 @@ def main() -> int:
             shutil.rmtree(args.run_dir)  # a benchmark always starts fresh (never resumes)
         rounds = deployment(args.config, args.rounds, args.run_dir, args.base_port)
     per_round = []
+    local_seconds = site_compute_seconds(args.run_dir)
     for r in rounds:
-        computes = [s["compute_seconds"] for s in r["sites"].values() if s.get("compute_seconds")]
-        slowest = max(computes) if computes else 0.0
+        computes = local_seconds.get(int(r["round"]), {})
+        slowest = max(computes.values()) if computes else 0.0
         per_round.append({
             "round": r["round"], "wall_seconds": r["wall_seconds"], "exchange_seconds": r["exchange_seconds"],
-            "site_compute_seconds": {s: v.get("compute_seconds") for s, v in r["sites"].items()},
+            "site_compute_seconds": computes,
             "overhead_vs_slowest_site": 1 - slowest / r["exchange_seconds"] if r["exchange_seconds"] else None,
             "overhead_excluding_clientapp_start": 1 - (slowest + start_seconds) / r["exchange_seconds"] if r["exchange_seconds"] else None,
             "bytes_down": {s: v.get("bytes_down") for s, v in r["sites"].items()},

@@ -31,7 +31,7 @@ from fedpose.privacy.ldp_slicing import (  # noqa: E402
     ycbcr_to_rgb,
 )
 
-SOURCES = {"aes-ctr (CSPRNG, default)": {"secure_source": "aes-ctr"}, "os.urandom (CSPRNG)": {"secure_source": "urandom"}, "pcg64 seeded (not secure)": {"seed": 0}}
+SOURCES = {"aes-ctr (CSPRNG, default)": {"secure_source": "aes-ctr"}, "os.urandom (CSPRNG)": {"secure_source": "urandom"}, "pcg64 seeded (not secure)": {"insecure_seed": 0}}
 
 
 def best_rates(fn, images: np.ndarray, batch: int, repeats: int) -> tuple[float, float]:
@@ -79,7 +79,7 @@ def main() -> None:
             print(f"{source_name:28s} ll_prune={ll_prune!s:5s} {rate:8.1f} img/s wall  {1000 / rate:6.3f} ms/img"
                   f"  {cpu_rate:8.1f} img/CPU-s")
 
-    seeded, secure = LdpSlicer(args.epsilon, seed=0), LdpSlicer(args.epsilon)
+    seeded, secure = LdpSlicer(args.epsilon, insecure_seed=0), LdpSlicer(args.epsilon)
     ycbcr = rgb_to_ycbcr(images[: args.batch])
     masked = perceptual_mask(ycbcr, True)
     stages = {

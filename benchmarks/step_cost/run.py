@@ -2,6 +2,7 @@
 
     python benchmarks/step_cost/run.py                    # 256×192, batch 16, tiny_vit_5m_224, finetune
     python benchmarks/step_cost/run.py --size 128 96 --repeats 3
+    python benchmarks/step_cost/run.py --noise-only        # noise generation vs a few dpsgd steps → noise_cost.json
 
 Writes benchmarks/step_cost/results.json (earlier runs worth keeping are moved to history/). Method:
 * one model (random weights: speed does not depend on them), one fixed batch of exactly B
@@ -12,7 +13,11 @@ Writes benchmarks/step_cost/results.json (earlier runs worth keeping are moved t
 * basis refresh (m public samples → k vectors) and the projection V(Vᵀg) are timed separately;
   each projecting engine refreshes twice before the timed steps: the first ("cold") maps the
   engine's basis workspace, the second ("warm") is what every later refresh of a run costs;
-* noise generation: seeded torch generator vs the os.urandom CSPRNG, for p noise coordinates;
+* noise generation, for the model's p noise coordinates: ``SecureNoise`` (the default: Box–Muller
+  on an AES-256-CTR keystream keyed from os.urandom) and ``InsecureSeededNoise`` (seeded torch
+  generator, tests only), each as a share of the median dpsgd step of the same run (dpsgd draws
+  from SecureNoise). ``--noise-only`` times just that and a few dpsgd steps and writes
+  ``noise_cost.json``;
 * peak memory: each mechanism in a fresh subprocess doing 2 steps (basis refresh included), with
   fedpose's allocator settings and with glibc's defaults (FEDPOSE_MALLOC_TUNING=0),
   the process's VmHWM from /proc/self/status. Not ru_maxrss: Linux carries it over from the
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -42,11 +48,13 @@ from fedpose.config import ModelConfig, PrivacyConfig
 from fedpose.io import atomic_write_json
 from fedpose.model import build_model
 from fedpose.privacy.engine import build_engine, collate
+from fedpose.privacy.noise import InsecureSeededNoise, SecureNoise
 from fedpose.runtime import configure_cpu
-from fedpose.privacy.noise import SecureNoise, SeededNoise
 
 HERE = Path(__file__).resolve().parent
-MECHANISMS = ("none", "dpsgd", "dpsgd+secure_rng", "pdp", "fdp", "fpdp", "maskdp")
+MECHANISMS = ("none", "dpsgd", "pdp", "fdp", "fpdp", "maskdp")
+#: timed noise draws per source (after one warm-up draw)
+NOISE_REPEATS = 11
 GOALS = {"dpsgd_ratio_max": 1.15, "fpdp_ratio_max": 2.2, "projection_share_max": 0.05, "refresh_seconds_max": 15.0}
 
 
@@ -69,19 +77,92 @@ class RandomPoseSet(torch.utils.data.Dataset):
         }
 
 
-def privacy_config(name: str, k: int, m: int) -> PrivacyConfig:
-    mechanism, _, option = name.partition("+")
+def privacy_config(mechanism: str, k: int, m: int) -> PrivacyConfig:
     if mechanism == "none":
         return PrivacyConfig()
     return PrivacyConfig(
         mechanism=mechanism, noise_multiplier=1.0, max_grad_norm=0.1, delta=4e-5,
-        secure_rng=option == "secure_rng",
         basis={"k": k, "public_samples": m, "refresh_every": 10**9},
     )
 
 
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def noise_seconds(p: int, repeats: int = NOISE_REPEATS) -> dict[str, list[float]]:
+    """Seconds to draw N(0, I_p), ``repeats`` times per source, after one untimed warm-up draw each."""
+    sources = {"secure_aes_ctr_box_muller": SecureNoise(), "insecure_seeded_torch": InsecureSeededNoise(0)}
+    runs: dict[str, list[float]] = {label: [] for label in sources}
+    for label, source in sources.items():
+        source.normal(p, 1.0)
+    for _ in range(repeats):  # interleaved, so a slow phase of a shared machine hits both
+        for label, source in sources.items():
+            started = time.perf_counter()
+            source.normal(p, 1.0)
+            runs[label].append(time.perf_counter() - started)
+    return runs
+
+
+def noise_summary(noise: dict[str, list[float]], dpsgd_step: float | None) -> dict[str, dict]:
+    """Median seconds per source, and as a percentage of the median dpsgd step."""
+    medians = {label: statistics.median(t) for label, t in noise.items()}
+    return {
+        "noise_seconds_for_p_coordinates": medians,
+        "noise_percent_of_dpsgd_step": {label: (100.0 * m / dpsgd_step if dpsgd_step else None) for label, m in medians.items()},
+        "noise_all_seconds": noise,
+    }
+
+
+def conditions(args: argparse.Namespace, p: int, started_load: list[float]) -> dict:
+    import cryptography
+
+    return {
+        "backbone": args.backbone, "scenario": "finetune", "input_size": list(args.size), "batch_size": args.batch,
+        "trainable_parameters": p, "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+        "cryptography": cryptography.__version__, "cpu_model": cpu_model(), "cpu_count": os.cpu_count(),
+        "load_average_start": started_load, "load_average_end": load_average(),
+    }
+
+
+def noise_only(args: argparse.Namespace) -> int:
+    """Noise generation for the model's p, against a few dpsgd steps of the same model and batch."""
+    started_load = load_average()
+    model = make_model(args)
+    p = model.num_trainable()
+    private = RandomPoseSet(4 * args.batch, tuple(args.size))
+    batch = collate([private[i] for i in range(args.batch)])
+    engine = build_engine(privacy_config("dpsgd", args.k, args.public_samples), model, len(private), args.batch, 10, None, 0)
+    print(f"p = {p}, input {tuple(args.size)}, batch {args.batch}, torch threads {torch.get_num_threads()}, load {started_load}")
+    noise = noise_seconds(p)
+    engine.step(model, batch)  # warm-up
+    steps = []
+    for _ in range(args.repeats):
+        started = time.perf_counter()
+        engine.step(model, batch)
+        steps.append(time.perf_counter() - started)
+        print(f"dpsgd step {steps[-1]:.2f} s")
+    for label, seconds in noise_seconds(p).items():  # again after the steps: the machine's load drifts
+        noise[label] += seconds
+    dpsgd = statistics.median(steps)
+    results = {
+        "conditions": {**conditions(args, p, started_load), "timed_dpsgd_steps": args.repeats,
+                       "noise_draws_per_source": 2 * NOISE_REPEATS,
+                       "note": "noise timed before and after the dpsgd steps, interleaved between the two sources"},
+        "dpsgd_seconds_per_step": dpsgd,
+        "all_dpsgd_step_seconds": steps,
+        **noise_summary(noise, dpsgd),
+    }
+    atomic_write_json(args.out, results)
+    print(json.dumps({k: results[k] for k in ("dpsgd_seconds_per_step", "noise_seconds_for_p_coordinates", "noise_percent_of_dpsgd_step")}, indent=1))
+    return 0
 
 
 def cpu_jiffies() -> tuple[int, int]:
@@ -129,12 +210,17 @@ def main() -> int:
     parser.add_argument("--mechanisms", nargs="+", default=list(MECHANISMS), choices=MECHANISMS)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--skip-memory", action="store_true")
-    parser.add_argument("--out", type=Path, default=HERE / "results.json")
+    parser.add_argument("--noise-only", action="store_true",
+                        help="time only noise generation for the model's p and --repeats dpsgd steps (writes noise_cost.json)")
+    parser.add_argument("--out", type=Path, default=None, help="default: results.json, or noise_cost.json with --noise-only (beside this script)")
     parser.add_argument("--memory-probe", choices=MECHANISMS, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.out = args.out or HERE / ("noise_cost.json" if args.noise_only else "results.json")
     configure_cpu(args.threads)
     if args.memory_probe:
         return memory_probe(args)
+    if args.noise_only:
+        return noise_only(args)
 
     size = tuple(args.size)
     started_load = load_average()
@@ -171,26 +257,15 @@ def main() -> int:
 
     steal_end, total_end = cpu_jiffies()
     steal_share = (steal_end - steal_start) / max(1, total_end - total_start)
-    noise = {}
-    for label, source in (("seeded_torch", SeededNoise(0)), ("os_urandom_box_muller", SecureNoise())):
-        runs = []
-        for _ in range(3):
-            started = time.perf_counter()
-            source.normal(p, 1.0)
-            runs.append(time.perf_counter() - started)
-        noise[label] = statistics.median(runs)
+    noise = noise_seconds(p)
 
     medians = {name: statistics.median(t) for name, t in times.items()}
     cpu_medians = {name: statistics.median(t) for name, t in cpu_times.items()}
     base, cpu_base = medians.get("none"), cpu_medians.get("none")
     results: dict = {
         "conditions": {
-            "backbone": args.backbone, "scenario": "finetune", "input_size": list(size), "batch_size": args.batch,
-            "trainable_parameters": p, "timed_steps_per_mechanism": args.repeats, "basis_k": args.k,
-            "public_samples_m": args.public_samples, "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "cpu_count": os.cpu_count(),
-            "load_average_start": started_load, "load_average_end": load_average(),
-            "steal_share_during_timed_steps": round(steal_share, 4),
+            **conditions(args, p, started_load), "timed_steps_per_mechanism": args.repeats, "basis_k": args.k,
+            "public_samples_m": args.public_samples, "steal_share_during_timed_steps": round(steal_share, 4),
             "note": "medians of round-robin timings; see the load averages for how busy the machine was",
         },
         "seconds_per_step": medians,
@@ -203,7 +278,7 @@ def main() -> int:
         "basis_refresh_warm_median": statistics.median(refresh_seconds["warm"]) if refresh_seconds["warm"] else None,
         "projection_seconds_median": statistics.median(projection) if projection else None,
         "projection_share_of_pdp_step": (statistics.median(projection) / medians["pdp"]) if projection and "pdp" in medians else None,
-        "noise_seconds_for_p_coordinates": noise,
+        **noise_summary(noise, medians.get("dpsgd")),
         "goals": GOALS,
     }
     if not args.skip_memory:
@@ -219,7 +294,8 @@ def main() -> int:
     atomic_write_json(args.out, results)
     print(f"steal during the timed steps: {steal_share:.1%} of CPU time")
     print(json.dumps({k: results[k] for k in ("seconds_per_step", "ratio_to_non_private", "cpu_ratio_to_non_private", "basis_refresh_seconds",
-                                              "projection_seconds_median", "noise_seconds_for_p_coordinates")}, indent=1))
+                                              "projection_seconds_median", "noise_seconds_for_p_coordinates",
+                                              "noise_percent_of_dpsgd_step")}, indent=1))
     return 0
 
 

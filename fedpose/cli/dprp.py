@@ -1,7 +1,7 @@
 """``fedpose dprp``: Video-DPRP, (ε, δ)-DP per clip w.r.t. one frame.
 
     fedpose dprp clip.npy --out private.npy --epsilon 1000 --delta 1e-5 --proj-dim 256
-    fedpose dprp frames/ --out private_frames/ --epsilon 1000 --delta 1e-5 --proj-dim 256 --split 0.5 --seed 0
+    fedpose dprp frames/ --out private_frames/ --epsilon 1000 --delta 1e-5 --proj-dim 256 --split 0.5
 
 INPUT is a directory of frame images (sorted by name, all the same size) or a ``.npy`` array
 F×H×W×3 (uint8 0–255, or floats in [0, 1]). OUT ending in ``.npy`` receives a float32 array in
@@ -28,7 +28,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--proj-dim", type=positive_int, required=True, help="JL projection dimension k")
     parser.add_argument("--split", type=open_unit_interval, default=0.5, help="fraction of (ε, δ) for the projection")
     parser.add_argument("--rank", type=positive_int, default=None, help="singular vectors kept (default min(F, k))")
-    parser.add_argument("--seed", type=int, default=None, help="seed for P and the noise (default: OS entropy)")
+    parser.add_argument("--insecure-seed", type=int, default=None,
+                        help="TESTS ONLY: seeded P and noise, NOT PRIVATE (the seed regenerates the noise); "
+                        "default: CSPRNG (AES-256-CTR keyed from os.urandom)")
     parser.set_defaults(handler=_run)
 
 
@@ -67,6 +69,7 @@ def _run(args: argparse.Namespace) -> int:
     import numpy as np
 
     from fedpose.io import atomic_write
+    from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
     from fedpose.privacy.dprp import DprpError, video_dprp
     from fedpose.privacy.input_privacy import save_png
     from fedpose.privacy.ldp_slicing import to_uint8
@@ -74,7 +77,8 @@ def _run(args: argparse.Namespace) -> int:
     clip = load_clip(Path(args.input))
     try:
         result = video_dprp(
-            clip, args.epsilon, args.delta, args.proj_dim, split=args.split, rank=args.rank, seed=args.seed
+            clip, args.epsilon, args.delta, args.proj_dim, split=args.split, rank=args.rank,
+            insecure_seed=args.insecure_seed,
         )
     except DprpError as exc:
         raise UserError(str(exc)) from exc
@@ -87,10 +91,11 @@ def _run(args: argparse.Namespace) -> int:
         for index, frame in enumerate(result.frames):
             save_png(out / f"frame_{index:05d}.png", to_uint8(frame * 255.0))
     g = result.guarantee
+    void = f"{SEEDED_NO_GUARANTEE}: " if g["guarantee_void"] else ""
     print(
-        f"wrote {len(result.frames)} frame(s) to {out}; ε = {g['epsilon']:g} (DP, δ = {g['delta']:.3g}, "
+        f"wrote {len(result.frames)} frame(s) to {out}; {void}ε = {g['epsilon']:g} (DP, δ = {g['delta']:.3g}, "
         f"basic composition), unit: one frame of the clip; σ_projection = {g['sigma_projection']:.4g}, "
-        f"σ_covariance = {g['sigma_covariance']:.4g} ({g['covariance_calibration']})",
+        f"σ_covariance = {g['sigma_covariance']:.4g} ({g['covariance_calibration']}); randomness: {g['randomness']}",
         file=sys.stdout,
     )
     return 0

@@ -2,7 +2,7 @@
 
     fedpose ldp allocate --epsilon 20 --json
     fedpose ldp slice photos/ extra.png --out private/ --epsilon 20 [--no-ll-prune]
-        [--ll-offset 128] [--allocation sqrt|uniform] [--seed S] [--format png|npy]
+        [--ll-offset 128] [--allocation sqrt|uniform] [--insecure-seed S] [--format png|npy]
 
 ``slice`` writes ``OUT/<stem>.png`` (the privatized image in RGB) or, with ``--format npy``,
 ``OUT/<stem>.npy``: the privatized YCbCr uint8 array (H×W×3) as released by the randomized
@@ -40,7 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     slice_.add_argument("--ll-offset", type=float, default=0.0,
                         help="added after LL pruning, before the clamp (128 keeps negative details; default 0)")
     slice_.add_argument("--allocation", choices=("sqrt", "uniform"), default="sqrt")
-    slice_.add_argument("--seed", type=int, default=None, help="seeded PCG64 (tests only; default: CSPRNG)")
+    slice_.add_argument("--insecure-seed", type=int, default=None,
+                        help="TESTS ONLY: seeded PCG64, NOT PRIVATE (the seed undoes the flips); default: CSPRNG")
     slice_.add_argument("--format", choices=("png", "npy"), default="png")
     slice_.set_defaults(handler=_slice)
 
@@ -99,7 +100,8 @@ def _slice(args: argparse.Namespace) -> int:
     images = collect_images(args.inputs, exclude=out_dir)
     try:
         slicer = LdpSlicer(
-            args.epsilon, ll_prune=args.ll_prune, ll_offset=args.ll_offset, allocation=args.allocation, seed=args.seed
+            args.epsilon, ll_prune=args.ll_prune, ll_offset=args.ll_offset, allocation=args.allocation,
+            insecure_seed=args.insecure_seed,
         )
     except LdpSlicingError as exc:
         raise UserError(str(exc)) from exc

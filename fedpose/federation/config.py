@@ -77,11 +77,34 @@ class SiteConfig(Strict):
     privacy: PrivacyConfig = PrivacyConfig()
     input_privacy: InputPrivacyConfig = InputPrivacyConfig()
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus port (None = no server)")
+    aggregation_weight: float = Field(
+        1.0, gt=0, description="declared FedAvg weight of this site's update (a public setting: the dataset size is never sent)"
+    )
 
     @model_validator(mode="after")
     def _has_data(self) -> "SiteConfig":
         if self.data.train is None:
             raise ValueError(f"site '{self.site_id}': data.train (the site's training data) is required")
+        return self
+
+    @model_validator(mode="after")
+    def _private_at_the_boundary(self) -> "SiteConfig":
+        """What a site must declare so that nothing it sends depends on its data beyond the guarantee."""
+        if self.privacy.mechanism == "none":
+            return self
+        if self.privacy.sample_rate is None:
+            raise ValueError(
+                f"site '{self.site_id}': privacy.sample_rate (q) must be declared at a federation site: with q = B/N "
+                "the reported ε and RDP curve would reveal the dataset size N, which add/remove DP protects. "
+                "Set it to about train.batch_size / <number of training records>"
+            )
+        if getattr(self.privacy, "insecure_seeded_noise", False):
+            raise ValueError(
+                f"site '{self.site_id}': privacy.insecure_seeded_noise is for tests only (anyone who knows train.seed "
+                "can remove the noise); a site refuses to federate with it"
+            )
+        if getattr(self.input_privacy, "insecure_seed", None) is not None:
+            raise ValueError(f"site '{self.site_id}': input_privacy.insecure_seed is for tests only; a site refuses to federate with it")
         return self
 
     @property

@@ -27,7 +27,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from fedpose.federation.protocol import SiteReply
 
 LedgerStatus = Literal["ok", "rejected", "refused", "missing"]
 STATUSES: tuple[str, ...] = ("ok", "rejected", "refused", "missing")
@@ -86,18 +89,20 @@ class LedgerEntry:
 
 
     @classmethod
-    def from_site_report(
-        cls, round_id: int, report: Mapping, status: LedgerStatus = "ok", steps: int = 0, reason: str = ""
-    ) -> "LedgerEntry":
-        """Entry from a site's :meth:`SiteBudget.report` dict (keys site_id, epsilon, delta, guarantee, rdp, orders)."""
-        rdp, orders = report.get("rdp"), report.get("orders")
+    def from_reply(cls, round_id: int, reply: "SiteReply", status: LedgerStatus, reason: str = "") -> "LedgerEntry":
+        """Entry from a site's typed reply: its cumulative privacy report (if it sent one) and the
+        local steps it ran. Steps count only where the site trained on this round's request."""
+        privacy = reply.privacy
+        trained = status in TRAINED_STATUSES or reply.status in ("failed", "error")
         return cls(
-            site_id=report["site_id"], round=int(round_id), status=status,
-            epsilon=float(report["epsilon"]) if report.get("epsilon") is not None else None,
-            delta=float(report["delta"]) if report.get("delta") is not None else None,
-            guarantee=report.get("guarantee"), accountant=report.get("accountant", "rdp"), steps=int(steps),
-            rdp=tuple(float(x) for x in rdp) if rdp is not None else None,
-            orders=tuple(float(x) for x in orders) if orders is not None else None,
+            site_id=reply.site_id, round=int(round_id), status=status,
+            epsilon=privacy.epsilon if privacy is not None else None,
+            delta=privacy.delta if privacy is not None and privacy.accountant != "none" else None,
+            guarantee=privacy.guarantee if privacy is not None else None,
+            accountant=privacy.accountant if privacy is not None else None,
+            steps=int(reply.local_steps) if trained else 0,
+            rdp=tuple(privacy.rdp) if privacy is not None and privacy.rdp else None,
+            orders=tuple(privacy.orders) if privacy is not None and privacy.rdp else None,
             reason=reason,
         )
 

@@ -1,81 +1,88 @@
 """One site's part of one federated round, without Flower: guard the budget, train, return Δ.
 
-``sites/client_app.py`` is a thin Flower wrapper around :func:`train_site_round`. Everything a
+``sites/client_app.py`` is a thin Flower wrapper around :func:`run_site_round`. Everything a
 ClientApp needs between rounds lives on disk in the site's ``state_dir`` (deployment starts a new
-ClientApp process per message): the budget (:class:`~fedpose.federation.site_budget.SiteBudget`)
-and the cached projection basis.
+ClientApp process per message): the budget (:class:`~fedpose.federation.site_budget.SiteBudget`),
+the cached projection basis, the last released update and a site-local diagnostics log.
 
-What leaves the site (and nothing else): Δ = w_local − w_global for the trainable parameters, the
-number of local examples, and the cumulative privacy report (ε at δ, RDP per order, guarantee,
-accountant). Δ is computed from weights that were only ever updated with privatized gradients
-(clipped + noised by the engine), so releasing it is post-processing of the mechanism's output.
+What leaves the site is one :class:`~fedpose.federation.protocol.SiteReply` plus, for status
+"ok", Δ = w_local − w_global of the trainable parameters. Δ is computed from weights that were
+only ever updated with privatized gradients (clipped + noised by the engine), so releasing it is
+post-processing. The reply's other fields are functions of public values (declared σ, q, δ,
+ε_max, step counts). Diagnostics computed from private data (loss, zeroed non-finite samples,
+wall time) go to ``<state_dir>/rounds.jsonl`` and the site's log only.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
 from fedpose.federation.config import SiteConfig
+from fedpose.federation.protocol import PrivacyReport, ReasonCode, ReplyStatus, SiteReply
 from fedpose.federation.site_budget import BudgetExhausted, SiteBudget
+from fedpose.privacy.mechanisms import get_mechanism
 
 log = logging.getLogger(__name__)
 
-RoundStatus = Literal["ok", "refused", "replayed", "failed"]
+#: site-local diagnostics, one JSON line per round (never sent)
+ROUND_LOG = "rounds.jsonl"
 
 
-@dataclass
+@dataclass(frozen=True)
 class SiteRoundResult:
-    """What a site sends back for one round (``update`` is empty unless ``status`` is "ok").
+    """What a site sends back for one round: the typed reply, and Δ when ``reply.status == "ok"``."""
 
-    "failed": the spend was recorded, then training stopped (it diverged); nothing is released."""
-
-    site_id: str
-    status: RoundStatus
-    update: dict[str, np.ndarray]
-    num_examples: int
-    privacy: dict[str, Any]  #: cumulative: SiteBudget.report() + "next_round_affordable"
-    reason: str = ""
-    train_metrics: dict[str, float] = field(default_factory=dict)
-    basis_version: int = -1  #: basis version the update was trained with (-1: none)
-    compute_seconds: float = 0.0  #: wall time of the local work (load + train)
-
-
-def guarantee_for(mechanism: str) -> Any:
-    """The :class:`fedpose.privacy.report.Guarantee` a mechanism makes (DESIGN.md table)."""
-    from fedpose.privacy import report
-
-    registry = {
-        "none": report.NO_PRIVACY,
-        "dpsgd": report.RECORD_DP,
-        "pdp": report.PROJECTED_DP,
-        "fdp": report.FEATURE_DP,
-        "fpdp": report.FEATURE_PROJECTED_DP,
-        "maskdp": report.MASK_DP,
-    }
-    if mechanism not in registry:
-        raise ValueError(f"unknown privacy mechanism {mechanism!r}; known: {sorted(registry)}")
-    return registry[mechanism]
+    reply: SiteReply
+    update: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 def open_budget(site: SiteConfig) -> SiteBudget | None:
     """The site's persisted budget (None for non-private training, which has nothing to guard)."""
-    if site.privacy.mechanism == "none":
+    mechanism = get_mechanism(site.privacy.mechanism)
+    if not mechanism.noisy:
+        from fedpose.federation.site_budget import ensure_site_state
+
+        # no budget, but the state still remembers that this site once trained without privacy
+        ensure_site_state(site.state_dir, site.site_id, mechanism.guarantee.name, None)
         return None
-    return SiteBudget(site.state_dir, site.site_id, site.eps_max, site.delta, guarantee_for(site.privacy.mechanism).name)
+    return SiteBudget(site.state_dir, site.site_id, site.eps_max, site.delta, mechanism.guarantee.name)
 
 
-def privacy_report(site: SiteConfig, budget: SiteBudget | None) -> dict[str, Any]:
+def declared_noise(site: SiteConfig, local_steps: int) -> tuple[float, float]:
+    """(σ, q) of this round, from the site's config only (q is declared, so N stays secret)."""
+    from fedpose.privacy.engine import resolve_noise_multiplier
+
+    if site.privacy.sample_rate is None:  # SiteConfig's validator forbids this for noisy mechanisms
+        raise ValueError(f"site '{site.site_id}': privacy.sample_rate must be declared")
+    rate = float(site.privacy.sample_rate)
+    return resolve_noise_multiplier(site.privacy, rate, local_steps), rate
+
+
+def privacy_report(site: SiteConfig, budget: SiteBudget | None, next_round_affordable: bool = True) -> PrivacyReport:
+    """The site's cumulative privacy state, as it goes on the wire."""
+    guarantee = get_mechanism(site.privacy.mechanism).guarantee
     if budget is None:
-        return {"site_id": site.site_id, "guarantee": "none", "accountant": "none", "epsilon": math.inf,
-                "delta": 0.0, "eps_max": site.eps_max, "steps": 0, "rounds_spent": 0, "orders": [], "rdp": []}
-    return budget.report()
+        return PrivacyReport(guarantee=guarantee.name, unit=guarantee.unit, adjacency="none", accountant="none",
+                             epsilon=None, delta=0.0, eps_max=site.eps_max, steps=0, rounds_spent=0, orders=[], rdp=[],
+                             next_round_affordable=True)
+    state = budget.report()
+    epsilon = float(state["epsilon"])
+    return PrivacyReport(
+        guarantee=guarantee.name, unit=guarantee.unit, adjacency=guarantee.relation, accountant="rdp",
+        epsilon=epsilon if math.isfinite(epsilon) else None, delta=budget.delta, eps_max=budget.eps_max,
+        steps=int(state["steps"]), rounds_spent=int(state["rounds_spent"]),
+        orders=[float(x) for x in state["orders"]], rdp=[float(x) for x in state["rdp"]],
+        next_round_affordable=next_round_affordable,
+    )
 
 
 # -- basis (cached on disk: a new ClientApp process per message) ----------------------------------------
@@ -113,7 +120,7 @@ def load_site_dataset(site: SiteConfig, input_size: tuple[int, int]) -> Any:
     from fedpose.privacy.input_privacy import prepare_site_dataset
 
     assert site.data.train is not None  # SiteConfig validates it
-    data_dir, _ = prepare_site_dataset(site.data.train, site.input_privacy)
+    data_dir, _ = prepare_site_dataset(site.data.train, site.input_privacy, Path(site.state_dir) / "ldp-sliced")
     records, root = load_records(data_dir)
     if not records:
         raise ValueError(f"site '{site.site_id}': no training records in {data_dir}")
@@ -121,15 +128,6 @@ def load_site_dataset(site: SiteConfig, input_size: tuple[int, int]) -> Any:
         records, root, input_size=tuple(input_size), train=True, flip=site.data.flip,
         scale_jitter=site.data.scale_jitter, rotation=site.data.rotation, seed=site.train.seed,
     )
-
-
-def _engine_basis(engine: Any, basis: np.ndarray | None, version: int) -> None:
-    """Hand the coordinator's basis to a projecting engine (pdp / fpdp)."""
-    if basis is None:
-        return
-    if not hasattr(engine, "set_basis"):
-        raise RuntimeError("this privacy engine cannot take a basis from the coordinator (no set_basis)")
-    engine.set_basis(basis, version=version)
 
 
 def train_site_round(
@@ -145,8 +143,10 @@ def train_site_round(
 ) -> SiteRoundResult:
     """Guard the budget, run ``local_steps`` private steps from the global weights, return Δ.
 
-    Refuses (status "refused", nothing spent, no update) when the planned steps would take the
-    site past ``eps_max``. The spend is recorded durably before training starts.
+    The budget decision comes first, from declared values only, before any data or basis work:
+    a refused round (status "refused") spends nothing and touches no data. The spend is recorded
+    durably before training starts. Raises on operational failures (bad weights, unreadable data);
+    :func:`run_site_round` turns those into a sanitized "error" reply.
     """
     import torch
 
@@ -157,11 +157,37 @@ def train_site_round(
 
     started = time.perf_counter()
     # The site caps the work it accepts per round at its own configured local_steps.
-    local_steps = min(int(local_steps), site.local_steps)
-    configure_cpu(threads)
-    torch.manual_seed(site.train.seed * 100_003 + int(round_id))
+    local_steps = max(0, min(int(local_steps), site.local_steps))
+    if local_steps < 1:
+        raise ValueError(f"site '{site.site_id}': asked for {local_steps} local steps")
     budget = open_budget(site)
 
+    def reply(status: ReplyStatus, reason: ReasonCode | None, affordable: bool) -> SiteReply:
+        return SiteReply(site_id=site.site_id, run_id=run_id, round=int(round_id), status=status, reason=reason,
+                         privacy=privacy_report(site, budget, affordable), basis_version=cached_basis_version(site),
+                         local_steps=local_steps, aggregation_weight=site.aggregation_weight)
+
+    affordable = True
+    if budget is not None:
+        sigma, rate = declared_noise(site, local_steps)
+        try:
+            auth = budget.authorize_round(run_id, round_id, sigma, rate, local_steps)
+        except BudgetExhausted as refusal:
+            log.warning(refusal.reason)
+            _log_round(site, run_id, round_id, "refused", started, note=refusal.reason)
+            return SiteRoundResult(reply("refused", "budget-exhausted", False))
+        affordable = bool(budget.planned_epsilon(sigma, rate, local_steps) <= budget.eps_max)
+        if auth.replayed:
+            # The round was already spent (a duplicated message, or a coordinator that resumed after
+            # the site had trained). A fresh noisy update would be a second release of the round:
+            # re-send the update released then (no new privacy cost), or nothing if there is none.
+            released = _load_released(site, run_id, round_id)
+            _log_round(site, run_id, round_id, "resent" if released is not None else "replayed", started)
+            if released is not None:
+                return SiteRoundResult(reply("ok", "resent-earlier-release", affordable), released)
+            return SiteRoundResult(reply("replayed", "no-earlier-release", affordable))
+
+    configure_cpu(threads)
     model = build_model_from_spec(model_spec)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(global_state))
@@ -175,7 +201,8 @@ def train_site_round(
     basis = _site_basis(site, model, basis_version, basis_message)
     dataset = load_site_dataset(site, tuple(model_spec["input_size"]))
     public_dataset = None
-    if basis is None and site.public_data is not None and site.privacy.mechanism in ("pdp", "fpdp"):
+    mechanism = get_mechanism(site.privacy.mechanism)
+    if basis is None and site.public_data is not None and mechanism.projects:
         # no coordinator basis: the engine computes its own from the site's copy of S_pub
         from fedpose.data.dataset import PoseDataset, load_records
 
@@ -183,34 +210,13 @@ def train_site_round(
         public_dataset = PoseDataset(public_records, public_root, input_size=tuple(model_spec["input_size"]), train=False)
     engine = build_engine(
         site.privacy, model, dataset_size=len(dataset), batch_size=site.train.batch_size,
-        planned_steps=local_steps, public_dataset=public_dataset, seed=site.train.seed * 1_000_003 + int(round_id),
+        planned_steps=local_steps, public_dataset=public_dataset,
+        seed=site.train.seed * 1_000_003 + int(round_id),  # public choices only (S_pub samples); DP noise is CSPRNG
     )
-    _engine_basis(engine, basis, basis_version)
-
-    if budget is not None:
-        sigma, rate = float(engine.noise_multiplier), float(engine.sample_rate)
-        try:
-            auth = budget.authorize_round(run_id, round_id, sigma, rate, local_steps)
-        except BudgetExhausted as refusal:
-            log.warning(refusal.reason)
-            return SiteRoundResult(
-                site.site_id, "refused", {}, 0, _with_outlook(privacy_report(site, budget), budget, sigma, rate, local_steps),
-                reason=refusal.reason, basis_version=basis_version, compute_seconds=time.perf_counter() - started,
-            )
-        if auth.replayed:
-            # The round was already spent (a duplicated message, or a coordinator that resumed after
-            # the site had trained). A fresh noisy update would be a second release of the round:
-            # re-send the update released then (no new privacy cost), or nothing if there is none.
-            report = _with_outlook(privacy_report(site, budget), budget, sigma, rate, local_steps)
-            released = _load_released(site, run_id, round_id)
-            if released is not None:
-                update, num_examples = released
-                return SiteRoundResult(site.site_id, "ok", update, num_examples, report, reason="re-sent the update released for this round",
-                                       train_metrics={"local_steps": float(local_steps)}, basis_version=basis_version,
-                                       compute_seconds=time.perf_counter() - started)
-            reason = f"site '{site.site_id}' already spent round {round_id} of run '{run_id}' but has no released update; no second release"
-            return SiteRoundResult(site.site_id, "replayed", {}, 0, report, reason=reason, basis_version=basis_version,
-                                   compute_seconds=time.perf_counter() - started)
+    if budget is not None and (engine.noise_multiplier, engine.sample_rate) != (sigma, rate):
+        raise RuntimeError(f"engine noise (σ={engine.noise_multiplier}, q={engine.sample_rate}) differs from the authorized (σ={sigma}, q={rate})")
+    if basis is not None:
+        engine.set_basis(basis, version=basis_version)
 
     optimizer = _build_optimizer(site, list(trainable.values()))
     try:
@@ -218,32 +224,73 @@ def train_site_round(
     except TrainingDiverged as failure:
         # Spent (recorded above) but nothing released: say so, with the spend, instead of vanishing.
         log.warning("site %s round %d: %s", site.site_id, round_id, failure)
-        return SiteRoundResult(site.site_id, "failed", {}, 0, _report_after_training(site, budget, engine, local_steps),
-                               reason=f"training failed: {failure}",
-                               basis_version=basis_version, compute_seconds=time.perf_counter() - started)
+        _log_round(site, run_id, round_id, "failed", started, note=str(failure))
+        return SiteRoundResult(reply("failed", "training-diverged", affordable))
     update = {name: (p.detach() - start_weights[name]).cpu().numpy() for name, p in model.trainable_parameters().items()}
     if budget is not None:
-        _save_released(site, run_id, round_id, update, len(dataset))
-    losses = [float(h["loss"]) for h in history if "loss" in h and math.isfinite(float(h["loss"]))]
-    return SiteRoundResult(
-        site.site_id, "ok", update, len(dataset), _report_after_training(site, budget, engine, local_steps),
-        train_metrics={"train_loss": float(np.mean(losses)) if losses else float("nan"), "local_steps": float(local_steps)},
-        basis_version=basis_version, compute_seconds=time.perf_counter() - started,
-    )
+        _save_released(site, run_id, round_id, update)
+    _log_round(site, run_id, round_id, "ok", started, history=history)
+    return SiteRoundResult(reply("ok", None, affordable), update)
+
+
+def run_site_round(site: SiteConfig, run_id: str, round_id: int, *args: Any, **kwargs: Any) -> SiteRoundResult:
+    """:func:`train_site_round` that never raises: an exception becomes a status-"error" reply
+    carrying only the exception's class name (its message may hold paths or private values; it
+    goes to the site's local log with the traceback) and, when the site can read it, its privacy
+    report — so the coordinator's ledger learns what the site has spent even when a round fails."""
+    try:
+        return train_site_round(site, run_id, round_id, *args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - every failure must become a sanitized reply
+        log.error("site %s round %s failed:\n%s", site.site_id, round_id, traceback.format_exc())
+        _log_round(site, run_id, round_id, "error", None, note=f"{type(exc).__name__}: {exc}")
+        try:
+            report: PrivacyReport | None = privacy_report(site, open_budget(site), True)
+        except Exception:  # noqa: BLE001 - an unreadable state is itself the error being reported
+            report = None
+        try:
+            version = cached_basis_version(site)
+        except Exception:  # noqa: BLE001
+            version = -1
+        return SiteRoundResult(SiteReply(
+            site_id=site.site_id, run_id=str(run_id), round=int(round_id), status="error", reason="site-error",
+            error_class=type(exc).__name__, privacy=report, basis_version=version, local_steps=0,
+            aggregation_weight=site.aggregation_weight,
+        ))
+
+
+def _log_round(site: SiteConfig, run_id: str, round_id: int, outcome: str, started: float | None,
+               history: list[dict[str, Any]] | None = None, note: str = "") -> None:
+    """Append the round's site-local diagnostics (private-data statistics: never sent)."""
+    entry: dict[str, Any] = {"run_id": run_id, "round": int(round_id), "outcome": outcome, "time": time.time()}
+    if started is not None:
+        entry["seconds"] = time.perf_counter() - started
+    if history:
+        losses = [float(h["loss"]) for h in history if math.isfinite(float(h.get("loss", math.nan)))]
+        entry["train_loss"] = float(np.mean(losses)) if losses else None
+        entry["nonfinite_samples"] = int(sum(h.get("nonfinite_samples", 0) for h in history))
+    if note:
+        entry["note"] = note
+    try:
+        path = Path(site.state_dir) / ROUND_LOG
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(entry) + "\n")
+    except OSError as exc:  # diagnostics must never decide a round's outcome
+        log.warning("site %s: cannot write %s: %s", site.site_id, ROUND_LOG, exc)
 
 
 def _released_path(site: SiteConfig) -> Path:
     return Path(site.state_dir) / "released_update.npz"
 
 
-def _save_released(site: SiteConfig, run_id: str, round_id: int, update: dict[str, np.ndarray], num_examples: int) -> None:
+def _save_released(site: SiteConfig, run_id: str, round_id: int, update: dict[str, np.ndarray]) -> None:
     """Keep the last released update (already privatized), so a replayed round re-sends it."""
     from fedpose.federation.aggregation import save_array_checkpoint
 
-    save_array_checkpoint(_released_path(site), update, {"run_id": run_id, "round": int(round_id), "num_examples": int(num_examples)})
+    save_array_checkpoint(_released_path(site), update, {"run_id": run_id, "round": int(round_id)})
 
 
-def _load_released(site: SiteConfig, run_id: str, round_id: int) -> tuple[dict[str, np.ndarray], int] | None:
+def _load_released(site: SiteConfig, run_id: str, round_id: int) -> dict[str, np.ndarray] | None:
     from fedpose.federation.aggregation import load_array_checkpoint
 
     if not _released_path(site).exists():
@@ -251,21 +298,7 @@ def _load_released(site: SiteConfig, run_id: str, round_id: int) -> tuple[dict[s
     arrays, meta = load_array_checkpoint(_released_path(site))
     if meta.get("run_id") != run_id or meta.get("round") != int(round_id):
         return None
-    return arrays, int(meta["num_examples"])
-
-
-def _report_after_training(site: SiteConfig, budget: SiteBudget | None, engine: Any, local_steps: int) -> dict[str, Any]:
-    report = privacy_report(site, budget)
-    if budget is None:
-        return {**report, "next_round_affordable": True}
-    return _with_outlook(report, budget, float(engine.noise_multiplier), float(engine.sample_rate), local_steps)
-
-
-def _with_outlook(report: dict[str, Any], budget: SiteBudget, sigma: float, rate: float, steps: int) -> dict[str, Any]:
-    """Add whether one more identical round would still fit ε_max (so the coordinator can stop asking)."""
-    report = dict(report)
-    report["next_round_affordable"] = bool(budget.planned_epsilon(sigma, rate, steps) <= budget.eps_max)
-    return report
+    return arrays
 
 
 def _build_optimizer(site: SiteConfig, params: list[Any]) -> Any:

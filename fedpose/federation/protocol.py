@@ -1,26 +1,31 @@
-"""The round protocol between coordinator and sites: record names and keys (Flower-free).
+"""The round protocol between coordinator and sites (Flower-free): the one typed definition of
+what each side sends.
 
 Coordinator → site, message type ``train``:
-  ``global``  ArrayRecord: every tensor of the global model's state dict (name → array)
-  ``basis``   ArrayRecord + ``basis-config`` ConfigRecord, only when the site lacks the current
-              basis version (pdp / fpdp): V itself, or a compact recipe the site rebuilds
-  ``config``  ConfigRecord: run-id, round, local-steps, model-spec (JSON), basis-version
+  ``global``        ArrayRecord: every tensor of the global model's state dict (name → array)
+  ``basis``         ArrayRecord + ``basis-config`` ConfigRecord, only when the site lacks the
+                    current basis version (pdp / fpdp): V itself, or a compact recipe
+  ``config``        ConfigRecord: run-id, round, local-steps, model-spec (JSON), basis-version
 
-Site → coordinator (the reply; nothing else ever leaves a site):
-  ``update``  ArrayRecord: Δ = w_local − w_global of the trainable parameters (only with status ok)
-  ``metrics`` MetricRecord (numbers only): num-examples, cumulative epsilon / delta / rdp / orders,
-              steps, rounds-spent, basis-version, next-round-affordable, train-loss, compute-seconds
-  ``site``    ConfigRecord (strings): site-id, status (ok | refused | replayed | failed), guarantee,
-              accountant, reason
+Site → coordinator — the reply, and nothing else ever leaves a site:
+  ``update``        ArrayRecord: Δ = w_local − w_global of the trainable parameters (status "ok" only)
+  ``reply``         ConfigRecord with one key, ``reply``: a :class:`SiteReply` as JSON
+
+Every field of :class:`SiteReply` says in a comment why it may leave the site. The rule: Δ is
+the output of the privacy mechanism; everything else is a function of public values only (the
+site's declared σ, q, C, δ, ε_max and step counts, the coordinator's own instruction), so the
+coordinator learns nothing about a patient from it. In particular no loss or other statistic of
+private data, no dataset size (q is declared, see ``privacy.sample_rate``), no timing, and no
+free text: reasons are fixed codes, errors carry only their class name (details stay in the
+site's local log). ``sites/egress.py`` checks every outgoing message against this schema.
 """
 
 from __future__ import annotations
 
 import json
-import math
-from typing import Any
+from typing import Any, Literal, Mapping
 
-from fedpose.federation.local_training import SiteRoundResult
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MESSAGE_TYPE_TRAIN = "train"
 
@@ -29,20 +34,127 @@ BASIS_RECORD = "basis"
 BASIS_CONFIG_RECORD = "basis-config"
 CONFIG_RECORD = "config"
 UPDATE_RECORD = "update"
-METRICS_RECORD = "metrics"
-SITE_RECORD = "site"
+REPLY_RECORD = "reply"
+REPLY_KEY = "reply"
 
 #: every record name a site may send (the egress guard rejects anything else)
-SITE_REPLY_RECORDS = frozenset({UPDATE_RECORD, METRICS_RECORD, SITE_RECORD})
-#: the string fields a site may send, and nothing else
-SITE_STRING_KEYS = frozenset({"site-id", "status", "guarantee", "accountant", "reason"})
-#: the numeric fields a site may send (scalars; rdp/orders are per-order lists of the accountant)
-SITE_METRIC_KEYS = frozenset({
-    "num-examples", "epsilon", "delta", "eps-max", "steps", "rounds-spent", "rdp", "orders", "basis-version",
-    "next-round-affordable", "train-loss", "compute-seconds", "local-steps",
-})
+SITE_REPLY_RECORDS = frozenset({UPDATE_RECORD, REPLY_RECORD})
+
+ReplyStatus = Literal["ok", "refused", "replayed", "failed", "error"]
+
+#: Why a reply carries no fresh update. Fixed codes with fixed texts: a free-form reason could
+#: carry a private value (a loss, a path, a record id) past the egress guard.
+ReasonCode = Literal["budget-exhausted", "resent-earlier-release", "no-earlier-release", "training-diverged", "site-error"]
+REASON_TEXT: dict[str, str] = {
+    "budget-exhausted": "the site's planned steps would pass its ε_max; nothing was spent",
+    "resent-earlier-release": "round already spent; the site re-sent the update it released then (no new privacy cost)",
+    "no-earlier-release": "round already spent and no released update is kept; no second release",
+    "training-diverged": "local training diverged (non-finite weights); the spend is recorded, nothing released",
+    "site-error": "the site's ClientApp failed; details are in the site's local log",
+}
+
+#: Python identifier: the only shape an error class name may take on the wire
+_ERROR_CLASS_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
+_SITE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 
 
+class ProtocolError(ValueError):
+    """A message does not follow the round protocol (names what is wrong)."""
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PrivacyReport(_Wire):
+    """The site's cumulative privacy state after this round.
+
+    Every field is computed from the site's declared parameters (σ, q, C, δ, ε_max) and the
+    steps it ran — public values — never from its data."""
+
+    guarantee: str  #: "DP", "FDP", "MaskDP" or "none": which statement ε belongs to
+    unit: str  #: what one neighbouring dataset changes (the unit protected)
+    adjacency: str  #: the accountant's neighbouring relation ("add_remove", ...)
+    accountant: Literal["rdp", "none"]
+    epsilon: float | None  #: cumulative ε at delta; None = no guarantee (non-private training)
+    delta: float
+    eps_max: float  #: the site's own budget (its config)
+    steps: int = Field(ge=0)  #: local DP steps composed so far
+    rounds_spent: int = Field(ge=0)
+    orders: list[float]  #: RDP orders (accountant constants)
+    rdp: list[float]  #: cumulative RDP per order: a function of (σ, q, steps) only
+    next_round_affordable: bool  #: would one more identical round fit ε_max (same public inputs)
+
+    @model_validator(mode="after")
+    def _curve(self) -> "PrivacyReport":
+        if len(self.orders) != len(self.rdp):
+            raise ValueError(f"privacy report: {len(self.orders)} orders but {len(self.rdp)} RDP values")
+        return self
+
+
+class SiteReply(_Wire):
+    """Everything a site sends for one round besides Δ (which travels in the ``update`` record)."""
+
+    site_id: str = Field(pattern=_SITE_ID_PATTERN)  #: the site's configured id (budgets are keyed by it)
+    run_id: str  #: echoed from the coordinator's instruction
+    round: int  #: echoed from the coordinator's instruction
+    status: ReplyStatus  #: decided by the budget guard and the noisy update only (non-finite samples are zeroed)
+    reason: ReasonCode | None = None  #: fixed code; None for a fresh "ok"
+    error_class: str | None = Field(None, pattern=_ERROR_CLASS_PATTERN)  #: "error" only: the exception's class name
+    privacy: PrivacyReport | None = None  #: None only for "error" when the site could not read its own state
+    basis_version: int = -1  #: projection-basis version the site holds (-1: none); the coordinator ships only news
+    local_steps: int = Field(0, ge=0)  #: steps this round ran: min(asked, the site's configured cap)
+    aggregation_weight: float = Field(1.0, gt=0)  #: the site's declared FedAvg weight (config, not its data size)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "SiteReply":
+        if self.status == "error":
+            if self.error_class is None or self.reason != "site-error":
+                raise ValueError("an 'error' reply needs error_class and reason 'site-error'")
+        else:
+            if self.error_class is not None:
+                raise ValueError(f"error_class is only sent with status 'error', not {self.status!r}")
+            if self.privacy is None:
+                raise ValueError(f"a {self.status!r} reply must carry the site's privacy report")
+        expected = {"ok": (None, "resent-earlier-release"), "refused": ("budget-exhausted",),
+                    "replayed": ("no-earlier-release",), "failed": ("training-diverged",), "error": ("site-error",)}
+        if self.reason not in expected[self.status]:
+            raise ValueError(f"reason {self.reason!r} does not fit status {self.status!r}")
+        return self
+
+    @property
+    def carries_update(self) -> bool:
+        return self.status == "ok"
+
+    def describe(self) -> str:
+        """One line for logs and the round record (the coordinator side renders the codes)."""
+        text = REASON_TEXT[self.reason] if self.reason else "ok"
+        if self.error_class:
+            text = f"{self.error_class}: {text}"
+        return text
+
+
+def encode_reply(reply: SiteReply) -> dict[str, str]:
+    """The ``reply`` ConfigRecord's content."""
+    return {REPLY_KEY: reply.model_dump_json()}
+
+
+def decode_reply(record: Mapping[str, Any]) -> SiteReply:
+    """Parse a ``reply`` ConfigRecord; :class:`ProtocolError` names what is wrong."""
+    keys = set(record)
+    if keys != {REPLY_KEY}:
+        raise ProtocolError(f"reply record must hold exactly the key '{REPLY_KEY}', got {sorted(keys)}")
+    raw = record[REPLY_KEY]
+    if not isinstance(raw, str):
+        raise ProtocolError(f"reply record: '{REPLY_KEY}' must be a JSON string, got {type(raw).__name__}")
+    try:
+        return SiteReply.model_validate_json(raw)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in exc.errors())
+        raise ProtocolError(f"malformed site reply: {problems}") from None
+
+
+# -- coordinator → site -----------------------------------------------------------------------------
 def train_config(run_id: str, round_id: int, local_steps: int, model_spec: dict[str, Any], basis_version: int) -> dict[str, Any]:
     return {
         "run-id": run_id, "round": int(round_id), "local-steps": int(local_steps),
@@ -52,47 +164,8 @@ def train_config(run_id: str, round_id: int, local_steps: int, model_spec: dict[
 
 def parse_train_config(config: dict[str, Any]) -> tuple[str, int, int, dict[str, Any], int]:
     """(run id, round, local steps, model spec, basis version) from a train message's config."""
-    return (str(config["run-id"]), int(config["round"]), int(config["local-steps"]),
-            json.loads(str(config["model-spec"])), int(config["basis-version"]))
-
-
-def reply_fields(result: SiteRoundResult) -> tuple[dict[str, float | int | list[float]], dict[str, str]]:
-    """(metrics, strings) of a site's reply — the only scalars that leave the site."""
-    privacy = result.privacy
-    metrics: dict[str, float | int | list[float]] = {
-        "num-examples": int(result.num_examples),
-        "epsilon": float(privacy["epsilon"]),
-        "delta": float(privacy["delta"]),
-        "eps-max": float(privacy["eps_max"]),
-        "steps": int(privacy["steps"]),
-        "rounds-spent": int(privacy["rounds_spent"]),
-        "rdp": [float(x) for x in privacy["rdp"]],
-        "orders": [float(x) for x in privacy["orders"]],
-        "basis-version": int(result.basis_version),
-        "next-round-affordable": int(bool(privacy.get("next_round_affordable", True))),
-        "compute-seconds": float(result.compute_seconds),
-    }
-    for key, value in result.train_metrics.items():
-        name = key.replace("_", "-")
-        if name in SITE_METRIC_KEYS and math.isfinite(value):
-            metrics[name] = float(value)
-    strings = {
-        "site-id": result.site_id, "status": result.status, "guarantee": str(privacy["guarantee"]),
-        "accountant": str(privacy["accountant"]), "reason": result.reason,
-    }
-    return metrics, strings
-
-
-def site_report_from_reply(metrics: dict[str, Any], strings: dict[str, Any]) -> dict[str, Any]:
-    """The reply's privacy fields as a :meth:`SiteBudget.report`-shaped dict (for the ledger)."""
-    epsilon = float(metrics["epsilon"]) if "epsilon" in metrics else None
-    guarantee = str(strings.get("guarantee", ""))
-    return {
-        "site_id": str(strings["site-id"]),
-        "epsilon": epsilon if epsilon is not None and math.isfinite(epsilon) else None,
-        "delta": float(metrics["delta"]) if "delta" in metrics else None,
-        "guarantee": guarantee or None,
-        "accountant": str(strings.get("accountant", "rdp")),
-        "rdp": list(metrics["rdp"]) if metrics.get("rdp") else None,
-        "orders": list(metrics["orders"]) if metrics.get("orders") else None,
-    }
+    try:
+        return (str(config["run-id"]), int(config["round"]), int(config["local-steps"]),
+                json.loads(str(config["model-spec"])), int(config["basis-version"]))
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ProtocolError(f"malformed train instruction: {type(exc).__name__} {exc}") from None

@@ -23,6 +23,10 @@ what the text states ("sensitivity … maximum change in X, scaled by the norm o
 docs/input-privacy.md. Where the paper's Theorem 4 does not apply (ε₂ ≥ 1) we calibrate σ₂ with
 the same tail bound as step 3, which holds for every ε > 0 (labelled in the guarantee).
 By basic composition the clip release is (ε₁+ε₂, δ₁+δ₂) = (ε, δ)-DP; step 5 is post-processing.
+
+P and both noises come from :class:`~fedpose.privacy.noise.SecureNoise` (AES-256-CTR keyed from
+``os.urandom``) by default. ``insecure_seed`` (tests only) draws them from a seeded generator
+instead: whoever knows the seed regenerates the noise, so the guarantee record is marked void.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import numpy as np
+import torch
+
+from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
+from fedpose.privacy.noise import make_noise
 
 
 class DprpError(ValueError):
@@ -100,10 +108,11 @@ def video_dprp(
     *,
     split: float = 0.5,
     rank: int | None = None,
-    seed: int | None = None,
+    insecure_seed: int | None = None,
 ) -> DprpResult:
     """Privatize one clip (F×H×W×3, values in [0, 1]) with Video-DPRP. ``rank``: how many right
-    singular vectors of the noisy covariance to keep (default min(F, k): Y has rank ≤ F)."""
+    singular vectors of the noisy covariance to keep (default min(F, k): Y has rank ≤ F).
+    ``insecure_seed``: TESTS ONLY, reproducible and NOT PRIVATE (see the module docstring)."""
     clip = np.asarray(clip, dtype=np.float64)
     if clip.ndim != 4 or clip.shape[-1] != 3:
         raise DprpError(f"expected a clip F×H×W×3, got shape {clip.shape}")
@@ -116,10 +125,13 @@ def video_dprp(
     if not 1 <= rank <= k:
         raise DprpError(f"rank must be in [1, {k}], got {rank}")
     budget = proportional_split(epsilon, delta, split)
-    rng = np.random.default_rng(seed)
+    noise = make_noise(insecure_seed)
+
+    def gaussian(shape: tuple[int, int], std: float) -> np.ndarray:
+        return noise.normal(shape[0] * shape[1], std, torch.float64).numpy().reshape(shape)
 
     x = clip.reshape(frames, frame_dim)
-    projection = rng.normal(0.0, 1.0 / math.sqrt(k), size=(frame_dim, k))
+    projection = gaussian((frame_dim, k), 1.0 / math.sqrt(k))
     gram = projection.T @ projection  # k×k; ‖P‖₂² = its largest eigenvalue
     projection_norm = math.sqrt(float(np.linalg.eigvalsh(gram)[-1]))
     row_sensitivity = math.sqrt(frame_dim) * projection_norm  # w₂
@@ -130,9 +142,9 @@ def video_dprp(
     )
 
     projected = x @ projection
-    noisy_projected = projected + rng.normal(0.0, sigma_projection, size=projected.shape)
+    noisy_projected = projected + gaussian(projected.shape, sigma_projection)
     covariance = projected.T @ projected
-    noisy_covariance = covariance + rng.normal(0.0, sigma_covariance, size=covariance.shape)
+    noisy_covariance = covariance + gaussian(covariance.shape, sigma_covariance)
     _, _, right_t = np.linalg.svd(noisy_covariance)
     basis = right_t[:rank].T  # k×r
     coords = noisy_projected @ basis @ basis.T  # F×k, post-processing of the two releases
@@ -140,10 +152,14 @@ def video_dprp(
     reconstruction = np.linalg.solve(gram, coords.T).T @ projection.T
     out = np.clip(reconstruction, 0.0, 1.0).reshape(clip.shape).astype(np.float32)
 
+    statement = "(ε, δ)-DP for one clip w.r.t. changing any one frame (pixels in [0, 1])"
     guarantee: dict[str, object] = {
         "mechanism": "video-dprp",
         "guarantee": "DP",
-        "guarantee_statement": "(ε, δ)-DP for one clip w.r.t. changing any one frame (pixels in [0, 1])",
+        "guarantee_statement": statement if noise.secure else f"{SEEDED_NO_GUARANTEE}: {statement}",
+        "guarantee_void": not noise.secure,
+        "randomness": noise.description,
+        "cryptographically_secure": noise.secure,
         "epsilon": float(epsilon),
         "delta": float(delta),
         "accountant": "basic composition of two Gaussian mechanisms",

@@ -43,6 +43,7 @@ from fedpose.config import PrivacyConfig
 from fedpose.privacy import projection
 from fedpose.privacy.accountant import RDPAccountant, noise_multiplier_for
 from fedpose.privacy.mechanisms import Mechanism, get_mechanism
+from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
 from fedpose.privacy.noise import make_noise
 from fedpose.privacy.per_sample import (
     DEFAULT_CHUNK_SIZE,
@@ -55,7 +56,7 @@ from fedpose.privacy.per_sample import (
 from fedpose.privacy.report import format_epsilon
 
 
-#: keys separating the seeded random streams (with the step index); see SeededNoise.reseed
+#: keys separating the seeded (test-only) random streams, with the step index; see InsecureSeededNoise.reseed
 _SAMPLING_STREAM, _NOISE_STREAM = 1, 2
 
 
@@ -66,6 +67,17 @@ def collate(samples: Sequence[dict], template: dict | None = None) -> dict:
     if template is None:
         raise ValueError("cannot build an empty batch without a template")
     return {key: value[:0] if isinstance(value, Tensor) else [] for key, value in template.items()}
+
+
+def resolve_noise_multiplier(privacy: PrivacyConfig, sample_rate: float, planned_steps: int) -> float:
+    """σ: ``privacy.noise_multiplier``, or the smallest σ whose ``planned_steps`` steps at rate q
+    stay within ``privacy.target_epsilon`` (the mechanism's relation, at ``privacy.delta``)."""
+    if privacy.noise_multiplier is not None:
+        return float(privacy.noise_multiplier)
+    if privacy.target_epsilon is None:  # PrivacyConfig's validator already forbids this
+        raise ValueError(f"privacy: mechanism '{privacy.mechanism}' needs privacy.noise_multiplier or privacy.target_epsilon")
+    relation = get_mechanism(privacy.mechanism).guarantee.relation
+    return noise_multiplier_for(privacy.target_epsilon, sample_rate, planned_steps, privacy.delta, relation=relation)
 
 
 class GradientEngine:
@@ -111,36 +123,38 @@ class GradientEngine:
         self._basis_workspace: Tensor | None = None
 
         if not mechanism.noisy:
+            self.dataset_size_public = True
             self.sample_rate = min(1.0, self.batch_size / self.dataset_size)
             self.noise_multiplier = 0.0
             self.accountant: RDPAccountant | None = None
             self.noise = None
             return
-        if self.batch_size > self.dataset_size:
+        # A declared q keeps N secret: under add/remove adjacency neighbouring datasets differ in
+        # N, so q = B/N (and every ε or RDP value computed from it) would release N.
+        self.dataset_size_public = privacy.sample_rate is None
+        if privacy.sample_rate is not None:
+            self.sample_rate = float(privacy.sample_rate)
+        elif self.batch_size > self.dataset_size:
             raise ValueError(
                 f"expected batch size {batch_size} exceeds the training set ({dataset_size} records): "
                 "the sampling rate q = B/N must be <= 1"
             )
-        self.sample_rate = self.batch_size / self.dataset_size
-        if privacy.noise_multiplier is not None:
-            self.noise_multiplier = float(privacy.noise_multiplier)
-        elif privacy.target_epsilon is not None:
-            self.noise_multiplier = noise_multiplier_for(
-                privacy.target_epsilon, self.sample_rate, self.planned_steps, privacy.delta,
-                relation=mechanism.guarantee.relation,
-            )
-        else:  # PrivacyConfig's validator already forbids this
-            raise ValueError(f"privacy: mechanism '{mechanism.name}' needs privacy.noise_multiplier or privacy.target_epsilon")
+        else:
+            self.sample_rate = self.batch_size / self.dataset_size
+        self.noise_multiplier = resolve_noise_multiplier(privacy, self.sample_rate, self.planned_steps)
         # The guarantee's neighbouring relation decides the RDP curve (FDP family: replace-one, see accountant).
         self.accountant = RDPAccountant(relation=mechanism.guarantee.relation)
-        self.noise = make_noise(privacy.secure_rng, self.seed)
+        # The CSPRNG unless a test asks for seeded noise, which voids the guarantee (see privacy_report).
+        self.noise = make_noise(self.seed if privacy.insecure_seeded_noise else None)
         if mechanism.projects and privacy.basis.k < 1:
             raise ValueError("privacy.basis.k must be >= 1")
 
     # -- sampling -------------------------------------------------------------------------------
     @property
     def expected_batch_size(self) -> float:
-        return self.sample_rate * self.dataset_size
+        """B, the declared batch size the noisy sum is divided by. Dividing by the realised size
+        (or by q·N) would make the scale depend on the data."""
+        return float(self.batch_size)
 
     def batches(self, dataset: Dataset) -> Iterator[dict]:
         """Endless batches: Poisson-sampled at rate q for DP mechanisms, shuffled epochs for "none".
@@ -278,8 +292,10 @@ class GradientEngine:
             clipped_sum, norms, losses = clipped_gradient_sum(
                 model, features[:size], batch["joints"], batch["weight"], clip, self.chunk_size
             )
-            metrics["loss"] = float(losses.mean())
-            metrics["grad_norm_median"] = float(norms.median())
+            finite = torch.isfinite(norms)
+            metrics["nonfinite_samples"] = float((~finite).sum())  # zeroed before clipping; site-local
+            metrics["loss"] = float(losses[finite].mean()) if bool(finite.any()) else float("nan")
+            metrics["grad_norm_median"] = float(norms[finite].median()) if bool(finite.any()) else float("nan")
             metrics["clipped_fraction"] = float((norms > clip).float().mean())
             if public_images is not None:
                 public_gradient, public_losses = mean_gradient(model, features[size:], batch["joints"], batch["weight"])
@@ -317,12 +333,15 @@ class GradientEngine:
             "public": guarantee.public,
             "steps": self.steps_done,
             "planned_steps": self.planned_steps,
-            "dataset_size": self.dataset_size,
         }
+        if self.dataset_size_public:
+            report["dataset_size"] = self.dataset_size
         if self.accountant is None:
             report.update({"epsilon": None, "delta": None, "accountant": None, "epsilon_text": format_epsilon(math.inf, 0.0, "none")})
             return report
+        assert self.noise is not None  # every noisy mechanism has both a ledger and a noise source
         epsilon, order = self.accountant.get_epsilon(self.privacy.delta)
+        epsilon_text = format_epsilon(epsilon, self.privacy.delta, guarantee)
         rdp = self.accountant.rdp()
         planned = RDPAccountant(relation=self.accountant.relation)
         planned.step(self.noise_multiplier, self.sample_rate, self.planned_steps)
@@ -330,7 +349,8 @@ class GradientEngine:
             "epsilon": _finite_or_none(epsilon),
             "delta": self.privacy.delta,
             "optimal_order": _finite_or_none(order),
-            "epsilon_text": format_epsilon(epsilon, self.privacy.delta, guarantee),
+            "epsilon_text": epsilon_text if self.noise.secure else f"{SEEDED_NO_GUARANTEE}: {epsilon_text}",
+            "guarantee_void": not self.noise.secure,
             "planned_epsilon": _finite_or_none(planned.get_epsilon(self.privacy.delta)[0]),
             "target_epsilon": self.privacy.target_epsilon,
             "accountant": "rdp",
@@ -340,8 +360,11 @@ class GradientEngine:
             "sample_rate": self.sample_rate,
             "expected_batch_size": self.expected_batch_size,
             "sampling": "poisson",
-            "normalisation": "expected batch size q·N",
-            "secure_rng": bool(self.privacy.secure_rng),
+            "normalisation": "declared batch size B (train.batch_size)",
+            "dataset_size_public": self.dataset_size_public,
+            "adjacency": _adjacency_text(self.accountant.relation, self.dataset_size_public),
+            "randomness": self.noise.description,
+            "reproducible_noise": not self.noise.secure,
             "accountant_state": self.accountant.to_dict(),
             "rdp_curve": {"orders": list(self.accountant.orders), "rdp": [_finite_or_none(float(r)) for r in rdp]},
         })
@@ -362,6 +385,14 @@ class GradientEngine:
                 view.update(region=self.privacy.mask.region, margin=self.privacy.mask.margin, fill=self.privacy.mask.fill)
             report["public_view"] = view
         return report
+
+
+def _adjacency_text(relation: str, dataset_size_public: bool) -> str:
+    """The neighbouring relation in words, and whether N is part of what is released."""
+    if relation == "add_remove":
+        base = "add/remove one unit"
+        return base + (" (dataset size N treated as public: q = B/N)" if dataset_size_public else " (N secret: q declared)")
+    return "replace one unit's protected part (public parts and batch membership shared)"
 
 
 def _finite_or_none(value: float) -> float | None:

@@ -67,7 +67,7 @@ def settings_record(cfg: InputPrivacyConfig) -> dict[str, Any]:
         "ll_prune": cfg.ll_prune,
         "ll_offset": cfg.ll_offset,
         "allocation": cfg.allocation,
-        "seed": cfg.seed,
+        "insecure_seed": cfg.insecure_seed,
     }
 
 
@@ -75,7 +75,8 @@ def _slicer(cfg: InputPrivacyConfig) -> LdpSlicer:
     if cfg.mechanism != "ldp-slicing" or cfg.epsilon is None:
         raise InputPrivacyError(f"input_privacy.mechanism {cfg.mechanism!r} does not privatize images")
     return LdpSlicer(
-        cfg.epsilon, ll_prune=cfg.ll_prune, ll_offset=cfg.ll_offset, allocation=cfg.allocation, seed=cfg.seed
+        cfg.epsilon, ll_prune=cfg.ll_prune, ll_offset=cfg.ll_offset, allocation=cfg.allocation,
+        insecure_seed=cfg.insecure_seed,
     )
 
 
@@ -89,7 +90,10 @@ def _check_manifest(manifest_path: Path, expected: dict[str, Any], src_dir: Path
         manifest = json.loads(manifest_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise InputPrivacyError(f"{manifest_path}: unreadable manifest ({exc}); refusing to overwrite privatized data") from exc
-    if manifest.get("settings") != expected:
+    recorded = manifest.get("settings")
+    if isinstance(recorded, dict) and "seed" in recorded:  # manifests written before the rename to insecure_seed
+        recorded = {("insecure_seed" if key == "seed" else key): value for key, value in recorded.items()}
+    if recorded != expected:
         raise InputPrivacyError(
             f"{manifest_path.parent} was privatized with {manifest.get('settings')}, not {expected}. "
             "Re-randomizing the same images would spend the privacy budget again; keep the old settings, "

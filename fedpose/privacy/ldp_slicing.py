@@ -24,7 +24,8 @@ Guarantee (exact, see :meth:`LdpSlicer.guarantee`):
   says so too).
 
 Randomness comes from a cryptographically secure generator by default (AES-256-CTR keyed from
-``os.urandom``); a seeded PCG64 is available for tests and is labelled as not secure.
+``os.urandom``, :mod:`fedpose.privacy.csprng`); a seeded PCG64 (``insecure_seed``) is available for
+tests only: anyone who knows the seed can undo the flips, so its guarantee record is marked void.
 
 Implementation (all numpy, one thread; 1100–2000 images/s at 112×112 with LL pruning and
 AES-CTR on one core of a loaded machine, ≈ 4× the previous version; ``benchmarks/ldp_throughput``):
@@ -48,6 +49,8 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
+
+from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE, AesCtrBytes
 
 CHANNELS: tuple[str, str, str] = ("Y", "Cb", "Cr")
 BITS_PER_CHANNEL = 8
@@ -160,29 +163,6 @@ class RandomBytes(Protocol):
     def uint8(self, count: int) -> np.ndarray: ...
 
 
-class AesCtrBytes:
-    """AES-256 in counter mode keyed from ``os.urandom``: a CSPRNG (the CTR_DRBG construction)
-    that runs at GB/s with AES-NI, where ``os.urandom`` itself manages ~150 MB/s here."""
-
-    name = "aes-256-ctr (os.urandom key)"
-    cryptographically_secure = True
-
-    def __init__(self) -> None:
-        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-
-        self._encryptor = Cipher(algorithms.AES(os.urandom(32)), modes.CTR(os.urandom(16))).encryptor()
-        self._zeros = np.zeros(0, dtype=np.uint8)  # plaintext: the keystream is AES_k(counter) XOR 0
-
-    def uint8(self, count: int) -> np.ndarray:
-        if self._zeros.size < count:
-            self._zeros = np.zeros(count, dtype=np.uint8)
-        out = np.empty(count + 15, dtype=np.uint8)  # update_into wants block_size - 1 bytes of slack
-        written = self._encryptor.update_into(memoryview(self._zeros)[:count], out)
-        if written != count:  # CTR is a stream cipher: cannot happen, but never return unfilled memory
-            raise RuntimeError(f"AES-CTR produced {written} of {count} bytes")
-        return out[:count]
-
-
 class UrandomBytes:
     """The kernel CSPRNG directly (slower; kept for comparison and for systems without AES)."""
 
@@ -210,10 +190,11 @@ class SeededBytes:
 RANDOM_SOURCES: Mapping[str, Callable[[], RandomBytes]] = {"aes-ctr": AesCtrBytes, "urandom": UrandomBytes}
 
 
-def make_random_source(seed: int | None = None, secure_source: str = "aes-ctr") -> RandomBytes:
-    """Seeded PCG64 when ``seed`` is given (tests), otherwise a CSPRNG from :data:`RANDOM_SOURCES`."""
-    if seed is not None:
-        return SeededBytes(int(seed))
+def make_random_source(insecure_seed: int | None = None, secure_source: str = "aes-ctr") -> RandomBytes:
+    """Seeded PCG64 when ``insecure_seed`` is given (tests only, NOT PRIVATE), otherwise a CSPRNG
+    from :data:`RANDOM_SOURCES`."""
+    if insecure_seed is not None:
+        return SeededBytes(int(insecure_seed))
     try:
         return RANDOM_SOURCES[secure_source]()
     except KeyError:
@@ -533,7 +514,7 @@ class LdpSlicer:
         channel_weights: Mapping[str, float] | None = None,
         bit_weights: Sequence[float] | None = None,
         ll_offset: float = 0.0,
-        seed: int | None = None,
+        insecure_seed: int | None = None,
         secure_source: str = "aes-ctr",
     ) -> None:
         weights: dict[str, object] = {}
@@ -551,7 +532,7 @@ class LdpSlicer:
         self.allocation = allocation
         self.budgets = allocate_budget(self.epsilon_total, allocation, **weights)
         self.thresholds = flip_thresholds(self.budgets)
-        self.source = make_random_source(seed, secure_source)
+        self.source = make_random_source(insecure_seed, secure_source)
 
     def privatize_ycbcr(self, ycbcr_masked: np.ndarray) -> np.ndarray:
         """Randomized response on already-masked uint8 YCbCr (the part that spends the budget)."""
@@ -576,13 +557,17 @@ class LdpSlicer:
             if self.ll_prune
             else "one pixel (its Y, Cb, Cr values)"
         )
+        statement = (
+            f"pure ε-LDP per pixel: each masked pixel's 3 channel values are ε_total = {self.epsilon_total:g}-LDP "
+            "(24 independent binary randomized responses, sequential composition)"
+        )
+        secure = self.source.cryptographically_secure
         return {
             "mechanism": "ldp-slicing",
             "guarantee": "LDP",
-            "guarantee_statement": (
-                f"pure ε-LDP per pixel: each masked pixel's 3 channel values are ε_total = {self.epsilon_total:g}-LDP "
-                "(24 independent binary randomized responses, sequential composition)"
-            ),
+            # Seeded flips can be regenerated and undone by whoever knows the seed.
+            "guarantee_statement": statement if secure else f"{SEEDED_NO_GUARANTEE}: {statement}",
+            "guarantee_void": not secure,
             "epsilon_total": self.epsilon_total,
             "epsilon_realized": float(realized.sum()),
             "delta": 0.0,

@@ -209,6 +209,12 @@ def clipped_gradient_sum(
 
     Each sample's gradient is clipped to flat L2 norm ``max_grad_norm`` over *all* trainable
     parameters before summation, so one sample moves the sum by at most C.
+
+    A sample whose gradient norm is not finite (NaN/Inf entries, or an overflowing norm) is
+    zeroed: otherwise 0·Inf = NaN would poison the sum, and one record (or weights a malicious
+    coordinator chose to overflow it) would decide whether the site can release anything. Zero
+    is a valid clipped value, so the sensitivity stays C. Such samples show up as non-finite
+    entries of the returned norms (the caller counts them locally; they never leave the site).
     """
     if max_grad_norm <= 0:
         raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
@@ -220,6 +226,11 @@ def clipped_gradient_sum(
         grads, chunk_losses = per_sample_gradients(model, features[start:stop], joints[start:stop], weight[start:stop])
         chunk_norms = per_sample_norms(grads)
         factors = clip_factors(chunk_norms, max_grad_norm)
+        nonfinite = ~torch.isfinite(chunk_norms)
+        if bool(nonfinite.any()):
+            factors = torch.where(nonfinite, torch.zeros_like(factors), factors)
+            for g in grads.values():
+                g[nonfinite] = 0.0
         # Σ_i factor_i · g_i per parameter, accumulated straight into the flat sum (one gemv each).
         offset = 0
         for g in grads.values():

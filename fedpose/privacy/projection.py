@@ -95,11 +95,14 @@ class Basis:
 
 
 def basis_from_gradients(
-    gradients: Tensor, k: int, rel_tolerance: float = 1e-7, out: Tensor | None = None
+    gradients: Tensor, k: int, rel_tolerance: float = 1e-5, out: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
     """(V p × k' float32 orthonormal, eigenvalues k') from a gradient matrix G (m × p), k' ≤ k.
 
-    Directions with eigenvalue below ``rel_tolerance`` × the largest are dropped (rank < k).
+    Directions with eigenvalue below ``rel_tolerance`` × the largest are dropped (rank < k). The
+    Gram matrix is formed in float32, so a zero eigenvalue comes out as round-off of order
+    eps_f32 · λ_max ≈ 1e-7 · λ_max, higher or lower depending on the CPU's kernels (AVX-512 or
+    not); 1e-5 sits well above that noise, and directions that weak carry no usable signal.
     Eigenvector signs are fixed (largest-magnitude entry of u positive) so V is deterministic.
     ``out``: float32 storage of >= k·p elements, not overlapping G, to build V in (V is a view of it).
     """

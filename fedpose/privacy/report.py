@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
+
 
 @dataclass(frozen=True)
 class Guarantee:
@@ -79,8 +81,12 @@ def describe(report: Mapping[str, Any]) -> str:
     lines = [f"mechanism: {report['mechanism']}"]
     if report.get("guarantee") == "none":
         lines.append(format_epsilon(math.inf, 0.0, "none"))
+        lines.append("randomness: none drawn (no noise)")
         return "\n".join(lines)
-    lines.append(format_epsilon(report["epsilon"], report["delta"], report["guarantee"], report["accountant"]))
+    epsilon_line = format_epsilon(report["epsilon"], report["delta"], report["guarantee"], report["accountant"])
+    # Seeded test noise can be regenerated and subtracted: the ε above then promises nothing.
+    lines.append(f"{SEEDED_NO_GUARANTEE}: {epsilon_line}" if report.get("guarantee_void") else epsilon_line)
+    lines.append(f"randomness: {report.get('randomness', 'not recorded (privacy.json predates this field)')}")
     lines.append(f"guarantee: {report['guarantee_statement']}")
     lines.append(f"unit protected: {report['unit_protected']}")
     lines.append(f"treated as public: {report['public']}")

@@ -3,7 +3,9 @@
 Run directory (``train.out_dir``)::
 
     config.toml        the resolved configuration (defaults filled in)
-    metrics.json       {"train": [per-step records], "val": [periodic validation PCKh]}
+    metrics.json       {"train": [per-step records], "val": [periodic validation PCKh],
+                        "privacy": the ε text, "NO PRIVACY GUARANTEE (seeded test noise): …" under
+                        privacy.insecure_seeded_noise}
     curves.png         training loss and validation PCKh
     privacy.json       the engine's privacy report (for "none": no guarantee)
     checkpoints/last.pt, checkpoints/best.pt (best validation PCKh Mean)
@@ -11,9 +13,11 @@ Run directory (``train.out_dir``)::
 Resume (``--resume RUN_DIR`` or a checkpoint file) restores model, optimizer, schedule, step,
 metrics, RNG state and the privacy ledger. For mechanism "none" the batch and augmentation
 stream is replayed to the checkpointed position, so a resumed run continues exactly as an
-uninterrupted one. For DP mechanisms the accountant continues from the checkpoint, and sampling,
-noise and augmentation draw from a fresh stream seeded by (seed, step): replaying a seeded noise
-stream would reuse noise already spent.
+uninterrupted one. For DP mechanisms the accountant continues from the checkpoint; noise and
+sampling coins come from a CSPRNG keyed from OS entropy whose key is never saved, so a resumed run
+draws fresh noise. Augmentation (and, under the test-only ``privacy.insecure_seeded_noise``, the
+noise and coins) draw from a fresh stream seeded by (seed, step): replaying a seeded noise stream
+would reuse noise already spent.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from fedpose.config import ConfigError, RunConfig, validate
 from fedpose.io import atomic_write_json, atomic_write_text
 from fedpose.model import build_model, load_checkpoint, save_checkpoint
 from fedpose.model.checkpoint import restore_rng_state
+from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
 from fedpose.runtime import configure_cpu
 from fedpose.train.evaluate import evaluate
 from fedpose.train.loop import calibrate_batch_norm, train_steps
@@ -231,6 +236,9 @@ def run_training(
     log(f"training {summary_info['model']['trainable_parameters']:,} parameters "
         f"({cfg.model.backbone}, scenario {cfg.model.scenario}) on {len(train_set)} records, "
         f"privacy mechanism '{cfg.privacy.mechanism}' → {run_dir}")
+    if engine.noise is not None and not engine.noise.secure:
+        log(f"{SEEDED_NO_GUARANTEE}: privacy.insecure_seeded_noise draws the noise from train.seed = {seed}; "
+            "anyone who knows the seed can remove it (tests only)")
 
     def privacy_report() -> dict[str, Any]:
         report = engine.privacy_report()
@@ -243,8 +251,9 @@ def run_training(
         if state.val and state.val[-1]["step"] == step and state.val[-1]["Mean"] >= state.best:
             state.best = state.val[-1]["Mean"]
             save_checkpoint(run_dir / CHECKPOINT_DIR / BEST, model, optimizer, cfg, state.metrics(), step, scheduler, extra)
-        atomic_write_json(run_dir / "metrics.json", state.metrics())
-        atomic_write_json(run_dir / "privacy.json", privacy_report())
+        report = privacy_report()
+        atomic_write_json(run_dir / "metrics.json", {**state.metrics(), "privacy": report["epsilon_text"]})
+        atomic_write_json(run_dir / "privacy.json", report)
         rows = _curve_rows(state)
         if rows:
             from fedpose.viz import save_curves

@@ -1,0 +1,43 @@
+"""One record must not decide what a site releases: a sample whose gradient is NaN or Inf is
+zeroed before clipping, so the noisy sum stays finite and the reply's status cannot flip."""
+
+from __future__ import annotations
+
+import torch
+
+from fedpose.config import PrivacyConfig
+from fedpose.privacy import engine as engine_module
+from fedpose.privacy.engine import build_engine
+from fedpose.privacy.per_sample import clipped_gradient_sum, frozen_features
+from test_dp_engine import TensorPoseSet, make_model
+
+
+def _poisoned_batch(bad: float) -> dict:
+    batch = engine_module.collate([TensorPoseSet(4)[i] for i in range(4)])
+    batch["image"][2] = bad  # one record whose gradient is not finite
+    return batch
+
+
+def test_a_nan_or_inf_sample_contributes_nothing_to_the_clipped_sum() -> None:
+    model = make_model()
+    clean = engine_module.collate([TensorPoseSet(4)[i] for i in (0, 1, 3)])
+    features = frozen_features(model, clean["image"])
+    reference, _, _ = clipped_gradient_sum(model, features, clean["joints"], clean["weight"], 1.0)
+    for bad in (float("nan"), float("inf")):
+        batch = _poisoned_batch(bad)
+        features = frozen_features(model, batch["image"])
+        total, norms, _ = clipped_gradient_sum(model, features, batch["joints"], batch["weight"], 1.0)
+        assert torch.isfinite(total).all()
+        assert not torch.isfinite(norms[2]) and torch.isfinite(norms[[0, 1, 3]]).all()
+        assert torch.allclose(total, reference, rtol=1e-5, atol=1e-6)  # exactly the sum without it
+
+
+def test_the_engine_releases_a_finite_gradient_and_counts_the_zeroed_sample_locally() -> None:
+    model = make_model()
+    privacy = PrivacyConfig(mechanism="dpsgd", noise_multiplier=1.0, sample_rate=0.25, max_grad_norm=1.0)
+    engine = build_engine(privacy, model, dataset_size=16, batch_size=4, planned_steps=1)
+    metrics = engine.step(model, _poisoned_batch(float("nan")))
+    grads = [p.grad for p in model.trainable_parameters().values()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert metrics["nonfinite_samples"] == 1.0
+    assert engine.accountant is not None and engine.accountant.steps == 1
