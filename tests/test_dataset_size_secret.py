@@ -47,3 +47,19 @@ def test_central_training_without_a_declared_rate_says_n_is_public() -> None:
     report = build_engine(privacy, make_model(), dataset_size=16, batch_size=4, planned_steps=1).privacy_report()
     assert report["dataset_size_public"] is True and report["dataset_size"] == 16
     assert "N treated as public" in report["adjacency"] or "dataset size N treated as public" in report["adjacency"]
+
+
+def test_privacy_report_cli_states_randomness_adjacency_unit_and_what_leaves(tmp_path, capsys) -> None:
+    import json
+
+    from fedpose.cli import main
+
+    privacy = PrivacyConfig(mechanism="dpsgd", noise_multiplier=1.0, sample_rate=0.25)
+    report = build_engine(privacy, make_model(), dataset_size=16, batch_size=4, planned_steps=1).privacy_report()
+    path = tmp_path / "privacy.json"
+    path.write_text(json.dumps(report))
+    assert main(["privacy", "report", str(path)]) == 0
+    text = capsys.readouterr().out
+    for needle in ("randomness: AES-256-CTR", "unit protected: one record", "adjacency: add/remove one unit",
+                   "dataset size N: secret", "what leaves:", "(DP, δ = 1e-05, RDP)"):
+        assert needle in text, (needle, text)

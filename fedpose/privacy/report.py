@@ -89,12 +89,26 @@ def describe(report: Mapping[str, Any]) -> str:
     lines.append(f"randomness: {report.get('randomness', 'not recorded (privacy.json predates this field)')}")
     lines.append(f"guarantee: {report['guarantee_statement']}")
     lines.append(f"unit protected: {report['unit_protected']}")
+    lines.append(f"adjacency: {report.get('adjacency', report.get('neighbouring_relation', 'not recorded'))}")
+    if report.get("dataset_size_public", True):
+        lines.append(f"dataset size N: public (q = B/N; N = {report.get('dataset_size', 'not recorded')})")
+    else:
+        lines.append("dataset size N: secret (the sampling rate q is declared, N enters nothing released)")
     lines.append(f"treated as public: {report['public']}")
     lines.append(
         f"noise multiplier σ = {report['noise_multiplier']:.4g}, clip C = {report['max_grad_norm']:g}, "
         f"sample rate q = {report['sample_rate']:.4g}, steps = {report['steps']}"
     )
+    lines.append(f"what leaves: {WHAT_LEAVES}")
     return "\n".join(lines)
+
+
+#: What is released, in words (README "Privacy semantics" says the same)
+WHAT_LEAVES = (
+    "central training publishes only what `fedpose export` writes (weights + this report; checkpoints/, metrics.json "
+    "and curves.png hold private-data statistics and stay internal); a federation site sends only its typed reply — "
+    "the privatized Δ, a status with a fixed reason code, this cumulative report, basis version, run and round ids"
+)
 
 
 GUARANTEES: dict[str, Guarantee] = {g.name: g for g in (NO_PRIVACY, RECORD_DP, FEATURE_DP, MASK_DP)}
