@@ -145,3 +145,67 @@ def test_report_is_cumulative_and_json_ready(tmp_path):
     assert report["epsilon"] == pytest.approx(_eps_after(2), rel=1e-9)
     assert report["rounds_spent"] == 2 and report["steps"] == 2 * STEPS
     assert len(report["rdp"]) == len(report["orders"])
+
+
+def _snapshot(directory) -> dict:
+    return {p.name: p.read_bytes() for p in directory.iterdir() if p.is_file() and p.name != sb.LOCK_FILE}
+
+
+def test_a_deleted_budget_file_is_an_error_not_a_fresh_start(tmp_path):
+    budget = _budget(tmp_path, eps_max=10.0)
+    budget.authorize_round("run", 1, SIGMA, Q, STEPS)
+    budget.path.unlink()
+    before = _snapshot(budget.state_dir)
+    with pytest.raises(BudgetStateError, match=r"budget\.json is missing.*refusing to restart"):
+        _budget(tmp_path, eps_max=10.0)
+    assert _snapshot(budget.state_dir) == before  # nothing recreated
+
+
+def test_a_deleted_marker_is_readopted_from_a_sound_budget(tmp_path):
+    budget = _budget(tmp_path, eps_max=10.0)
+    budget.authorize_round("run", 1, SIGMA, Q, STEPS)
+    (budget.state_dir / sb.GENESIS_FILE).unlink()
+    assert _budget(tmp_path, eps_max=10.0).epsilon == pytest.approx(_eps_after(1))  # nothing lost
+    assert (budget.state_dir / sb.GENESIS_FILE).exists()
+
+
+def test_state_without_marker_or_budget_is_refused(tmp_path):
+    """Losing both files while other state survives (a basis cache, a released update) is loss, not a new site."""
+    budget = _budget(tmp_path, eps_max=10.0)
+    budget.authorize_round("run", 1, SIGMA, Q, STEPS)
+    (budget.state_dir / "released_update.npz").write_bytes(b"update")
+    budget.path.unlink()
+    (budget.state_dir / sb.GENESIS_FILE).unlink()
+    with pytest.raises(BudgetStateError, match="released_update.npz.*restore both"):
+        _budget(tmp_path, eps_max=10.0)
+    assert not budget.path.exists()
+
+
+@pytest.mark.parametrize("before, after", [("DP", "FDP"), ("FDP", "DP"), ("none", "DP"), ("DP", "none")])
+def test_a_change_of_guarantee_is_refused_with_the_spend_and_never_a_new_state_dir(tmp_path, before, after):
+    state = tmp_path / "site-a"
+    if before == "none":
+        sb.ensure_site_state(state, "site-a", "none", None)
+    else:
+        SiteBudget(state, "site-a", 100.0, DELTA, before).authorize_round("run", 1, SIGMA, Q, STEPS)
+    snapshot = _snapshot(state)
+    with pytest.raises(BudgetStateError) as refusal:
+        if after == "none":
+            sb.ensure_site_state(state, "site-a", "none", None)
+        else:
+            SiteBudget(state, "site-a", 10.0, DELTA, after)
+    message = str(refusal.value)
+    assert f"set up for the {before} guarantee" in message and "state_dir" not in message
+    if before != "none":
+        assert "spent ε = " in message
+    assert _snapshot(state) == snapshot
+
+
+def test_mechanisms_sharing_a_guarantee_share_one_budget(tmp_path):
+    """dpsgd and pdp are both record-level DP: switching between them continues the same spend."""
+    from fedpose.privacy.mechanisms import get_mechanism
+
+    state = tmp_path / "site-a"
+    SiteBudget(state, "site-a", 10.0, DELTA, get_mechanism("dpsgd").guarantee.name).authorize_round("run", 1, SIGMA, Q, STEPS)
+    continued = SiteBudget(state, "site-a", 10.0, DELTA, get_mechanism("pdp").guarantee.name)
+    assert continued.epsilon == pytest.approx(_eps_after(1))

@@ -21,6 +21,14 @@ send the cached update or nothing.
 
 Budgets are keyed by the site's stable id (config), never by Flower's node id, which changes when
 an unauthenticated SuperNode restarts.
+
+A site's state is created once: :func:`ensure_site_state` writes the genesis marker
+``<state_dir>/site_state.json`` (site id, guarantee, δ, creation time) beside an empty budget. From
+then on a missing or unreadable budget file is an error that names it — the site never restarts
+from zero — and the guarantee is fixed for the life of the state: earlier releases still apply to
+the same patients, so a site cannot switch to a guarantee its past releases void (after noise-free
+FDP public-view releases, or non-private training, a record-level DP claim about the same records
+says nothing). Mechanisms that share a guarantee (dpsgd/pdp, fdp/fpdp) share one budget.
 """
 
 from __future__ import annotations
@@ -45,6 +53,10 @@ from fedpose.privacy.report import relation_of
 STATE_FILE = "budget.json"
 LOCK_FILE = "budget.lock"
 STATE_FORMAT = "fedpose.site-budget/1"
+GENESIS_FILE = "site_state.json"
+GENESIS_FORMAT = "fedpose.site-state/1"
+#: what else a site keeps in its state_dir: any of it without a genesis marker means state was lost
+OTHER_STATE = ("basis", "released_update.npz", "ldp-sliced", "ldp_release.json", "rounds.jsonl")
 
 EntryStatus = Literal["spent", "refused"]
 
@@ -140,6 +152,97 @@ def _digest(payload: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def _write_signed(path: Path, payload: dict[str, Any]) -> None:
+    atomic_write_text(path, json.dumps({"payload": payload, "sha256": _digest(payload)}, indent=1))
+
+
+def _read_signed(path: Path, what: str) -> dict[str, Any]:
+    """The checksummed payload of ``path``; :class:`BudgetStateError` naming the file otherwise."""
+    try:
+        doc = json.loads(path.read_text())
+        payload, digest = doc["payload"], doc["sha256"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise BudgetStateError(
+            f"{what} {path} is unreadable or corrupt ({exc}); refusing to continue rather than resetting the "
+            "budget to zero. Restore it from a backup, or investigate before deleting it."
+        ) from None
+    if not isinstance(payload, dict) or _digest(payload) != digest:
+        raise BudgetStateError(f"{what} {path} is corrupt (checksum mismatch); refusing to reset the budget to zero")
+    return payload
+
+
+def ensure_site_state(state_dir: str | Path, site_id: str, guarantee: str, delta: float | None) -> bool:
+    """Create a site's state once, or check it; returns True when it was created just now.
+
+    Refuses (:class:`BudgetStateError`, naming the file) when the budget of an existing state is
+    missing, when state files exist without a genesis marker, when the marker belongs to another
+    site, or when the site now trains under another guarantee than the one its state was created
+    for. Nothing on disk changes when it refuses.
+    """
+    state_dir = Path(state_dir)
+    marker, budget = state_dir / GENESIS_FILE, state_dir / STATE_FILE
+    private = guarantee != "none"
+    if marker.exists():
+        genesis = _read_signed(marker, "site state marker")
+        if genesis.get("format") != GENESIS_FORMAT:
+            raise BudgetStateError(f"site state marker {marker}: unknown format {genesis.get('format')!r} (expected {GENESIS_FORMAT})")
+        if genesis["site_id"] != site_id:
+            raise BudgetStateError(f"site state {state_dir} belongs to site '{genesis['site_id']}', not '{site_id}'")
+        if genesis["guarantee"] != guarantee:
+            raise BudgetStateError(_guarantee_change_message(state_dir, site_id, genesis, guarantee))
+        if private and not budget.exists():
+            raise BudgetStateError(
+                f"site '{site_id}': budget file {budget} is missing, but this site's state was created on "
+                f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(genesis['created_at']))} UTC ({marker}): refusing to "
+                "restart its privacy budget from zero. Restore budget.json from a backup; the ε already spent still applies."
+            )
+        return False
+    if budget.exists():
+        # State from before genesis markers: adopt it if the budget file itself is sound (nothing is lost).
+        payload = _read_signed(budget, "site budget state")
+        genesis = {"format": GENESIS_FORMAT, "site_id": payload.get("site_id"), "guarantee": payload.get("guarantee"),
+                   "delta": payload.get("delta"), "created_at": time.time(), "adopted_from": STATE_FILE}
+        if genesis["site_id"] != site_id:
+            raise BudgetStateError(f"site budget state {budget} belongs to site '{genesis['site_id']}', not '{site_id}'")
+        if genesis["guarantee"] != guarantee:
+            raise BudgetStateError(_guarantee_change_message(state_dir, site_id, genesis, guarantee))
+        _write_signed(marker, genesis)
+        return False
+    leftovers = [name for name in OTHER_STATE if (state_dir / name).exists()]
+    if leftovers:
+        raise BudgetStateError(
+            f"site '{site_id}': {state_dir} holds site state ({', '.join(leftovers)}) but neither {GENESIS_FILE} "
+            f"nor {STATE_FILE}: its budget was lost. Refusing to restart from zero; restore both files from a backup."
+        )
+    state_dir.mkdir(parents=True, exist_ok=True)
+    if private:  # the empty budget first: a crash before the marker leaves state that is adopted above
+        fresh = _State(site_id, guarantee, float(delta) if delta is not None else 0.0)
+        _write_signed(budget, fresh.to_payload())
+    _write_signed(marker, {"format": GENESIS_FORMAT, "site_id": site_id, "guarantee": guarantee, "delta": delta,
+                           "created_at": time.time()})
+    return True
+
+
+def _guarantee_change_message(state_dir: Path, site_id: str, genesis: dict[str, Any], guarantee: str) -> str:
+    from fedpose.privacy.mechanisms import MECHANISMS
+
+    before = genesis["guarantee"]
+    same = sorted(name for name, m in MECHANISMS.items() if m.guarantee.name == before)
+    spent = ""
+    budget = state_dir / STATE_FILE
+    if before != "none" and budget.exists():
+        payload = _read_signed(budget, "site budget state")
+        accountant = RDPAccountant.from_dict(payload["accountant"])
+        spent = f" It has spent ε = {accountant.get_epsilon(payload['delta'])[0]:.4g} ({before}, δ = {payload['delta']:.3g}, RDP)."
+    released = "non-private updates" if before == "none" else f"releases under the {before} guarantee"
+    return (
+        f"site '{site_id}' was set up for the {before} guarantee ({state_dir / GENESIS_FILE}) and now asks for {guarantee}.{spent} "
+        f"Its earlier {released} concern the same patients and still apply; a {guarantee} claim cannot be composed with them "
+        f"(after noise-free public-view releases or non-private training, a record-level claim about the same records says "
+        f"nothing). Keep a mechanism with the {before} guarantee ({', '.join(same)}), or retire this site's data."
+    )
+
+
 class SiteBudget:
     """A site's persisted RDP budget for one guarantee (e.g. "DP", "FDP", "MaskDP").
 
@@ -158,7 +261,7 @@ class SiteBudget:
         self.eps_max = float(eps_max)
         self.delta = float(delta)
         self.guarantee = guarantee
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        ensure_site_state(self.state_dir, site_id, guarantee, self.delta)
         self._state = self._load()
 
     # -- queries ---------------------------------------------------------------------------------
@@ -264,33 +367,20 @@ class SiteBudget:
                 fcntl.flock(fh, fcntl.LOCK_UN)
 
     def _persist(self, state: _State) -> None:
-        payload = state.to_payload()
-        atomic_write_text(self.path, json.dumps({"payload": payload, "sha256": _digest(payload)}, indent=1))
+        _write_signed(self.path, state.to_payload())
         self._state = state  # only after the write succeeded: a failed write leaves memory == disk
 
     def _load(self) -> _State:
-        if not self.path.exists():
-            return _State(self.site_id, self.guarantee, self.delta)
+        if not self.path.exists():  # ensure_site_state wrote it at genesis: it was lost since
+            raise BudgetStateError(f"site '{self.site_id}': budget file {self.path} is missing; refusing to restart from zero")
         where = f"site budget state {self.path}"
-        try:
-            doc = json.loads(self.path.read_text())
-            payload, digest = doc["payload"], doc["sha256"]
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise BudgetStateError(
-                f"{where} is unreadable or corrupt ({exc}); refusing to continue rather than resetting the "
-                "budget to zero. Restore it from a backup, or investigate before deleting it."
-            ) from None
-        if _digest(payload) != digest:
-            raise BudgetStateError(f"{where} is corrupt (checksum mismatch); refusing to reset the budget to zero")
+        payload = _read_signed(self.path, "site budget state")
         if payload.get("format") != STATE_FORMAT:
             raise BudgetStateError(f"{where}: unknown format {payload.get('format')!r} (expected {STATE_FORMAT})")
         if payload["site_id"] != self.site_id:
             raise BudgetStateError(f"{where} belongs to site '{payload['site_id']}', not '{self.site_id}'")
         if payload["guarantee"] != self.guarantee:
-            raise BudgetStateError(
-                f"{where} accounts a '{payload['guarantee']}' guarantee; this site now trains under '{self.guarantee}' "
-                "— budgets of different guarantees do not compose; use a new state_dir"
-            )
+            raise BudgetStateError(_guarantee_change_message(self.state_dir, self.site_id, {"guarantee": payload["guarantee"]}, self.guarantee))
         if payload["delta"] != self.delta:
             raise BudgetStateError(f"{where} was kept at δ = {payload['delta']}, config says δ = {self.delta}")
         try:
