@@ -19,6 +19,7 @@ import yaml
 from fedpose.config import load_config
 from fedpose.federation.config import SiteConfig
 from fedpose.federation.deployment import load_coordinator_run
+from fedpose.privacy.input_privacy import site_ldp_copy_dir
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKER = REPO / "docker"
@@ -145,7 +146,12 @@ def test_site_and_coordinator_configs_are_valid_and_match_the_mounts(compose: di
             assert site.site_id == name, f"{name} runs the config of {site.site_id}"
             mounts = [v.split(":")[1] for v in service["volumes"]]
             assert str(site.data.train) in mounts, f"{name}: data.train {site.data.train} is not mounted"
-            assert any(str(site.state_dir).startswith(m) for m in mounts), f"{name}: state_dir not on a volume"
+            # budget, LDP copy and its release record must survive a recreated container: a named
+            # volume (declared at the top level), not a bind of the writable layer
+            named = {v.split(":")[1]: v.split(":")[0] for v in service["volumes"] if not v.startswith((".", "/"))}
+            durable = [m for m in named if str(site.state_dir).startswith(m)]
+            assert durable and named[durable[0]] in compose["volumes"], f"{name}: state_dir not on a named volume"
+            assert str(site_ldp_copy_dir(site.state_dir)).startswith(durable[0]), f"{name}: LDP copy outside the state volume"
     env = compose["services"]["coordinator"]["environment"]
     run = load_coordinator_run(REPO / Path(env["COORDINATOR_CONFIG"]).relative_to(APP_ROOT))
     link_mounts = [v.split(":")[1] for v in compose["services"]["superlink"]["volumes"]]

@@ -136,3 +136,44 @@ def test_manifest_written_before_the_insecure_seed_rename_is_reused(tmp_path):
     settings["seed"] = settings.pop("insecure_seed")
     (dst / MANIFEST_FILE).write_text(json.dumps(manifest))
     assert privatize_dataset(src, dst, CFG) == first  # same settings under the old key: no second release
+
+
+def test_a_site_keeps_its_copy_and_release_record_in_its_state_dir(tmp_path):
+    from fedpose.privacy.input_privacy import RELEASE_RECORD, prepare_site_input, site_ldp_copy_dir
+
+    src, state = _dataset(tmp_path / "site"), tmp_path / "state"
+    path, guarantee = prepare_site_input(src, CFG, state)
+    assert path == site_ldp_copy_dir(state) and guarantee["mechanism"] == "ldp-slicing"
+    assert not (tmp_path / "site.ldp-sliced").exists()  # never beside the raw data (a container's writable layer)
+    record = json.loads((state / RELEASE_RECORD).read_text())
+    assert record["settings"]["epsilon"] == CFG.epsilon
+    images = {p.name: p.read_bytes() for p in path.glob("*.png")}
+    assert prepare_site_input(src, CFG, state) == (path, guarantee)  # reused: nothing drawn again
+    assert {p.name: p.read_bytes() for p in path.glob("*.png")} == images
+
+
+def test_a_lost_site_copy_is_not_privatized_again(tmp_path):
+    import shutil
+
+    from fedpose.privacy.input_privacy import RELEASE_RECORD, prepare_site_input, site_ldp_copy_dir
+
+    src, state = _dataset(tmp_path / "site"), tmp_path / "state"
+    prepare_site_input(src, CFG, state)
+    shutil.rmtree(site_ldp_copy_dir(state))  # a lost volume, a careless cleanup
+    with pytest.raises(InputPrivacyError, match=r"is missing.*2ε spent.*delete .*ldp_release\.json deliberately"):
+        prepare_site_input(src, CFG, state)
+    assert not site_ldp_copy_dir(state).exists()
+    with pytest.raises(InputPrivacyError, match="spends the budget again"):  # other settings: refused too
+        prepare_site_input(src, InputPrivacyConfig(mechanism="ldp-slicing", epsilon=3.0), state)
+    (state / RELEASE_RECORD).unlink()  # the operator's explicit decision
+    path, _ = prepare_site_input(src, CFG, state)
+    assert (path / "img0.png").exists()
+
+
+def test_a_legacy_copy_beside_the_data_must_be_moved_not_redrawn(tmp_path):
+    from fedpose.privacy.input_privacy import prepare_site_input
+
+    src = _dataset(tmp_path / "site")
+    prepare_site_dataset(src, CFG)  # the old default location
+    with pytest.raises(InputPrivacyError, match="move it to"):
+        prepare_site_input(src, CFG, tmp_path / "state")

@@ -117,10 +117,10 @@ def _site_basis(site: SiteConfig, model: Any, version: int, message: tuple[dict,
 def load_site_dataset(site: SiteConfig, input_size: tuple[int, int]) -> Any:
     """The site's training set (after input privacy, if configured) at the global model's input size."""
     from fedpose.data.dataset import PoseDataset, load_records
-    from fedpose.privacy.input_privacy import prepare_site_dataset
+    from fedpose.privacy.input_privacy import prepare_site_input
 
     assert site.data.train is not None  # SiteConfig validates it
-    data_dir, _ = prepare_site_dataset(site.data.train, site.input_privacy, Path(site.state_dir) / "ldp-sliced")
+    data_dir, _ = prepare_site_input(site.data.train, site.input_privacy, site.state_dir)
     records, root = load_records(data_dir)
     if not records:
         raise ValueError(f"site '{site.site_id}': no training records in {data_dir}")

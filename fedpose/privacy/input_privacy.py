@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -172,3 +173,62 @@ def prepare_site_dataset(
     target = Path(privatized_dir) if privatized_dir is not None else data_dir.with_name(data_dir.name + PRIVATIZED_SUFFIX)
     return target, privatize_dataset(data_dir, target, cfg)
 
+
+
+#: A federation site's privatized copy and its release record live in its state_dir (a durable
+#: volume), never beside the raw data: a recreated container must find them, not privatize again.
+SITE_COPY_DIR = "ldp-sliced"
+RELEASE_RECORD = "ldp_release.json"
+
+
+def site_ldp_copy_dir(state_dir: str | Path) -> Path:
+    return Path(state_dir) / SITE_COPY_DIR
+
+
+def prepare_site_input(data_dir: str | Path, cfg: InputPrivacyConfig, state_dir: str | Path) -> tuple[Path, dict[str, Any] | None]:
+    """:func:`prepare_site_dataset` for a federation site: the copy goes to ``<state_dir>/ldp-sliced``,
+    and the release is recorded in ``<state_dir>/ldp_release.json`` *before* any image is drawn.
+
+    Once recorded, the release is final: if the copy is later lost (and no interrupted ``.partial``
+    build is left to resume), the site refuses instead of privatizing its images a second time —
+    two independent ε-LDP releases of the same images are 2ε-LDP while fedpose would report ε.
+    Only an operator who deletes the release record deliberately can make the site privatize again.
+    """
+    data_dir, state_dir = Path(data_dir).resolve(), Path(state_dir)
+    if cfg.mechanism == "none":
+        return data_dir, None
+    copy, record = site_ldp_copy_dir(state_dir), state_dir / RELEASE_RECORD
+    partial = copy.with_name(copy.name + PARTIAL_SUFFIX)
+    expected = settings_record(cfg)
+    if record.exists():
+        try:
+            release = json.loads(record.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise InputPrivacyError(f"{record}: unreadable LDP release record ({exc}); refusing to privatize the images again") from None
+        if release.get("settings") != expected or release.get("source") != str(data_dir):
+            raise InputPrivacyError(
+                f"{record}: this site's images were privatized from {release.get('source')} with {release.get('settings')}; "
+                f"the config now asks for {data_dir} with {expected}. A second randomization spends the budget again: "
+                "keep the recorded settings."
+            )
+        if not (copy / MANIFEST_FILE).exists() and not (partial / MANIFEST_FILE).exists():
+            raise InputPrivacyError(
+                f"the LDP-sliced copy {copy} recorded in {record} (ε_total = {release['settings'].get('epsilon')}) is missing. "
+                "Privatizing the images again would release a second independent copy (2ε spent, ε reported): restore the "
+                f"copy from a backup of {state_dir}. Only if you accept the doubled spend, delete {record} deliberately."
+            )
+        return copy, privatize_dataset(data_dir, copy, cfg)  # reuses the copy, or resumes its .partial build
+    legacy = data_dir.with_name(data_dir.name + PRIVATIZED_SUFFIX)
+    if (legacy / MANIFEST_FILE).exists() and not (copy / MANIFEST_FILE).exists():
+        raise InputPrivacyError(
+            f"{legacy} holds an LDP-sliced copy made before sites kept it in their state_dir; move it to {copy} "
+            "(privatizing again would spend the budget a second time)"
+        )
+    if (copy / MANIFEST_FILE).exists():  # a copy made before release records existed: check it, record it, draw nothing
+        guarantee = privatize_dataset(data_dir, copy, cfg)
+        atomic_write_json(record, {"settings": expected, "source": str(data_dir), "guarantee": guarantee,
+                                   "recorded_at": time.time(), "adopted": True})
+        return copy, guarantee
+    atomic_write_json(record, {"settings": expected, "source": str(data_dir), "guarantee": guarantee_record(cfg),
+                               "recorded_at": time.time()})
+    return copy, privatize_dataset(data_dir, copy, cfg)
