@@ -24,6 +24,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "deploy",
     "certs",
     "ledger",
+    "export",
 )
 
 

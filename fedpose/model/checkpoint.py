@@ -107,6 +107,20 @@ def _torch_load(path: Path) -> Any:
         raise CheckpointError(f"{path}: not a readable torch checkpoint ({exc})") from exc
 
 
+def save_weights_only(path: str | Path, model: nn.Module, extra: dict[str, Any] | None = None) -> Path:
+    """A checkpoint that ``fedpose eval`` / ``predict`` read, holding the architecture and weights
+    only: no optimizer or scheduler state, config, metrics, step or RNG state (those carry
+    statistics of the training data or the run's seed). What ``fedpose export`` publishes."""
+    payload = {
+        "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "model_spec": model_spec(model),
+        "model": model.state_dict(), "optimizer": None, "scheduler": None, "config": None, "metrics": None,
+        "step": 0, "rng": None, "extra": extra or {},
+    }
+    path = Path(path)
+    atomic_write(path, lambda fh: torch.save(payload, fh))
+    return path
+
+
 def is_fedpose_checkpoint(obj: Any) -> bool:
     return isinstance(obj, dict) and obj.get("format") == CHECKPOINT_FORMAT
 

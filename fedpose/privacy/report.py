@@ -119,3 +119,18 @@ def relation_of(guarantee_name: str) -> str:
     if guarantee_name not in GUARANTEES:
         raise ValueError(f"unknown guarantee {guarantee_name!r}; known: {sorted(GUARANTEES)}")
     return GUARANTEES[guarantee_name].relation
+
+
+#: Keys of a privacy report that may be published with a model: what the guarantee is and how it
+#: was computed from declared values. Never the dataset size, losses, gradient norms, batch
+#: sizes, seeds or RNG state (privacy.json of a central run is site-internal and may hold N).
+PUBLISHABLE_KEYS = frozenset({
+    "mechanism", "guarantee", "guarantee_statement", "unit_protected", "public", "epsilon", "delta",
+    "epsilon_text", "accountant", "neighbouring_relation", "adjacency", "dataset_size_public", "noise_multiplier",
+    "max_grad_norm", "sample_rate", "steps", "randomness", "guarantee_void", "input_privacy", "basis", "public_view",
+})
+
+
+def publishable_report(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of an engine privacy report that is safe to ship beside a model."""
+    return {key: value for key, value in report.items() if key in PUBLISHABLE_KEYS}
