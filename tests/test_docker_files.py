@@ -182,3 +182,22 @@ def test_every_site_has_a_metrics_exporter_on_its_state_volume(compose: dict) ->
         state_volume = next(v for v in compose["services"][name]["volumes"] if v.endswith(":/state"))
         assert state_volume in exporter["volumes"], f"metrics-{name} does not read {name}'s state volume"
         assert str(site.state_dir).startswith("/state"), f"{name}: state_dir is not on the shared volume"
+
+
+def test_the_site_image_keeps_its_state_out_of_the_writable_layer(compose: dict) -> None:
+    """The image declares the state volume too: even a container started without compose's named volume
+    never keeps the budget or the LDP copy in its writable layer (lost when it is recreated)."""
+    import json
+
+    volumes = [json.loads(rest) if rest.startswith("[") else rest.split()
+               for op, rest in dockerfile_instructions(DOCKER / "Dockerfile.site") if op == "VOLUME"]
+    declared = {v for group in volumes for v in group}
+    for name in sorted(s for s in compose["services"] if s.startswith("site-")):
+        service = compose["services"][name]
+        config = next(re.match(r'--node-config=site-config="(.+)"', a).group(1)
+                      for a in _service_argv(service) if a.startswith("--node-config="))
+        site = load_config(REPO / Path(config).relative_to(APP_ROOT), model=SiteConfig)
+        assert any(str(site.state_dir).startswith(v.rstrip("/") + "/") for v in declared), \
+            f"Dockerfile.site declares no VOLUME holding {name}'s state_dir {site.state_dir}"
+        state_mount = next(v for v in service["volumes"] if v.endswith(":/state"))
+        assert state_mount.split(":")[0] in compose["volumes"], f"{name}: /state is not a named (top-level) volume"

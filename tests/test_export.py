@@ -10,6 +10,8 @@ import pytest
 
 from fedpose.cli import main
 from fedpose.data.synthetic import generate_dataset
+from fedpose.cli.export import EXPORT_KEYS, PUBLISHABLE_SECTION_KEYS, SITE_KEYS
+from fedpose.privacy.ldp_slicing import CHANNELS
 from fedpose.privacy.report import PUBLISHABLE_KEYS
 
 #: keys of privacy.json / checkpoints that carry private-data statistics or the run's randomness
@@ -32,6 +34,11 @@ def central_run(tmp_path_factory) -> Path:
     return root / "run"
 
 
+#: every key, at any depth, that an exported privacy report may hold
+ALLOWED_KEYS = (PUBLISHABLE_KEYS | EXPORT_KEYS | SITE_KEYS | set(CHANNELS)
+                | {key for keys in PUBLISHABLE_SECTION_KEYS.values() for key in keys})
+
+
 def _keys(obj) -> set[str]:
     if isinstance(obj, dict):
         return set(obj) | {k for v in obj.values() for k in _keys(v)}
@@ -50,6 +57,7 @@ def test_export_writes_weights_and_an_allow_listed_report_only(central_run: Path
     assert sorted(p.name for p in out.iterdir()) == ["PRIVACY.txt", "model.pt", "privacy_report.json"]
     report = json.loads((out / "privacy_report.json").read_text())
     assert set(report) - {"source", "model_selection"} <= PUBLISHABLE_KEYS
+    assert _keys(report) <= ALLOWED_KEYS, _keys(report) - ALLOWED_KEYS
     assert not _keys(report) & FORBIDDEN, _keys(report) & FORBIDDEN
     assert report["model_selection"].startswith("last checkpoint")
     assert "(DP, δ = 1e-05, RDP)" in report["epsilon_text"] and "randomness" in report
@@ -93,3 +101,92 @@ def test_export_refuses_a_run_without_its_privacy_report(central_run: Path, tmp_
     (broken / "privacy.json").unlink()
     assert main(["export", str(broken), "--out", str(tmp_path / "x")]) != 0
     assert not (tmp_path / "x" / "model.pt").exists()
+
+
+def _copy_run(central_run: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(central_run, run)
+    return run
+
+
+def test_nested_sections_are_allow_listed_and_seeds_withheld(central_run: Path, tmp_path: Path) -> None:
+    """A test-only seeded run names its seed in the randomness text; an LDP section carries settings only."""
+    import torch
+
+    run = _copy_run(central_run, tmp_path)
+    privacy = json.loads((run / "privacy.json").read_text())
+    privacy["randomness"] = "seeded torch.Generator (seed 424242): NOT PRIVATE, tests only"
+    privacy["input_privacy"] = {"mechanism": "ldp-slicing", "epsilon_total": 2.0, "randomness": "pcg64 (seed 424242; not cryptographically secure)",
+                                "budgets": {"Y": [0.1], "Cb": [0.1], "Cr": [0.1], "images": 17}, "images": 17}
+    privacy["basis"] = {"k": 8, "public_samples": 6, "grad_norm_median": 3.0}
+    (run / "privacy.json").write_text(json.dumps(privacy))
+    out = tmp_path / "release"
+    assert main(["export", str(run), "--out", str(out)]) == 0
+    report = json.loads((out / "privacy_report.json").read_text())
+    assert _keys(report) <= ALLOWED_KEYS, _keys(report) - ALLOWED_KEYS
+    assert report["basis"] == {"k": 8, "public_samples": 6}
+    assert report["input_privacy"]["budgets"] == {"Y": [0.1], "Cb": [0.1], "Cr": [0.1]}
+    assert "seed withheld" in report["randomness"] and "seed withheld" in report["input_privacy"]["randomness"]
+    for name in ("privacy_report.json", "PRIVACY.txt"):
+        assert "424242" not in (out / name).read_text()
+    assert "424242" not in json.dumps(torch.load(out / "model.pt", weights_only=True)["extra"])
+
+
+def test_a_privacy_record_older_than_the_model_is_refused(central_run: Path, tmp_path: Path, capsys) -> None:
+    """central.py writes last.pt, then privacy.json: a run stopped in between must not export a smaller ε."""
+    run = _copy_run(central_run, tmp_path)
+    privacy = json.loads((run / "privacy.json").read_text())
+    privacy["steps"] -= 1
+    (run / "privacy.json").write_text(json.dumps(privacy))
+    assert main(["export", str(run), "--out", str(tmp_path / "x")]) != 0
+    assert "understate" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_checkpoint_files_are_accepted_and_the_output_dir_holds_only_the_export(central_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "release"
+    assert main(["export", str(central_run / "checkpoints" / "best.pt"), "--out", str(out)]) == 0
+    assert "NOT covered by the guarantee" in json.loads((out / "privacy_report.json").read_text())["model_selection"]
+    assert main(["export", str(central_run), "--out", str(out)]) == 0  # replacing an earlier export is fine
+    assert main(["export", str(central_run), "--out", str(central_run)]) != 0  # never mixed into a run directory
+    assert not (central_run / "model.pt").exists()
+
+
+def _coordinator_dir(tmp_path: Path, model_round: int) -> Path:
+    from fedpose.federation.aggregation import save_array_checkpoint
+    from site_round_helpers import global_model
+
+    weights, spec = global_model()
+    coordinator = tmp_path / "coordinator"
+    save_array_checkpoint(coordinator / "global.npz", weights, {"run_id": "demo", "state": {"model_spec": spec, "round": model_round}})
+    return coordinator
+
+
+def test_a_federated_export_takes_each_site_s_spend_from_the_ledger(tmp_path: Path) -> None:
+    from fedpose.federation.ledger import BudgetLedger, LedgerEntry
+
+    coordinator = _coordinator_dir(tmp_path, model_round=2)
+    # report.json of an earlier, shorter run state: the ledger beside global.npz is what counts
+    (coordinator / "report.json").write_text(json.dumps({"run_id": "demo", "rounds": [{"round": 1}], "sites": [
+        {"site_id": "site-1", "epsilon": 1.0, "delta": 1e-5, "guarantee": "DP", "rounds_joined": 1}]}))
+    with BudgetLedger(coordinator / "ledger.sqlite") as ledger:
+        ledger.record_many([LedgerEntry("site-1", r, "ok", epsilon=eps, delta=1e-5, guarantee="DP", steps=10)
+                            for r, eps in ((1, 1.0), (2, 1.7))])
+    out = tmp_path / "release"
+    assert main(["export", str(coordinator / "global.npz"), "--out", str(out)]) == 0
+    report = json.loads((out / "privacy_report.json").read_text())
+    assert _keys(report) <= ALLOWED_KEYS, _keys(report) - ALLOWED_KEYS
+    assert report["sites"] == [{"site_id": "site-1", "guarantee": "DP", "epsilon": 1.7, "delta": 1e-5, "accountant": "rdp",
+                                "rounds_joined": 2, "epsilon_text": "ε = 1.7 (DP, δ = 1e-05, RDP)"}]
+    assert "after round 2" in report["model_selection"]
+    assert main(["export", str(coordinator), "--out", str(tmp_path / "b"), "--checkpoint", "best"]) != 0  # no 'best' here
+
+
+def test_a_federated_export_with_a_stale_report_and_no_ledger_is_refused(tmp_path: Path, capsys) -> None:
+    coordinator = _coordinator_dir(tmp_path, model_round=3)
+    (coordinator / "report.json").write_text(json.dumps({"run_id": "demo", "rounds": [{"round": 1}, {"round": 2}], "sites": [
+        {"site_id": "site-1", "epsilon": 1.0, "delta": 1e-5, "guarantee": "DP", "rounds_joined": 2}]}))
+    assert main(["export", str(coordinator), "--out", str(tmp_path / "x")]) != 0
+    err = capsys.readouterr().err
+    assert "report.json records rounds up to 2" in err and "after round 3" in err

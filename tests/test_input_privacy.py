@@ -177,3 +177,40 @@ def test_a_legacy_copy_beside_the_data_must_be_moved_not_redrawn(tmp_path):
     prepare_site_dataset(src, CFG)  # the old default location
     with pytest.raises(InputPrivacyError, match="move it to"):
         prepare_site_input(src, CFG, tmp_path / "state")
+
+
+def test_a_site_refuses_other_settings_while_its_copy_exists_and_changes_nothing(tmp_path):
+    from fedpose.privacy.input_privacy import RELEASE_RECORD, prepare_site_input, site_ldp_copy_dir
+
+    src, state = _dataset(tmp_path / "site"), tmp_path / "state"
+    prepare_site_input(src, CFG, state)
+    copy, record = _snapshot(site_ldp_copy_dir(state)), (state / RELEASE_RECORD).read_bytes()
+    with pytest.raises(InputPrivacyError, match=r"ldp_release\.json.*spends the budget again"):
+        prepare_site_input(src, InputPrivacyConfig(mechanism="ldp-slicing", epsilon=3.0, insecure_seed=5), state)
+    assert _snapshot(site_ldp_copy_dir(state)) == copy and (state / RELEASE_RECORD).read_bytes() == record
+
+
+def test_a_site_copy_interrupted_mid_build_resumes_under_its_release_record(tmp_path, monkeypatch):
+    """The release record exists from the start; a crash leaves <state_dir>/ldp-sliced.partial, which is
+    resumed (images already drawn are kept), not refused and not redrawn."""
+    from fedpose.privacy.input_privacy import RELEASE_RECORD, prepare_site_input, site_ldp_copy_dir
+
+    src, state = _dataset(tmp_path / "site"), tmp_path / "state"
+    cfg = InputPrivacyConfig(mechanism="ldp-slicing", epsilon=20.0)  # CSPRNG: a redraw would differ
+    real_save = input_privacy.save_png
+    calls = {"n": 0}
+
+    def crash_on_second(path, rgb):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt("container killed")
+        real_save(path, rgb)
+
+    monkeypatch.setattr(input_privacy, "save_png", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_site_input(src, cfg, state)
+    assert (state / RELEASE_RECORD).exists() and not site_ldp_copy_dir(state).exists()
+    kept = (state / "ldp-sliced.partial" / "img0.png").read_bytes()
+    monkeypatch.setattr(input_privacy, "save_png", real_save)
+    path, _ = prepare_site_input(src, cfg, state)
+    assert (path / "img0.png").read_bytes() == kept and len(read_annotations(path)) == 4

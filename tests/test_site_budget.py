@@ -209,3 +209,24 @@ def test_mechanisms_sharing_a_guarantee_share_one_budget(tmp_path):
     SiteBudget(state, "site-a", 10.0, DELTA, get_mechanism("dpsgd").guarantee.name).authorize_round("run", 1, SIGMA, Q, STEPS)
     continued = SiteBudget(state, "site-a", 10.0, DELTA, get_mechanism("pdp").guarantee.name)
     assert continued.epsilon == pytest.approx(_eps_after(1))
+
+
+def test_a_site_created_concurrently_keeps_the_spend_recorded_first(tmp_path, monkeypatch):
+    """Two processes (the metrics exporter and a ClientApp) may create one site's state at once: the one
+    that comes second must find the other's spend, never write a fresh empty budget over it."""
+    from contextlib import contextmanager
+
+    state = tmp_path / "site-a"
+    real_lock = sb._state_lock
+
+    @contextmanager
+    def lock_taken_after_another_process_created_and_spent(state_dir):
+        monkeypatch.setattr(sb, "_state_lock", real_lock)
+        SiteBudget(state, "site-a", 10.0, DELTA, "DP").authorize_round("run", 1, SIGMA, Q, STEPS)
+        with real_lock(state_dir):
+            yield
+
+    monkeypatch.setattr(sb, "_state_lock", lock_taken_after_another_process_created_and_spent)
+    second = SiteBudget(state, "site-a", 10.0, DELTA, "DP")
+    assert second.epsilon == pytest.approx(_eps_after(1))
+    assert SiteBudget(state, "site-a", 10.0, DELTA, "DP").steps == STEPS

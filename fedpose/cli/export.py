@@ -1,27 +1,35 @@
 """``fedpose export``: the publishable artefact of a run — model weights and the privacy report.
 
-    fedpose export runs/train --out release/            # central run (checkpoints/last.pt)
-    fedpose export runs/demo/coordinator --out release/ # federation (global.npz + the ledger)
+    fedpose export runs/train --out release/                         # central run (checkpoints/last.pt)
+    fedpose export runs/train/checkpoints/best.pt --out release/     # one checkpoint file
+    fedpose export runs/demo/coordinator --out release/              # federation (global.npz + the ledger)
 
 What a run directory holds, and who may see it:
 
 * site-internal (private-data statistics): ``checkpoints/*.pt`` (optimizer state, per-step metrics,
   RNG state and the config's seed), ``metrics.json`` and ``curves.png`` (per-step loss, gradient-norm
-  medians, realised batch sizes), ``config.toml``, ``privacy.json`` (may hold the dataset size);
-  a site's ``state_dir`` (budget, LDP copy, released update, ``rounds.jsonl``);
+  medians, realised batch sizes), ``config.toml``, ``privacy.json`` (may hold the dataset size and
+  the accountant's state); a site's ``state_dir`` (budget, LDP copy, released update,
+  ``rounds.jsonl``); a coordinator's ``report.json``, ``history.json`` and ``ledger.sqlite`` are
+  operator records;
 * publishable: what this command writes — ``model.pt`` (architecture + weights only; readable by
   ``fedpose eval`` / ``predict``), ``privacy_report.json`` (allow-listed keys, see
-  :data:`fedpose.privacy.report.PUBLISHABLE_KEYS`) and ``PRIVACY.txt``.
+  :data:`fedpose.privacy.report.PUBLISHABLE_KEYS` and :data:`PUBLISHABLE_SECTION_KEYS`; seeds
+  withheld) and ``PRIVACY.txt``.
 
 ``best.pt`` is chosen by PCKh on the run's validation split. If that split is private, the choice
 itself is a release that no guarantee covers, so ``--checkpoint last`` is the default and exporting
 ``best`` says so in the report.
+
+The reported ε must cover the exported weights: an export whose privacy record is older than the
+model (a run stopped between writing the two) is refused rather than understating the spend.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +38,31 @@ from fedpose.cli.common import UserError
 MODEL_FILE = "model.pt"
 REPORT_FILE = "privacy_report.json"
 TEXT_FILE = "PRIVACY.txt"
+EXPORTED_FILES = (MODEL_FILE, REPORT_FILE, TEXT_FILE)
+GLOBAL_CHECKPOINT = "global.npz"  # coordinator/rounds.py
+COORDINATOR_REPORT = "report.json"  # fedpose.federation.report.REPORT_FILE
+DEFAULT_LEDGER = "ledger.sqlite"  # the coordinator's default ledger_db, inside its checkpoint_dir
+
+#: Nested sections of an engine privacy report that may be published, key by key: how the guarantee
+#: was computed from declared, public values (the basis comes from public data, the view map and
+#: the LDP settings are configuration).
+PUBLISHABLE_SECTION_KEYS: dict[str, frozenset[str]] = {
+    "basis": frozenset({"k", "public_samples", "refresh_every", "dtype", "source", "refreshes", "current_k", "current_version"}),
+    "public_view": frozenset({"map", "kernel_size", "sigma", "region", "margin", "fill"}),
+    "input_privacy": frozenset({
+        "mechanism", "guarantee", "guarantee_statement", "guarantee_void", "epsilon_total", "epsilon_realized", "delta",
+        "accountant", "unit_protected", "epsilon_per_original_pixel", "block_note", "public", "ll_prune", "ll_offset",
+        "allocation", "budgets", "randomness", "cryptographically_secure", "scope",
+    }),
+}
+#: Keys of a federated export's per-site entries.
+SITE_KEYS = frozenset({"site_id", "guarantee", "epsilon", "delta", "accountant", "epsilon_text", "rounds_joined"})
+#: Keys this command adds around the engine report.
+EXPORT_KEYS = frozenset({"source", "model_selection", "run_id", "sites"})
+
+# A seeded (test-only) noise source names its seed in its description; whoever knows it can
+# regenerate and subtract the noise, so it is withheld even though such a run claims nothing.
+_SEED_VALUE = re.compile(r"\bseed\s*[=:]?\s*-?\d+")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,31 +70,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "export", help="write the publishable artefact of a run: weights + privacy report, nothing else",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("run", type=Path, metavar="RUN_DIR", help="a `fedpose train` run directory, or a coordinator checkpoint dir")
-    parser.add_argument("--out", type=Path, required=True, help="output directory")
-    parser.add_argument("--checkpoint", choices=("last", "best"), default="last",
-                        help="central runs: which checkpoint (best = chosen on the validation split; reported as such)")
+    parser.add_argument("run", type=Path, metavar="RUN_DIR_OR_CHECKPOINT",
+                        help="a `fedpose train` run directory or one of its checkpoints/*.pt, "
+                             "or a coordinator checkpoint dir or its global.npz")
+    parser.add_argument("--out", type=Path, required=True, help="output directory (new, or holding an earlier export only)")
+    parser.add_argument("--checkpoint", choices=("last", "best"), default=None,
+                        help="central run directories: which checkpoint (default last; best = chosen on the validation "
+                             "split, reported as such)")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from fedpose.federation.aggregation import load_array_checkpoint
-
-    run_dir: Path = args.run
-    if (run_dir / "global.npz").exists():
-        model, report = _federation(run_dir, load_array_checkpoint)
-    elif (run_dir / "checkpoints").is_dir():
-        model, report = _central(run_dir, args.checkpoint)
+    source: Path = args.run
+    if source.is_file() and source.name == GLOBAL_CHECKPOINT:
+        source = source.parent
+    if source.is_dir() and (source / GLOBAL_CHECKPOINT).exists():
+        if args.checkpoint == "best":
+            raise UserError(f"export: {source} is a federation: its only model is {GLOBAL_CHECKPOINT} (there is no 'best')")
+        model, report = _federation(source)
+    elif source.is_file() and source.suffix == ".pt":
+        if args.checkpoint is not None:
+            raise UserError(f"export: --checkpoint chooses a file inside a run directory; {source} already is one")
+        if source.parent.name != "checkpoints":
+            raise UserError(f"export: {source} is not inside a run's checkpoints/ directory (its privacy.json is beside it)")
+        model, report = _central(source.parent.parent, source)
+    elif source.is_dir() and (source / "checkpoints").is_dir():
+        model, report = _central(source, source / "checkpoints" / f"{args.checkpoint or 'last'}.pt")
     else:
-        raise UserError(f"export: {run_dir} is neither a `fedpose train` run directory (checkpoints/) nor a coordinator dir (global.npz)")
-    return _write(args.out, model, report)
+        raise UserError(f"export: {source} is neither a `fedpose train` run directory (checkpoints/) or checkpoint, "
+                        f"nor a coordinator dir ({GLOBAL_CHECKPOINT})")
+    return _write(args.out, model, _withhold_seeds(report))
 
 
-def _central(run_dir: Path, which: str) -> tuple[Any, dict[str, Any]]:
+def _central(run_dir: Path, path: Path) -> tuple[Any, dict[str, Any]]:
     from fedpose.model import CheckpointError, model_from_checkpoint
     from fedpose.privacy.report import publishable_report
 
-    path = run_dir / "checkpoints" / f"{which}.pt"
     if not path.exists():
         raise UserError(f"export: {path} does not exist")
     privacy_path = run_dir / "privacy.json"
@@ -73,45 +117,107 @@ def _central(run_dir: Path, which: str) -> tuple[Any, dict[str, Any]]:
         model, checkpoint = model_from_checkpoint(path)
     except CheckpointError as exc:
         raise UserError(f"export: {exc}") from None
-    report = {"source": "central training", **publishable_report(privacy)}
-    config = checkpoint.get("config") or {}
-    if which == "best":
-        val = (config.get("data") or {}).get("val")
+    step, covered = int(checkpoint.get("step") or 0), privacy.get("steps")
+    if not isinstance(covered, int) or covered < step:
+        # central.py writes the checkpoint first, then privacy.json: a run stopped in between
+        raise UserError(
+            f"export: {privacy_path} covers {covered} training steps but {path} was saved at step {step}: the run "
+            "stopped between writing them, and exporting would understate ε. Resume the run "
+            f"(`fedpose train --resume {run_dir}`) so that privacy.json is rewritten with its next checkpoint."
+        )
+    report = {"source": "central training", **_publishable_sections(publishable_report(privacy))}
+    if path.stem == "best":
+        val = ((checkpoint.get("config") or {}).get("data") or {}).get("val")
         report["model_selection"] = (f"best validation PCKh on {val}: the selection used that split and is NOT covered "
                                      "by the guarantee unless the split is public")
-    else:
+    elif path.stem == "last":
         report["model_selection"] = "last checkpoint (no selection on data)"
+    else:
+        report["model_selection"] = f"checkpoint {path.name} at step {step}, chosen by the operator (not by a score on data)"
     return model, report
 
 
-def _federation(run_dir: Path, load_array_checkpoint: Any) -> tuple[Any, dict[str, Any]]:
+def _publishable_sections(report: dict[str, Any]) -> dict[str, Any]:
+    """Nested sections reduced to their allow-listed keys (the top level is already allow-listed)."""
+    from fedpose.privacy.ldp_slicing import CHANNELS
+
+    out = dict(report)
+    for section, allowed in PUBLISHABLE_SECTION_KEYS.items():
+        if isinstance(out.get(section), dict):
+            out[section] = {k: v for k, v in out[section].items() if k in allowed}
+    budgets = (out.get("input_privacy") or {}).get("budgets")
+    if isinstance(budgets, dict):  # per-channel ε of the LDP allocation (configuration), nothing else
+        out["input_privacy"]["budgets"] = {c: v for c, v in budgets.items() if c in CHANNELS}
+    return out
+
+
+def _withhold_seeds(value: Any) -> Any:
+    if isinstance(value, str):
+        return _SEED_VALUE.sub("seed withheld", value)
+    if isinstance(value, dict):
+        return {key: _withhold_seeds(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_withhold_seeds(item) for item in value]
+    return value
+
+
+def _federation(coordinator_dir: Path) -> tuple[Any, dict[str, Any]]:
     import numpy as np
     import torch
 
+    from fedpose.federation.aggregation import load_array_checkpoint
+    from fedpose.federation.report import epsilon_text
     from fedpose.model import build_model_from_spec
-    from fedpose.privacy.report import format_epsilon
 
-    arrays, meta = load_array_checkpoint(run_dir / "global.npz")
-    spec = (meta.get("state") or {}).get("model_spec")
+    checkpoint = coordinator_dir / GLOBAL_CHECKPOINT
+    arrays, meta = load_array_checkpoint(checkpoint)
+    state = meta.get("state") or {}
+    spec, model_round = state.get("model_spec"), int(state.get("round") or 0)
     if not spec:
-        raise UserError(f"export: {run_dir / 'global.npz'} holds no model spec")
+        raise UserError(f"export: {checkpoint} holds no model spec")
     model = build_model_from_spec(spec)
     model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in arrays.items()})
-    report_path = run_dir / "report.json"
+    summaries, recorded_round, record = _site_summaries(coordinator_dir)
+    if recorded_round < model_round:
+        # report.json is written when a run finishes: one that stopped early has an older one
+        raise UserError(
+            f"export: {record} records rounds up to {recorded_round}, but {checkpoint} is the model after round "
+            f"{model_round}: the sites' ε would be understated. Resume the run to completion, or keep the ledger "
+            f"({DEFAULT_LEDGER}) beside {GLOBAL_CHECKPOINT}."
+        )
+    sites = [{
+        "site_id": s["site_id"], "guarantee": s.get("guarantee"), "epsilon": s.get("epsilon"), "delta": s.get("delta"),
+        "accountant": "rdp", "rounds_joined": s.get("rounds_joined"),
+        "epsilon_text": epsilon_text(s.get("epsilon"), s.get("delta"), s.get("guarantee")),
+    } for s in summaries]
+    report = {"source": "federation", "run_id": meta.get("run_id"), "sites": sites,
+              "guarantee_statement": "each site's guarantee is about its own records, composed over every local step of every round it joined",
+              "model_selection": f"global model after round {model_round} (no selection on data)"}
+    return model, report
+
+
+def _site_summaries(coordinator_dir: Path) -> tuple[list[dict[str, Any]], int, Path]:
+    """(per-site summaries, last round they cover, the file they come from): the ledger when it is in
+    the coordinator dir (written before every global checkpoint), else the final report.json."""
+    from dataclasses import asdict
+
+    from fedpose.federation.ledger import BudgetLedger, LedgerError
+
+    ledger_path = coordinator_dir / DEFAULT_LEDGER
+    if ledger_path.exists():
+        try:
+            with BudgetLedger(ledger_path, read_only=True) as ledger:
+                return [asdict(s) for s in ledger.site_summaries()], ledger.last_round(), ledger_path
+        except LedgerError as exc:
+            raise UserError(f"export: {exc}") from None
+    report_path = coordinator_dir / COORDINATOR_REPORT
     try:
         summary = json.loads(report_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise UserError(f"export: cannot read {report_path} ({exc}); a model is never exported without its privacy report") from None
-    sites = []
-    for site in summary.get("sites", []):
-        epsilon, delta, guarantee = site.get("epsilon"), site.get("delta"), site.get("guarantee")
-        sites.append({"site_id": site["site_id"], "guarantee": guarantee, "epsilon": epsilon, "delta": delta, "accountant": "rdp",
-                      "epsilon_text": format_epsilon(float("inf") if epsilon is None else epsilon, delta or 0.0, guarantee or "none"),
-                      "rounds_joined": site.get("rounds_joined")})
-    report = {"source": "federation", "run_id": summary.get("run_id"), "sites": sites,
-              "guarantee_statement": "each site's guarantee is about its own records, composed over every local step of every round it joined",
-              "model_selection": "global model after the last round (no selection on data)"}
-    return model, report
+        raise UserError(f"export: cannot read {report_path} ({exc}) and there is no {ledger_path}; a model is never "
+                        "exported without its privacy report") from None
+    rounds = [int(r["round"]) for r in summary.get("rounds", []) if isinstance(r, dict) and "round" in r]
+    return list(summary.get("sites", [])), max(rounds, default=int(summary.get("rounds_completed") or 0)), report_path
 
 
 def _write(out: Path, model: Any, report: dict[str, Any]) -> int:
@@ -119,6 +225,9 @@ def _write(out: Path, model: Any, report: dict[str, Any]) -> int:
     from fedpose.model.checkpoint import save_weights_only
     from fedpose.privacy.report import describe
 
+    # Only ever the three files: never mixed into a run directory or beside other artefacts.
+    if out.exists() and (not out.is_dir() or any(p.name not in EXPORTED_FILES for p in out.iterdir())):
+        raise UserError(f"export: {out} exists and holds other files; the export goes to a new directory (or replaces an earlier export)")
     out.mkdir(parents=True, exist_ok=True)
     save_weights_only(out / MODEL_FILE, model, extra={"privacy": report})
     atomic_write_json(out / REPORT_FILE, report)

@@ -39,7 +39,7 @@ import json
 import math
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -129,6 +129,8 @@ class _State:
     delta: float
     accountant: RDPAccountant | None = None  #: None → a fresh ledger with the guarantee's relation
     entries: list[RoundEntry] = field(default_factory=list)
+    #: creation time of the site's genesis marker; None only in budgets written before markers existed
+    genesis_created_at: float | None = None
 
     def __post_init__(self) -> None:
         if self.accountant is None:
@@ -142,10 +144,13 @@ class _State:
             "delta": self.delta,
             "accountant": self.accountant.to_dict(),
             "entries": [asdict(e) for e in self.entries],
+            # tells a lost marker apart from a budget that predates markers (only that one is adopted)
+            **({"genesis_created_at": self.genesis_created_at} if self.genesis_created_at is not None else {}),
         }
 
     def copy(self) -> "_State":
-        return _State(self.site_id, self.guarantee, self.delta, RDPAccountant.from_dict(self.accountant.to_dict()), list(self.entries))
+        return _State(self.site_id, self.guarantee, self.delta, RDPAccountant.from_dict(self.accountant.to_dict()),
+                      list(self.entries), self.genesis_created_at)
 
 
 def _digest(payload: dict[str, Any]) -> str:
@@ -198,10 +203,19 @@ def ensure_site_state(state_dir: str | Path, site_id: str, guarantee: str, delta
             )
         return False
     if budget.exists():
-        # State from before genesis markers: adopt it if the budget file itself is sound (nothing is lost).
         payload = _read_signed(budget, "site budget state")
+        created_at = payload.get("genesis_created_at")
+        if created_at is not None and payload.get("entries"):  # created with a marker that was lost since
+            raise BudgetStateError(
+                f"site '{site_id}': site state marker {marker} is missing, but {budget} was created with it on "
+                f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(created_at))} UTC and has recorded rounds since: "
+                f"refusing to continue with state that was partly lost. Restore {GENESIS_FILE} from a backup of {state_dir}."
+            )
+        # A budget from before genesis markers, or one whose creation stopped before its marker was written
+        # (nothing recorded yet): adopt it if the budget file itself is sound (nothing is lost).
         genesis = {"format": GENESIS_FORMAT, "site_id": payload.get("site_id"), "guarantee": payload.get("guarantee"),
-                   "delta": payload.get("delta"), "created_at": time.time(), "adopted_from": STATE_FILE}
+                   "delta": payload.get("delta"), "created_at": created_at if created_at is not None else time.time(),
+                   "adopted_from": STATE_FILE}
         if genesis["site_id"] != site_id:
             raise BudgetStateError(f"site budget state {budget} belongs to site '{genesis['site_id']}', not '{site_id}'")
         if genesis["guarantee"] != guarantee:
@@ -215,12 +229,29 @@ def ensure_site_state(state_dir: str | Path, site_id: str, guarantee: str, delta
             f"nor {STATE_FILE}: its budget was lost. Refusing to restart from zero; restore both files from a backup."
         )
     state_dir.mkdir(parents=True, exist_ok=True)
-    if private:  # the empty budget first: a crash before the marker leaves state that is adopted above
-        fresh = _State(site_id, guarantee, float(delta) if delta is not None else 0.0)
-        _write_signed(budget, fresh.to_payload())
-    _write_signed(marker, {"format": GENESIS_FORMAT, "site_id": site_id, "guarantee": guarantee, "delta": delta,
-                           "created_at": time.time()})
+    with _state_lock(state_dir):
+        # Another process (the metrics exporter, a second ClientApp) may have created the state since the
+        # checks above; writing a fresh empty budget over a spend it already recorded would reset ε.
+        if marker.exists() or budget.exists():
+            return ensure_site_state(state_dir, site_id, guarantee, delta)
+        created_at = time.time()
+        if private:  # the empty budget first: a crash before the marker leaves an empty budget, adopted above
+            fresh = _State(site_id, guarantee, float(delta) if delta is not None else 0.0, genesis_created_at=created_at)
+            _write_signed(budget, fresh.to_payload())
+        _write_signed(marker, {"format": GENESIS_FORMAT, "site_id": site_id, "guarantee": guarantee, "delta": delta,
+                               "created_at": created_at})
     return True
+
+
+@contextmanager
+def _state_lock(state_dir: Path) -> Iterator[None]:
+    """Exclusive lock on a site's state (creation and every budget write take it)."""
+    with open(state_dir / LOCK_FILE, "a+b") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _guarantee_change_message(state_dir: Path, site_id: str, genesis: dict[str, Any], guarantee: str) -> str:
@@ -357,14 +388,8 @@ class SiteBudget:
             return RoundAuthorization(entry, replayed=False)
 
     # -- persistence -----------------------------------------------------------------------------
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        with open(self.state_dir / LOCK_FILE, "a+b") as fh:
-            fcntl.flock(fh, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh, fcntl.LOCK_UN)
+    def _locked(self) -> AbstractContextManager[None]:
+        return _state_lock(self.state_dir)
 
     def _persist(self, state: _State) -> None:
         _write_signed(self.path, state.to_payload())
@@ -400,4 +425,7 @@ class SiteBudget:
                 replay.step(e.noise_multiplier, e.sample_rate, e.steps)
         if replay.steps != accountant.steps or not np.allclose(replay.rdp(), accountant.rdp(), rtol=1e-12, atol=0):
             raise BudgetStateError(f"{where}: accountant history does not match the recorded rounds")
-        return _State(self.site_id, self.guarantee, self.delta, accountant, entries)
+        created_at = payload.get("genesis_created_at")
+        if created_at is None:  # a budget that predates markers, adopted by ensure_site_state: stamp it from now on
+            created_at = _read_signed(self.state_dir / GENESIS_FILE, "site state marker")["created_at"]
+        return _State(self.site_id, self.guarantee, self.delta, accountant, entries, float(created_at))
