@@ -38,7 +38,7 @@ from fedpose.federation.aggregation import (
     save_server_optimizer,
 )
 from fedpose.federation.deployment import CoordinatorRunConfig
-from fedpose.federation.ledger import BudgetLedger, LedgerEntry
+from fedpose.federation.ledger import BudgetLedger, LedgerEntry, LedgerError
 from fedpose.federation.report import load_history, round_line, save_history, write_report
 
 log = logging.getLogger("fedpose.coordinator")
@@ -81,7 +81,13 @@ class Coordinator:
         self.dir = Path(self.cfg.checkpoint_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.echo = echo
-        self.ledger = BudgetLedger(self.cfg.ledger_path)
+        resuming = resume and (self.dir / GLOBAL_CHECKPOINT).exists()
+        ledger_path = Path(self.cfg.ledger_path)
+        if resuming and (not ledger_path.exists() or ledger_path.stat().st_size == 0):
+            # A lost ledger must not be recreated empty: the rounds it held (and what each site
+            # reported it spent) would vanish from `fedpose ledger show` without a word.
+            raise LedgerError(f"resuming run '{run.run_id}': the budget ledger {ledger_path} is missing or empty; restore it from a backup")
+        self.ledger = BudgetLedger(ledger_path)
         self.metrics = _coordinator_metrics(self.cfg.metrics_port)
         self._eval_dataset: Any = None
         self.basis_message: Any = None  #: current BasisMessage (in memory only: recomputed after a restart)
@@ -100,6 +106,10 @@ class Coordinator:
                 # updates are lost, but sites did spend — never ask them for that round again.
                 log.warning("ledger has round %d, model checkpoint round %d: continuing after round %d", ledger_round, self.state.round, ledger_round)
                 self.state.round = ledger_round
+            if self.state.round > 0 and ledger_round == 0:
+                self.ledger.close()
+                raise LedgerError(f"resuming run '{run.run_id}' after round {self.state.round}: the budget ledger "
+                                  f"{ledger_path} holds no rounds; restore it from a backup")
             self.echo(f"resuming run '{run.run_id}' after round {self.state.round}")
         else:
             if resume:
@@ -168,7 +178,9 @@ class Coordinator:
                 return nodes
         self._nodes_settled = True
         exhausted = self.exhausted_sites()
-        expected = {int(n) for n, site in self.state.node_sites.items() if site not in exhausted}
+        # Count sites, not node ids: a restarted SuperLink or a new simulation hands out new ids, so
+        # waiting for the checkpoint's ids would sit out the whole round timeout.
+        expected = len({site for site in self.state.node_sites.values() if site not in exhausted})
         deadline = time.monotonic() + self.cfg.round_timeout_s
         stable_since, last = time.monotonic(), -1
         while True:
@@ -177,7 +189,7 @@ class Coordinator:
             if len(nodes) != last:
                 stable_since, last = now, len(nodes)
             enough = len(nodes) >= self.cfg.min_sites
-            known_back = expected <= set(nodes) if expected else now - stable_since >= NODE_SETTLE_S
+            known_back = len(nodes) >= expected if expected else now - stable_since >= NODE_SETTLE_S
             if (enough and known_back) or now > deadline:
                 return nodes
             time.sleep(NODE_WAIT_POLL_S)

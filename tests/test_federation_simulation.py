@@ -95,3 +95,28 @@ def test_simulation_rejects_a_corrupted_update_and_keeps_going(tmp_path: Path) -
     assert all(np.isfinite(w).all() for w in weights.values() if w.dtype.kind == "f")
     report = json.loads((tmp_path / "coordinator" / "report.json").read_text())
     assert report["rounds_completed"] == 1
+
+
+def test_a_resumed_simulation_does_not_wait_for_the_old_node_ids(tmp_path: Path) -> None:
+    """Simulation hands out new node ids on every start; the checkpoint remembers the old ones.
+    Waiting for those ids sat out the whole round timeout before the first resumed round."""
+    import time
+    import tomllib
+
+    from fedpose.cli.simulate import ensure_synthetic, resolve_federation, run_federation_simulation
+
+    data_dir = tmp_path / "data"
+    config = tiny_federation(tmp_path, data_dir, sites=2, rounds=1, timeout=300.0)
+    federation, synthetic, resolved = resolve_federation(config, [])
+    ensure_synthetic({**synthetic, "dir": str(data_dir)}, len(federation.sites))
+    run_federation_simulation(federation, resolved)
+    raw = tomllib.loads(config.read_text())
+    raw["coordinator"]["rounds"] = 2
+    config.write_text(tomli_w.dumps(raw))
+    federation, _, resolved = resolve_federation(config, [])
+    started = time.monotonic()
+    run_federation_simulation(federation, resolved, resume=True)
+    assert time.monotonic() - started < 150, "the resumed run waited for node ids that no longer exist"
+    rounds = history(tmp_path)
+    assert [r["round"] for r in rounds] == [1, 2]
+    assert {s: v["status"] for s, v in rounds[1]["sites"].items()} == {"site-1": "ok", "site-2": "ok"}

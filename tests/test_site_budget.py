@@ -161,11 +161,39 @@ def test_a_deleted_budget_file_is_an_error_not_a_fresh_start(tmp_path):
     assert _snapshot(budget.state_dir) == before  # nothing recreated
 
 
-def test_a_deleted_marker_is_readopted_from_a_sound_budget(tmp_path):
+def test_a_deleted_marker_is_an_error_naming_it(tmp_path):
     budget = _budget(tmp_path, eps_max=10.0)
     budget.authorize_round("run", 1, SIGMA, Q, STEPS)
     (budget.state_dir / sb.GENESIS_FILE).unlink()
-    assert _budget(tmp_path, eps_max=10.0).epsilon == pytest.approx(_eps_after(1))  # nothing lost
+    before = _snapshot(budget.state_dir)
+    with pytest.raises(BudgetStateError, match=r"site_state\.json is missing.*Restore site_state\.json from a backup"):
+        _budget(tmp_path, eps_max=10.0)
+    assert _snapshot(budget.state_dir) == before  # no marker recreated
+
+
+def test_a_budget_from_before_markers_is_adopted_and_then_guarded(tmp_path):
+    """Sites that ran before genesis markers existed keep their spend; from then on the marker is required."""
+    budget = _budget(tmp_path, eps_max=10.0)
+    budget.authorize_round("run", 1, SIGMA, Q, STEPS)
+    legacy = json.loads(budget.path.read_text())["payload"]
+    del legacy["genesis_created_at"]
+    sb._write_signed(budget.path, legacy)
+    (budget.state_dir / sb.GENESIS_FILE).unlink()
+    adopted = _budget(tmp_path, eps_max=10.0)
+    assert adopted.epsilon == pytest.approx(_eps_after(1))  # nothing lost
+    assert json.loads((budget.state_dir / sb.GENESIS_FILE).read_text())["payload"]["adopted_from"] == sb.STATE_FILE
+    adopted.authorize_round("run", 2, SIGMA, Q, STEPS)  # the next write stamps the budget with its marker
+    (budget.state_dir / sb.GENESIS_FILE).unlink()
+    with pytest.raises(BudgetStateError, match=r"site_state\.json is missing"):
+        _budget(tmp_path, eps_max=10.0)
+
+
+def test_a_creation_stopped_before_its_marker_is_completed(tmp_path):
+    """Genesis writes the empty budget, then the marker: a crash in between has spent nothing, so it is
+    completed rather than refused (the site could otherwise never start)."""
+    budget = _budget(tmp_path, eps_max=10.0)
+    (budget.state_dir / sb.GENESIS_FILE).unlink()
+    assert _budget(tmp_path, eps_max=10.0).epsilon == 0.0
     assert (budget.state_dir / sb.GENESIS_FILE).exists()
 
 

@@ -25,10 +25,14 @@ an unauthenticated SuperNode restarts.
 A site's state is created once: :func:`ensure_site_state` writes the genesis marker
 ``<state_dir>/site_state.json`` (site id, guarantee, δ, creation time) beside an empty budget. From
 then on a missing or unreadable budget file is an error that names it — the site never restarts
-from zero — and the guarantee is fixed for the life of the state: earlier releases still apply to
-the same patients, so a site cannot switch to a guarantee its past releases void (after noise-free
-FDP public-view releases, or non-private training, a record-level DP claim about the same records
-says nothing). Mechanisms that share a guarantee (dpsgd/pdp, fdp/fpdp) share one budget.
+from zero — as is a missing marker beside a budget that has recorded rounds (the budget carries the
+marker's creation time; a budget from before markers, or an empty one whose marker write was cut
+short, is adopted: nothing is lost). Creation holds the state lock, so two processes starting one new
+site never write an empty budget over the other's spend. The guarantee is fixed for the life of
+the state: earlier releases still apply to the same patients, so a site cannot switch to a
+guarantee its past releases void (after noise-free FDP public-view releases, or non-private
+training, a record-level DP claim about the same records says nothing). Mechanisms that share a
+guarantee (dpsgd/pdp, fdp/fpdp) share one budget.
 """
 
 from __future__ import annotations

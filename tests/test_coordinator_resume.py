@@ -1,0 +1,53 @@
+"""A resumed coordinator never silently forgets: a lost ledger is an error, not a fresh one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coordinator.rounds import Coordinator
+from fedpose.federation.deployment import CoordinatorRunConfig
+from fedpose.federation.ledger import BudgetLedger, LedgerEntry, LedgerError
+
+
+def _run(tmp_path: Path) -> CoordinatorRunConfig:
+    return CoordinatorRunConfig.model_validate({"run_id": "r", "coordinator": {
+        "checkpoint_dir": str(tmp_path / "coordinator"), "data": {"input_size": [64, 64]},
+        "model": {"backbone": "tiny_vit_test", "scenario": "scratch"}}})
+
+
+def _finished_rounds(tmp_path: Path, rounds: int) -> CoordinatorRunConfig:
+    run = _run(tmp_path)
+    coordinator = Coordinator(run, echo=lambda *_: None)
+    coordinator.ledger.record_many([LedgerEntry(site_id="site-1", round=r, status="missing") for r in range(1, rounds + 1)])
+    coordinator.state.round = rounds
+    coordinator._save_checkpoint()
+    coordinator.ledger.close()
+    return run
+
+
+@pytest.mark.parametrize("damage", ["delete", "empty"])
+def test_a_lost_ledger_is_refused_on_resume(tmp_path: Path, damage: str) -> None:
+    run = _finished_rounds(tmp_path, 2)
+    path = Path(run.coordinator.ledger_path)
+    path.unlink() if damage == "delete" else path.write_bytes(b"")
+    with pytest.raises(LedgerError, match="missing or empty"):
+        Coordinator(run, resume=True, echo=lambda *_: None)
+    assert not path.exists() or path.stat().st_size == 0  # nothing recreated
+
+
+def test_a_ledger_without_the_checkpointed_rounds_is_refused(tmp_path: Path) -> None:
+    run = _finished_rounds(tmp_path, 2)
+    path = Path(run.coordinator.ledger_path)
+    path.unlink()
+    BudgetLedger(path).close()  # a fresh, empty database where the old one was
+    with pytest.raises(LedgerError, match="holds no rounds"):
+        Coordinator(run, resume=True, echo=lambda *_: None)
+
+
+def test_a_sound_ledger_resumes(tmp_path: Path) -> None:
+    run = _finished_rounds(tmp_path, 2)
+    coordinator = Coordinator(run, resume=True, echo=lambda *_: None)
+    assert coordinator.state.round == 2
+    coordinator.ledger.close()
