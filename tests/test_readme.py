@@ -26,7 +26,7 @@ def test_ci_runs_the_readme_test_command() -> None:
 def test_every_command_group_is_registered_and_documented() -> None:
     parser = build_parser()
     registered = set(parser._subparsers._group_actions[0].choices)  # type: ignore[union-attr]
-    for name in ("data", "train", "eval", "predict", "pckh", "privacy", "ldp", "dprp", "simulate", "deploy", "certs", "ledger"):
+    for name in ("data", "train", "eval", "predict", "pckh", "privacy", "ldp", "dprp", "simulate", "deploy", "certs", "ledger", "export"):
         assert name in registered, f"fedpose {name} is not registered"
         assert re.search(rf"`fedpose {name}\b", README), f"README does not document fedpose {name}"
     assert len(COMMAND_MODULES) == len(set(COMMAND_MODULES))
