@@ -44,16 +44,21 @@ PROJECTED_DP = Guarantee(
     unit="one record (image + keypoints) of the training set",
     public="the public set S_pub that the projection basis is computed from",
 )
+#: Until ψ is many-to-one (the protection-units issue), every FDP statement carries this warning:
+#: a Gaussian blur is invertible, so neighbours that share ψ(x) are (almost) the same image.
+_INVERTIBLE_VIEW = (" — WARNING: ψ is currently a Gaussian blur, which is invertible (deconvolution recovers the "
+                    "crop), so this protects little of the image")
+
 FEATURE_DP = Guarantee(
     name="FDP",
-    statement="(ε, δ)-feature-level differential privacy: neighbouring datasets share ψ(x) and the label",
+    statement="(ε, δ)-feature-level differential privacy: neighbouring datasets share ψ(x) and the label" + _INVERTIBLE_VIEW,
     unit="the fine detail of one image (what the Gaussian blur ψ removes)",
     public="ψ(x) = Gaussian blur of each image, and the keypoints; the public-loss gradient carries no noise",
     relation="replace_public_membership",
 )
 FEATURE_PROJECTED_DP = Guarantee(
     name="FDP",
-    statement="(ε, δ)-feature-level differential privacy (FP-DP): FDP with public-subspace projection",
+    statement="(ε, δ)-feature-level differential privacy (FP-DP): FDP with public-subspace projection" + _INVERTIBLE_VIEW,
     unit="the fine detail of one image (what the Gaussian blur ψ removes)",
     public="ψ(x) = Gaussian blur of each image, the keypoints, and S_pub",
     relation="replace_public_membership",
