@@ -220,8 +220,8 @@ class Coordinator:
                     self.echo(f"stopping before round {round_id}: {self.state.stopped_reason}")
                     break
                 self.run_round(grid, round_id, selected)
-            else:
-                self.state.stopped_reason = self.state.stopped_reason or f"completed {self.cfg.rounds} rounds"
+            else:  # a resumed run's checkpoint holds the previous process's reason: replace it
+                self.state.stopped_reason = f"completed {self.cfg.rounds} rounds"
             self._save_checkpoint()
             return self.finish()
         finally:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 
-from fedpose.config import load_config
+from fedpose.config import ConfigError, load_config
 from fedpose.federation.config import SiteConfig
 from fedpose.federation.local_training import open_budget
 from fedpose.federation.metrics import SiteMetrics, start_metrics_server
+from fedpose.federation.site_budget import BudgetError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,11 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=None, help="HTTP port (default: the site's metrics_port)")
     parser.add_argument("--addr", default="127.0.0.1")
     args = parser.parse_args(argv)
-    site = load_config(args.site_config, model=SiteConfig)
-    port = args.port if args.port is not None else site.metrics_port
-    if port is None:
-        parser.error("no --port and no metrics_port in the site config")
-    budget = open_budget(site)
+    try:
+        site = load_config(args.site_config, model=SiteConfig)
+        port = args.port if args.port is not None else site.metrics_port
+        if port is None:
+            parser.error("no --port and no metrics_port in the site config")
+        budget = open_budget(site)
+    except (ConfigError, BudgetError) as exc:  # the operator needs the problem, not a traceback
+        print(f"sites.metrics: error: {exc}", file=sys.stderr)
+        return 2
     server = start_metrics_server(port, SiteMetrics(site.site_id, budget=budget).registry, addr=args.addr)
     print(f"site '{site.site_id}' metrics on http://{args.addr}:{server.port}/metrics", flush=True)
     stop = threading.Event()

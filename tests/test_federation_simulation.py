@@ -120,3 +120,5 @@ def test_a_resumed_simulation_does_not_wait_for_the_old_node_ids(tmp_path: Path)
     rounds = history(tmp_path)
     assert [r["round"] for r in rounds] == [1, 2]
     assert {s: v["status"] for s, v in rounds[1]["sites"].items()} == {"site-1": "ok", "site-2": "ok"}
+    report = json.loads((tmp_path / "coordinator" / "report.json").read_text())
+    assert report["stopped_reason"] == "completed 2 rounds"  # not the first process's "completed 1 rounds"

@@ -69,3 +69,13 @@ def test_site_metrics_read_the_persisted_budget(tmp_path):
     assert values['fedpose_site_refusals_total{site="site-a"}'] == 1
     assert values['fedpose_site_round{site="site-a"}'] == 2
     assert values['fedpose_site_training_steps_total{site="site-a"}'] == 100
+
+
+def test_site_exporter_reports_a_bad_config_without_a_traceback(tmp_path, capsys) -> None:
+    from sites.metrics import main as site_metrics
+
+    bad = tmp_path / "site.toml"
+    bad.write_text('site_id = "site-1"\nstate_dir = "state"\neps_max = -1\n[data]\ntrain = "d"\n')
+    assert site_metrics(["--site-config", str(bad), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sites.metrics: error:") and "eps_max" in err and "Traceback" not in err
