@@ -76,9 +76,8 @@ def test_rerun_is_a_noop_and_other_settings_are_refused(tmp_path):
     assert _snapshot(dst) == before
 
 
-def test_crash_resumes_without_redrawing(tmp_path, monkeypatch):
-    src = _dataset(tmp_path / "site")
-    dst = tmp_path / "private"
+def _crash_on_second_image(monkeypatch):
+    """Make the second PNG write raise, as a power cut would; returns the real writer."""
     real_save = input_privacy.save_png
     calls = {"n": 0}
 
@@ -89,6 +88,13 @@ def test_crash_resumes_without_redrawing(tmp_path, monkeypatch):
         real_save(path, rgb)
 
     monkeypatch.setattr(input_privacy, "save_png", crash_on_second)
+    return real_save
+
+
+def test_crash_resumes_without_redrawing(tmp_path, monkeypatch):
+    src = _dataset(tmp_path / "site")
+    dst = tmp_path / "private"
+    real_save = _crash_on_second_image(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         privatize_dataset(src, dst, InputPrivacyConfig(mechanism="ldp-slicing", epsilon=20.0))  # CSPRNG
     partial = tmp_path / "private.partial"
@@ -197,16 +203,7 @@ def test_a_site_copy_interrupted_mid_build_resumes_under_its_release_record(tmp_
 
     src, state = _dataset(tmp_path / "site"), tmp_path / "state"
     cfg = InputPrivacyConfig(mechanism="ldp-slicing", epsilon=20.0)  # CSPRNG: a redraw would differ
-    real_save = input_privacy.save_png
-    calls = {"n": 0}
-
-    def crash_on_second(path, rgb):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise KeyboardInterrupt("container killed")
-        real_save(path, rgb)
-
-    monkeypatch.setattr(input_privacy, "save_png", crash_on_second)
+    real_save = _crash_on_second_image(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         prepare_site_input(src, cfg, state)
     assert (state / RELEASE_RECORD).exists() and not site_ldp_copy_dir(state).exists()
