@@ -163,3 +163,19 @@ def test_report_writes_json_and_png(tmp_path) -> None:
     assert report["rounds_completed"] == 2 and report["final_pckh"]["Mean"] == 20.0
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not math.isnan(report["rounds"][0]["sites"]["site-1"]["epsilon"])
+    # every failed (round, site) is listed for the end-of-run summary and the exit code
+    assert [(f["round"], f["site"], f["status"]) for f in report["site_failures"]] == [(1, "site-2", "missing"), (2, "site-2", "missing")]
+
+
+def test_round_line_names_failures_and_unidentified_nodes() -> None:
+    from fedpose.federation.report import failure_summary, round_line, site_failures
+
+    entry = {"round": 3, "pckh": None, "unidentified_missing_nodes": [77],
+             "sites": {"site-1": {"status": "error", "reason": "ImageLoadError: the site's ClientApp failed; details are in the site's local log",
+                                  "epsilon": 1.5, "delta": 1e-5, "guarantee": "DP", "accountant": "rdp"}}}
+    line = round_line(entry)
+    assert "site-1: error (ImageLoadError: the site's ClientApp failed" in line and "ε = 1.5 (DP" in line
+    assert "node 77: missing" in line
+    lines = failure_summary(site_failures([entry]))
+    assert lines[0].startswith("2 site failure(s) in this run (node 77, site-1)")
+    assert any("round   3 site-1: error — ImageLoadError" in x for x in lines)

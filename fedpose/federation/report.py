@@ -51,16 +51,49 @@ def epsilon_text(epsilon: float | None, delta: float | None, guarantee: str | No
     return format_epsilon(math.inf if epsilon is None else float(epsilon), float(delta or 0.0), guarantee, accountant or "rdp")
 
 
+#: per-site round statuses that mean the site failed the round (ok / refused / replayed are not failures)
+FAILURE_STATUSES = ("error", "failed", "missing", "rejected")
+#: exit code of ``fedpose simulate`` / ``deploy local`` when a site failed (without --allow-site-failures)
+SITE_FAILURE_EXIT = 3
+
+
+def site_failures(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every (round, site) that failed, in order: a site's error, diverged training, no reply,
+    a rejected update, and nodes that failed before they could say which site they are."""
+    failures = []
+    for entry in rounds:
+        for site_id, site in sorted(entry.get("sites", {}).items()):
+            if site.get("status") in FAILURE_STATUSES:
+                failures.append({"round": entry["round"], "site": site_id, "status": site["status"], "reason": site.get("reason", "")})
+        for node in entry.get("unidentified_missing_nodes", []):
+            failures.append({"round": entry["round"], "site": f"node {node}", "status": "missing",
+                             "reason": "failed before naming its site (see the coordinator log)"})
+    return failures
+
+
+def failure_summary(failures: list[dict[str, Any]]) -> list[str]:
+    """Human-readable lines for the end of a run (empty when no site failed)."""
+    if not failures:
+        return []
+    sites = sorted({f["site"] for f in failures})
+    lines = [f"{len(failures)} site failure(s) in this run ({', '.join(sites)}):"]
+    lines += [f"  round {f['round']:>3} {f['site']}: {f['status']} — {f['reason']}" for f in failures]
+    return lines
+
+
 def round_line(entry: dict[str, Any]) -> str:
     """One human-readable line per round: PCKh and every site's ε with guarantee, δ, accountant."""
-    pckh = entry.get("pckh", {}).get("Mean")
+    pckh = (entry.get("pckh") or {}).get("Mean")
     parts = [f"round {entry['round']:>3}", f"PCKh@0.5 = {pckh:.2f}" if pckh is not None else "PCKh@0.5 = n/a"]
     for site_id, site in sorted(entry.get("sites", {}).items()):
-        if site.get("guarantee") is None:  # missing: no report this round (its spend shows in its next one)
-            parts.append(f"{site_id}: {site['status']} (no report)")
-            continue
-        eps = epsilon_text(site.get("epsilon"), site.get("delta"), site.get("guarantee"), site.get("accountant"))
-        parts.append(f"{site_id}: {site['status']}, {eps}")
+        reason = f" ({site['reason']})" if site.get("reason") else ""
+        if site.get("guarantee") is None:  # no privacy report this round (its spend shows in its next one)
+            parts.append(f"{site_id}: {site['status']}{reason or ' (no report)'}")
+        else:
+            eps = epsilon_text(site.get("epsilon"), site.get("delta"), site.get("guarantee"), site.get("accountant"))
+            parts.append(f"{site_id}: {site['status']}{reason}, {eps}")
+    for node in entry.get("unidentified_missing_nodes", []):
+        parts.append(f"node {node}: missing (failed before naming its site)")
     parts.append(f"{entry.get('wall_seconds', 0.0):.1f} s")
     return " | ".join(parts)
 
@@ -72,6 +105,7 @@ def write_report(directory: str | Path, run_info: dict[str, Any], rounds: list[d
     report = {
         **run_info,
         "rounds_completed": len(rounds),
+        "site_failures": site_failures(rounds),
         "final_pckh": final.get("pckh"),
         "sites": ledger_summary.get("sites", []),
         "privacy_note": (
