@@ -281,6 +281,18 @@ class Coordinator:
             self.state.node_sites[str(node)] = site_id
             self.state.site_basis[site_id] = site_reply.basis_version
             privacy = site_reply.privacy
+            regression = self._epsilon_regression(site_reply)
+            if regression:
+                # A cumulative ε never decreases: a lower one means the site's budget state was
+                # reset or replaced. Keep the ledger's higher value authoritative and use nothing.
+                log.error("round %d: site %s: %s", round_id, site_id, regression)
+                self.echo(f"round {round_id}: rejected site '{site_id}': {regression}")
+                sites[site_id] = {"status": "rejected", "epsilon": privacy.epsilon, "delta": privacy.delta,
+                                  "guarantee": privacy.guarantee, "accountant": privacy.accountant, "reason": regression,
+                                  "reject_reason": "epsilon_regressed", "local_steps": site_reply.local_steps,
+                                  "bytes_down": bytes_down.get(node, 0), "bytes_up": 0}
+                entries.append(LedgerEntry.from_reply(round_id, site_reply, status="rejected", reason=regression))
+                continue
             if privacy is not None and not privacy.next_round_affordable and site_id not in self.state.unaffordable:
                 self.state.unaffordable.append(site_id)
             reason = site_reply.describe() if site_reply.reason else ""
@@ -355,6 +367,18 @@ class Coordinator:
         save_history(self.dir, self.history)
         self.metrics.observe_round(entry)
         self.echo(round_line(entry))
+
+    def _epsilon_regression(self, reply: protocol.SiteReply) -> str:
+        """Why a reply's cumulative ε cannot be true ('' when it can): it is below what the ledger holds."""
+        privacy = reply.privacy
+        if privacy is None or privacy.epsilon is None:
+            return ""
+        recorded = self.ledger.recorded_epsilon(reply.site_id, privacy.guarantee)
+        # relative slack for float round-off of the same spend reported again
+        if recorded is None or privacy.epsilon >= recorded * (1 - 1e-9):
+            return ""
+        return (f"reported cumulative ε = {privacy.epsilon:.6g} ({privacy.guarantee}) is below the {recorded:.6g} the ledger "
+                f"already holds: the site's budget state was reset or replaced — restore its state_dir from a backup")
 
     # -- persistence -----------------------------------------------------------------------------------
     def _save_checkpoint(self) -> None:

@@ -218,6 +218,12 @@ class BudgetLedger:
             )
         return summaries
 
+    def recorded_epsilon(self, site_id: str, guarantee: str | None) -> float | None:
+        """The largest cumulative ε this ledger holds for ``site_id`` under ``guarantee`` (None: none yet)."""
+        row = self._db.execute("SELECT MAX(epsilon) FROM site_rounds WHERE site_id = ? AND guarantee IS ? AND epsilon IS NOT NULL",
+                               (site_id, guarantee)).fetchone()
+        return None if row[0] is None else float(row[0])
+
     def exhausted_sites(self, eps_max: float | Mapping[str, float] | None) -> set[str]:
         """Sites the coordinator should stop selecting.
 
