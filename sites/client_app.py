@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
+import tomllib
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -49,6 +51,35 @@ def site_from_context(context: Context, federation_config: str | Path | None = N
     raise ConfigError("site not configured: start the SuperNode with --node-config 'site-config=\"<site.toml>\"'")
 
 
+def declared_site_id(context: Context, federation_config: str | Path | None = None) -> str | None:
+    """The site id as written in the site's config file, read without validating the rest (None if
+    unreadable). Used only to attribute a config failure: the id is the site's public name."""
+    try:
+        node = context.node_config
+        if "site-config" in node:
+            site_id = tomllib.loads(Path(str(node["site-config"])).read_text()).get("site_id")
+        else:
+            path = federation_config or context.run_config.get("federation-config") or os.environ.get("FEDPOSE_FEDERATION_CONFIG")
+            site_id = tomllib.loads(Path(str(path)).read_text())["sites"][int(node["partition-id"])].get("site_id")
+    except Exception:  # noqa: BLE001 - best effort: an unreadable file leaves the failure unattributed
+        return None
+    return site_id if protocol.is_site_id(site_id) else None
+
+
+def config_failure_reply(msg: Message, context: Context, exc: Exception, federation_config: str | Path | None) -> Message:
+    """A typed "error" reply for a site whose config cannot be loaded, attributed to the site id
+    its config declares (re-raises when even that is unreadable: the egress guard then sends the
+    class name only and the coordinator reports an unidentified node)."""
+    site_id = declared_site_id(context, federation_config)
+    if site_id is None:
+        raise exc
+    log.error("site %s: its config cannot be loaded; the coordinator gets the class name only:\n%s", site_id, traceback.format_exc())
+    run_id, round_id, *_ = protocol.parse_train_config(dict(msg.content[protocol.CONFIG_RECORD]))
+    reply = protocol.SiteReply(site_id=site_id, run_id=run_id, round=round_id, status="error", reason="site-error",
+                               error_class=protocol.error_class_name(exc))
+    return Message(RecordDict({protocol.REPLY_RECORD: ConfigRecord(protocol.encode_reply(reply))}), reply_to=msg)
+
+
 def _arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
     return {name: array.numpy() for name, array in record.items()}
 
@@ -79,7 +110,11 @@ def build_client_app(federation_config: str | Path | None = None, outer_mods: Se
 
     @client_app.train()
     def train(msg: Message, context: Context) -> Message:
-        return handle_train(msg, context, site_from_context(context, federation_config))
+        try:
+            site = site_from_context(context, federation_config)
+        except Exception as exc:  # noqa: BLE001 - a broken config is reported, attributed to its site
+            return config_failure_reply(msg, context, exc, federation_config)
+        return handle_train(msg, context, site)
 
     return client_app
 

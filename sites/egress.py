@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import traceback
 
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message
@@ -31,13 +30,11 @@ log = logging.getLogger("fedpose.site.egress")
 
 EGRESS_ERROR_CODE = 451  #: the reply broke the protocol and was blocked
 SITE_ERROR_CODE = 500  #: the ClientApp raised; only the class name leaves
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 
 def sanitized_error(exc: BaseException) -> Error:
     """An error reply that names the exception's class only (details stay in the local log)."""
-    name = type(exc).__name__ if _IDENTIFIER.match(type(exc).__name__) else "Exception"
-    return Error(code=SITE_ERROR_CODE, reason=f"{name}: {protocol.REASON_TEXT['site-error']}")
+    return Error(code=SITE_ERROR_CODE, reason=f"{protocol.error_class_name(exc)}: {protocol.REASON_TEXT['site-error']}")
 
 
 def describe_outgoing(reply: Message) -> dict:

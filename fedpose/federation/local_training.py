@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from fedpose.federation.config import SiteConfig
-from fedpose.federation.protocol import PrivacyReport, ReasonCode, ReplyStatus, SiteReply
+from fedpose.federation.protocol import PrivacyReport, ReasonCode, ReplyStatus, SiteReply, error_class_name
 from fedpose.federation.site_budget import BudgetExhausted, SiteBudget
 from fedpose.privacy.mechanisms import get_mechanism
 
@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 #: site-local diagnostics, one JSON line per round (never sent)
 ROUND_LOG = "rounds.jsonl"
+#: which training images were decoded successfully (size, mtime per file), so later rounds skip them
+IMAGE_CHECK_CACHE = "image_check.json"
 
 
 @dataclass(frozen=True)
@@ -119,11 +121,15 @@ def load_site_dataset(site: SiteConfig, input_size: tuple[int, int]) -> Any:
     from fedpose.data.dataset import PoseDataset, load_records
     from fedpose.privacy.input_privacy import prepare_site_input
 
+    from fedpose.data.image_check import check_images
+
     assert site.data.train is not None  # SiteConfig validates it
     data_dir, _ = prepare_site_input(site.data.train, site.input_privacy, site.state_dir)
     records, root = load_records(data_dir)
     if not records:
         raise ValueError(f"site '{site.site_id}': no training records in {data_dir}")
+    # every file decoded once (cached by size and mtime): a corrupt image is named before any spend
+    check_images(records, root, Path(site.state_dir) / IMAGE_CHECK_CACHE)
     return PoseDataset(
         records, root, input_size=tuple(input_size), train=True, flip=site.data.flip,
         scale_jitter=site.data.scale_jitter, rotation=site.data.rotation, seed=site.train.seed,
@@ -144,8 +150,9 @@ def train_site_round(
     """Guard the budget, run ``local_steps`` private steps from the global weights, return Δ.
 
     The budget decision comes first, from declared values only, before any data or basis work:
-    a refused round (status "refused") spends nothing and touches no data. The spend is recorded
-    durably before training starts. Raises on operational failures (bad weights, unreadable data);
+    a refused round (status "refused") spends nothing and touches no data. An affordable round
+    loads and checks its data next, then records the spend durably, then trains — so a corrupt
+    image fails the round before anything is spent. Raises on operational failures (bad weights, unreadable data);
     :func:`run_site_round` turns those into a sanitized "error" reply.
     """
     import torch
@@ -168,8 +175,15 @@ def train_site_round(
                          local_steps=local_steps, aggregation_weight=site.aggregation_weight)
 
     affordable = True
+    dataset = None
     if budget is not None:
         sigma, rate = declared_noise(site, local_steps)
+        earlier = budget.entry(run_id, round_id)
+        fresh_spend = (earlier is None or earlier.status != "spent") and budget.planned_epsilon(sigma, rate, local_steps) <= budget.eps_max
+        if fresh_spend:
+            # Load (and check) the data before spending: a broken dataset must not cost ε. Only a
+            # round the budget already allows gets here, so a refusal still touches no data.
+            dataset = load_site_dataset(site, tuple(model_spec["input_size"]))
         try:
             auth = budget.authorize_round(run_id, round_id, sigma, rate, local_steps)
         except BudgetExhausted as refusal:
@@ -199,7 +213,8 @@ def train_site_round(
     start_weights = {name: p.detach().clone() for name, p in trainable.items()}
 
     basis = _site_basis(site, model, basis_version, basis_message)
-    dataset = load_site_dataset(site, tuple(model_spec["input_size"]))
+    if dataset is None:
+        dataset = load_site_dataset(site, tuple(model_spec["input_size"]))
     public_dataset = None
     mechanism = get_mechanism(site.privacy.mechanism)
     if basis is None and site.public_data is not None and mechanism.projects:
@@ -253,7 +268,7 @@ def run_site_round(site: SiteConfig, run_id: str, round_id: int, *args: Any, **k
             version = -1
         return SiteRoundResult(SiteReply(
             site_id=site.site_id, run_id=str(run_id), round=int(round_id), status="error", reason="site-error",
-            error_class=type(exc).__name__, privacy=report, basis_version=version, local_steps=0,
+            error_class=error_class_name(exc), privacy=report, basis_version=version, local_steps=0,
             aggregation_weight=site.aggregation_weight,
         ))
 

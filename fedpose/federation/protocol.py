@@ -23,6 +23,7 @@ site's local log). ``sites/egress.py`` checks every outgoing message against thi
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -54,8 +55,18 @@ REASON_TEXT: dict[str, str] = {
 }
 
 #: Python identifier: the only shape an error class name may take on the wire
-_ERROR_CLASS_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
-_SITE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+ERROR_CLASS_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]{0,63}$"
+SITE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+
+
+def error_class_name(exc: BaseException) -> str:
+    """The exception's class name as it may go on the wire ('Exception' if it has an odd shape)."""
+    name = type(exc).__name__
+    return name if re.match(ERROR_CLASS_PATTERN, name) else "Exception"
+
+
+def is_site_id(value: object) -> bool:
+    return isinstance(value, str) and re.match(SITE_ID_PATTERN, value) is not None
 
 
 class ProtocolError(ValueError):
@@ -95,12 +106,12 @@ class PrivacyReport(_Wire):
 class SiteReply(_Wire):
     """Everything a site sends for one round besides Δ (which travels in the ``update`` record)."""
 
-    site_id: str = Field(pattern=_SITE_ID_PATTERN)  #: the site's configured id (budgets are keyed by it)
+    site_id: str = Field(pattern=SITE_ID_PATTERN)  #: the site's configured id (budgets are keyed by it)
     run_id: str  #: echoed from the coordinator's instruction
     round: int  #: echoed from the coordinator's instruction
     status: ReplyStatus  #: decided by the budget guard and the noisy update only (non-finite samples are zeroed)
     reason: ReasonCode | None = None  #: fixed code; None for a fresh "ok"
-    error_class: str | None = Field(None, pattern=_ERROR_CLASS_PATTERN)  #: "error" only: the exception's class name
+    error_class: str | None = Field(None, pattern=ERROR_CLASS_PATTERN)  #: "error" only: the exception's class name
     privacy: PrivacyReport | None = None  #: None only for "error" when the site could not read its own state
     basis_version: int = -1  #: projection-basis version the site holds (-1: none); the coordinator ships only news
     local_steps: int = Field(0, ge=0)  #: steps this round ran: min(asked, the site's configured cap)

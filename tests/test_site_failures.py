@@ -1,0 +1,122 @@
+"""A site that cannot train says so — attributed to its site id, before it spends anything — and
+every image is checked once when the site's data is first loaded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fedpose.data.image_check import check_images
+from fedpose.data.loaders import ImageLoadError, load_records
+from fedpose.federation.local_training import IMAGE_CHECK_CACHE, run_site_round
+from site_round_helpers import global_model, make_site_data, site_config
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_site_data(tmp_path_factory.mktemp("site-data"))
+
+
+@pytest.fixture
+def data_root(pristine: Path, tmp_path: Path) -> Path:
+    """A private copy per test: tests corrupt files."""
+    return Path(shutil.copytree(pristine, tmp_path / "data"))
+
+
+@pytest.fixture(scope="module")
+def weights() -> tuple:
+    return global_model()
+
+
+def _corrupt(data_root: Path, index: int = 3) -> str:
+    records, root = load_records(data_root / "site-1")
+    name = sorted({r.image for r in records})[index]
+    path = root / name
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 3])  # truncated: the header still parses
+    return name
+
+
+def test_check_images_names_every_bad_file_and_caches_the_good_ones(data_root: Path, tmp_path: Path) -> None:
+    records, root = load_records(data_root / "site-1")
+    cache = tmp_path / "cache.json"
+    assert check_images(records, root, cache) == len({r.image for r in records})
+    assert check_images(records, root, cache) == 0  # nothing changed: nothing re-decoded
+    bad = _corrupt(data_root)
+    with pytest.raises(ImageLoadError) as failure:
+        check_images(records, root, cache)
+    assert f"1 of {len({r.image for r in records})} images under {root}" in str(failure.value) and bad in str(failure.value)
+    assert bad not in json.loads(cache.read_text())["files"]
+
+
+def test_one_corrupt_image_fails_the_round_before_any_spend(data_root: Path, tmp_path: Path, weights: tuple) -> None:
+    """One truncated file among 16 that a 2-step round would probably never draw: the site names
+    it in its own log and replies a typed error with its id, its privacy report and no spend."""
+    state, (global_state, spec) = tmp_path / "state", weights
+    site = site_config(data_root, state)
+    bad = _corrupt(data_root)
+    result = run_site_round(site, "run", 1, global_state, spec, 2)
+    reply = result.reply
+    assert (reply.site_id, reply.status, reply.error_class) == ("site-1", "error", "ImageLoadError")
+    assert reply.privacy is not None and reply.privacy.rounds_spent == 0 and reply.privacy.epsilon in (None, 0.0)
+    budget = json.loads((state / "budget.json").read_text())["payload"]
+    assert not [e for e in budget["entries"] if e["status"] == "spent"]
+    note = json.loads((state / "rounds.jsonl").read_text().splitlines()[-1])["note"]
+    assert note.startswith("ImageLoadError") and bad in note  # the details stay at the site
+    assert bad not in reply.model_dump_json()  # ... and never leave it
+
+    shutil.copytree(make_site_data(tmp_path / "fresh") / "site-1", data_root / "site-1", dirs_exist_ok=True)
+    result = run_site_round(site, "run", 1, global_state, spec, 2)  # repaired: the same round now trains
+    assert result.reply.status == "ok" and result.reply.privacy.rounds_spent == 1
+    assert (state / IMAGE_CHECK_CACHE).exists()
+
+
+def test_a_refused_round_never_reads_the_data(data_root: Path, tmp_path: Path, weights: tuple) -> None:
+    global_state, spec = weights
+    site = site_config(data_root, tmp_path / "state", eps_max=0.01)
+    _corrupt(data_root)
+    reply = run_site_round(site, "run", 1, global_state, spec, 2).reply
+    assert reply.status == "refused"  # not "error": the budget said no before any image was opened
+    assert not (tmp_path / "state" / IMAGE_CHECK_CACHE).exists()
+
+
+@pytest.fixture
+def flower_task_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flower stamps every message with the running task's identity; give this process one."""
+    from flwr.supercore.task_identity import TaskIdentity
+
+    for name in ("_run_id", "_node_id", "_task_id"):
+        monkeypatch.setattr(TaskIdentity, name, 1)
+
+
+@pytest.mark.parametrize("site_id, attributed", [("site-7", True), ("../etc/passwd", False)])
+def test_a_broken_site_config_is_reported_under_its_site_id(tmp_path: Path, flower_task_identity: None,
+                                                             site_id: str, attributed: bool) -> None:
+    """A SuperNode whose site TOML does not validate still answers: a typed error naming the site
+    (its configured, public id) and the error class — nothing of the file's content."""
+    from flwr.app import ConfigRecord, Context, Message, RecordDict
+
+    from fedpose.config import ConfigError
+    from fedpose.federation import protocol
+    from sites.client_app import config_failure_reply, site_from_context
+    from sites.egress import violations
+
+    config = tmp_path / "site.toml"
+    config.write_text(f'site_id = "{site_id}"\neps_max = "secret-value"\n')
+    context = Context(run_id=1, node_id=3, node_config={"site-config": str(config)}, state=RecordDict(), run_config={})
+    incoming = Message(RecordDict({protocol.CONFIG_RECORD: ConfigRecord(protocol.train_config("run", 4, 2, {}, -1))}),
+                       dst_node_id=3, message_type=protocol.MESSAGE_TYPE_TRAIN, group_id="4", ttl=30)
+    with pytest.raises(ConfigError) as failure:
+        site_from_context(context)
+    if not attributed:  # not a valid site id: the egress guard sends the class name only
+        with pytest.raises(ConfigError):
+            config_failure_reply(incoming, context, failure.value, None)
+        return
+    reply = config_failure_reply(incoming, context, failure.value, None)
+    assert violations(incoming, reply) == []
+    site_reply = protocol.decode_reply(dict(reply.content[protocol.REPLY_RECORD]))
+    assert (site_reply.site_id, site_reply.run_id, site_reply.round) == ("site-7", "run", 4)
+    assert (site_reply.status, site_reply.error_class, site_reply.privacy) == ("error", "ConfigError", None)
+    assert "secret-value" not in site_reply.model_dump_json()
