@@ -16,7 +16,8 @@ import logging
 import os
 import tomllib
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +32,8 @@ from fedpose.federation.local_training import run_site_round
 from sites.egress import egress_guard
 
 log = logging.getLogger("fedpose.site")
+
+SITE_LOG = "site.log"  #: the site's local log, in its state_dir (error details stay here)
 
 SiteResolver = Callable[[Context], SiteConfig]
 
@@ -102,6 +105,28 @@ def handle_train(msg: Message, context: Context, site: SiteConfig) -> Message:
     return Message(content, reply_to=msg)
 
 
+@contextmanager
+def site_log(site: SiteConfig) -> Iterator[None]:
+    """Send fedpose's log records to ``<state_dir>/site.log`` for the duration of one message.
+
+    The site's log holds what may not leave it (error details, paths, private statistics). Per
+    message, not per process: under simulation one worker process serves several sites in turn."""
+    path = Path(site.state_dir) / SITE_LOG
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("fedpose")
+    previous_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous_level)
+        handler.close()
+
+
 def build_client_app(federation_config: str | Path | None = None, outer_mods: Sequence[Mod] = ()) -> ClientApp:
     """A ClientApp whose sites come from node config (or ``federation_config`` in simulation).
 
@@ -114,7 +139,8 @@ def build_client_app(federation_config: str | Path | None = None, outer_mods: Se
             site = site_from_context(context, federation_config)
         except Exception as exc:  # noqa: BLE001 - a broken config is reported, attributed to its site
             return config_failure_reply(msg, context, exc, federation_config)
-        return handle_train(msg, context, site)
+        with site_log(site):
+            return handle_train(msg, context, site)
 
     return client_app
 

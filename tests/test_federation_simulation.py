@@ -14,7 +14,7 @@ import tomli_w
 from flwr.app import Array, ArrayRecord
 
 from fedpose.federation import protocol
-from federation_helpers import history, ledger_rows, tiny_federation
+from federation_helpers import history, ledger_rows, site_budget, tiny_federation
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -49,18 +49,22 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def test_simulation_rejects_a_corrupted_update_and_keeps_going(tmp_path: Path) -> None:
+def test_simulation_rejects_a_corrupted_update_and_keeps_going(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     import tomllib
 
     from fedpose.cli.simulate import ensure_synthetic, resolve_federation, run_federation_simulation
+    from fedpose.data.loaders import load_records
 
     data_dir = tmp_path / "data"
-    config = tiny_federation(tmp_path, data_dir, sites=4, rounds=1)
+    config = tiny_federation(tmp_path, data_dir, sites=5, rounds=1)
     raw = tomllib.loads(config.read_text())
     raw["sites"][2]["optim"] = {"name": "sgd", "lr": 3e38}  # site-3: near float32 max, the noisy step overflows
     config.write_text(tomli_w.dumps(raw))
     federation, synthetic, resolved = resolve_federation(config, [])
     ensure_synthetic({**synthetic, "dir": str(data_dir)}, len(federation.sites))
+    records, root = load_records(data_dir / "site-5")
+    corrupt = root / records[5].image  # site-5: one truncated image among its files
+    corrupt.write_bytes(corrupt.read_bytes()[:200])
     records = _Records()
     logging.getLogger("fedpose.coordinator").addHandler(records)
     try:
@@ -88,6 +92,15 @@ def test_simulation_rejects_a_corrupted_update_and_keeps_going(tmp_path: Path) -
     # node is reported (not charged to a site) with the site's own error, not as a timeout
     assert len(entry["unidentified_missing_nodes"]) == 1
     assert any("ClientApp failed" in m and "No space left on device (site-4)" in m for m in records.messages), records.messages
+
+    # site-5's corrupt image: found before training, attributed, nothing spent, no traceback on the console
+    assert entry["sites"]["site-5"]["status"] == "error"
+    assert entry["sites"]["site-5"]["reason"].startswith("ImageLoadError: the site's ClientApp failed")
+    assert rows["site-5"].status == "missing" and rows["site-5"].epsilon in (None, 0.0) and rows["site-5"].steps == 0
+    assert not [e for e in site_budget(tmp_path, "site-5")["entries"] if e["status"] == "spent"]
+    console = capfd.readouterr()
+    assert corrupt.name not in console.out + console.err  # the details went to the site's own log ...
+    assert corrupt.name in (tmp_path / "sites" / "site-5" / "site.log").read_text()  # ... here
 
     from fedpose.federation.aggregation import load_array_checkpoint
 
