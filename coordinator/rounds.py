@@ -88,6 +88,14 @@ class Coordinator:
             # reported it spent) would vanish from `fedpose ledger show` without a word.
             raise LedgerError(f"resuming run '{run.run_id}': the budget ledger {ledger_path} is missing or empty; restore it from a backup")
         self.ledger = BudgetLedger(ledger_path)
+        recorded = self.ledger.last_round()
+        if not resuming and recorded > 0:
+            # Starting at round 1 would overwrite these rows: what each site reported it spent.
+            self.ledger.close()
+            how = (f"its model checkpoint {self.dir / GLOBAL_CHECKPOINT} is missing: restore it from a backup" if resume
+                   else "continue it with --resume")
+            raise LedgerError(f"the budget ledger {ledger_path} already holds site reports up to round {recorded}; {how}, "
+                              "or use another checkpoint_dir — a new run never overwrites a ledger")
         self.metrics = _coordinator_metrics(self.cfg.metrics_port)
         self._eval_dataset: Any = None
         self.basis_message: Any = None  #: current BasisMessage (in memory only: recomputed after a restart)

@@ -51,3 +51,16 @@ def test_a_sound_ledger_resumes(tmp_path: Path) -> None:
     coordinator = Coordinator(run, resume=True, echo=lambda *_: None)
     assert coordinator.state.round == 2
     coordinator.ledger.close()
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_ledger_with_rounds_is_never_overwritten_by_a_fresh_start(tmp_path: Path, resume: bool) -> None:
+    """The model checkpoint is gone (or the operator forgot --resume) but the ledger holds rounds:
+    starting at round 1 would replace those rows, so the coordinator refuses and says why."""
+    run = _finished_rounds(tmp_path, 2)
+    (Path(run.coordinator.checkpoint_dir) / "global.npz").unlink()
+    with pytest.raises(LedgerError, match="already holds site reports up to round 2") as failure:
+        Coordinator(run, resume=resume, echo=lambda *_: None)
+    assert ("restore it from a backup" if resume else "--resume") in str(failure.value)
+    with BudgetLedger(run.coordinator.ledger_path, read_only=True) as ledger:
+        assert [e.round for e in ledger.entries()] == [1, 2]
