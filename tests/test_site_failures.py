@@ -120,3 +120,20 @@ def test_a_broken_site_config_is_reported_under_its_site_id(tmp_path: Path, flow
     assert (site_reply.site_id, site_reply.run_id, site_reply.round) == ("site-7", "run", 4)
     assert (site_reply.status, site_reply.error_class, site_reply.privacy) == ("error", "ConfigError", None)
     assert "secret-value" not in site_reply.model_dump_json()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "empty", "deleted"])
+def test_damaged_budget_state_is_reported_under_the_site_id_and_nothing_trains(
+        data_root: Path, tmp_path: Path, weights: tuple, damage: str) -> None:
+    """After a spent round the budget file is damaged: the next round is an attributed error (no
+    privacy report: the site cannot read its own state), the file is left as it was, nothing trains."""
+    global_state, spec = weights
+    state = tmp_path / "state"
+    site = site_config(data_root, state)
+    assert run_site_round(site, "run", 1, global_state, spec, 2).reply.status == "ok"
+    budget = state / "budget.json"
+    {"garbage": lambda: budget.write_text("{not json"), "empty": lambda: budget.write_bytes(b""), "deleted": budget.unlink}[damage]()
+    before = budget.read_bytes() if budget.exists() else None
+    reply = run_site_round(site, "run", 2, global_state, spec, 2).reply
+    assert (reply.site_id, reply.status, reply.error_class, reply.privacy) == ("site-1", "error", "BudgetStateError", None)
+    assert (budget.read_bytes() if budget.exists() else None) == before  # never recreated or reset
