@@ -322,7 +322,7 @@ class Coordinator:
         unidentified: list[int] = []
         for node in selected:
             if node not in answered:
-                reason = failures.get(node, f"no reply within the round timeout ({self.cfg.round_timeout_s:g} s)")
+                reason = failures.get(node) or _no_reply_reason(round_seconds, self.cfg.round_timeout_s)
                 site_id = self.state.node_sites.get(str(node))
                 if site_id is None:
                     # A node that never told us its site id (e.g. a stale registration after a restart)
@@ -404,6 +404,13 @@ class Coordinator:
                             self.history, summary)
         self.echo(f"report: {path} (curves: {path.with_name('curves.png')})")
         return {"report": str(path), "rounds": len(self.history), "stopped_reason": self.state.stopped_reason}
+
+
+def _no_reply_reason(round_seconds: float, timeout_s: float) -> str:
+    """Why a selected node sent nothing: it timed out, or the round ended without it (node gone)."""
+    if round_seconds >= 0.99 * timeout_s:
+        return f"no reply within the round timeout ({timeout_s:g} s)"
+    return f"no reply: the node disconnected (the round ended after {round_seconds:.0f} s, before the {timeout_s:g} s timeout)"
 
 
 #: Flower error codes that mean the site's own ClientApp failed; the others come from the SuperLink

@@ -7,6 +7,7 @@ are the production code. The integration tests cover the same paths over real Fl
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -88,3 +89,35 @@ def test_a_site_reporting_less_epsilon_than_the_ledger_holds_is_rejected(tmp_pat
     history = rounds_module.load_history(tmp_path / "coordinator")
     assert history[1]["sites"]["site-1"]["status"] == "rejected" and not history[1]["aggregated"]
     assert history[1]["sites"]["site-1"]["reject_reason"] == "epsilon_regressed"
+
+
+class DroppingGrid(ScriptedGrid):
+    """As ScriptedGrid, but nodes in ``silent[round]`` send nothing (they disconnected)."""
+
+    def __init__(self, nodes: list[int], script: Script, silent: dict[int, set[int]]):
+        super().__init__(nodes, script)
+        self.silent = silent
+
+    def send_and_receive(self, messages: list[Message], timeout: float) -> list[Message]:
+        return [self.script(int(m.metadata.group_id), m) for m in messages
+                if m.metadata.dst_node_id not in self.silent.get(int(m.metadata.group_id), set())]
+
+
+def test_a_site_that_disconnects_is_missing_with_the_true_reason(tmp_path: Path) -> None:
+    """The round ends early without one node: its reason says it disconnected, not that it timed
+    out; a node that never said which site it is appears as an unidentified node, not as a site."""
+    lines: list[str] = []
+    coordinator = Coordinator(_run(tmp_path, 2), echo=lines.append)
+    trainable = list(coordinator._model().trainable_parameters())
+    site_of = {11: "site-1", 12: "site-2", 13: "site-3"}
+    grid = DroppingGrid([11, 12, 13], lambda r, m: ok_reply(m, site_of[m.metadata.dst_node_id], 1.0 * r, r, trainable),
+                        silent={1: {13}, 2: {12}})
+    coordinator.run_rounds(grid)
+
+    history = rounds_module.load_history(tmp_path / "coordinator")
+    assert history[0]["unidentified_missing_nodes"] == [13] and "site-3" not in history[0]["sites"]
+    missing = history[1]["sites"]["site-2"]
+    assert missing["status"] == "missing" and missing["reason"].startswith("no reply: the node disconnected")
+    assert "node 13: missing" in lines[0] and "site-2: missing (no reply: the node disconnected" in lines[1]
+    report = json.loads((tmp_path / "coordinator" / "report.json").read_text())
+    assert [(f["round"], f["site"]) for f in report["site_failures"]] == [(1, "node 13"), (2, "site-2")]
