@@ -100,6 +100,7 @@ class Coordinator:
         self._eval_dataset: Any = None
         self.basis_message: Any = None  #: current BasisMessage (in memory only: recomputed after a restart)
         self._nodes_settled = False  #: the first round of this process waits for the federation to reconnect
+        self._node_wait_seconds = 0.0  #: how long the current round waited for sites to connect (history)
         if resume and (self.dir / GLOBAL_CHECKPOINT).exists():
             arrays, meta = load_array_checkpoint(self.dir / GLOBAL_CHECKPOINT)
             if meta.get("run_id") != run.run_id:
@@ -220,7 +221,9 @@ class Coordinator:
                 self.echo(f"round   0 | PCKh@0.5 = {self.state.initial_pckh:.2f} | initial global model (no site data used)")
         try:
             for round_id in range(self.state.round + 1, self.cfg.rounds + 1):
+                waiting = time.monotonic()
                 nodes = self.wait_for_nodes(grid)
+                self._node_wait_seconds = time.monotonic() - waiting
                 selected = self.select(nodes, round_id)
                 if not selected:
                     known = set(self.state.node_sites.values())
@@ -369,6 +372,7 @@ class Coordinator:
             "wall_seconds": time.perf_counter() - started, "exchange_seconds": round_seconds, "sites": sites,
             "exhausted": len(self.exhausted_sites()), "basis_bytes": basis_bytes, "basis_transport": self.cfg.basis.transport,
             "unidentified_missing_nodes": unidentified,
+            "node_wait_seconds": self._node_wait_seconds,
         }
         self.history.append(entry)
         self._save_checkpoint()  # 2) optimizer, 3) model + state (commit point)

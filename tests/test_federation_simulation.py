@@ -113,7 +113,6 @@ def test_simulation_rejects_a_corrupted_update_and_keeps_going(tmp_path: Path, c
 def test_a_resumed_simulation_does_not_wait_for_the_old_node_ids(tmp_path: Path) -> None:
     """Simulation hands out new node ids on every start; the checkpoint remembers the old ones.
     Waiting for those ids sat out the whole round timeout before the first resumed round."""
-    import time
     import tomllib
 
     from fedpose.cli.simulate import ensure_synthetic, resolve_federation, run_federation_simulation
@@ -127,10 +126,11 @@ def test_a_resumed_simulation_does_not_wait_for_the_old_node_ids(tmp_path: Path)
     raw["coordinator"]["rounds"] = 2
     config.write_text(tomli_w.dumps(raw))
     federation, _, resolved = resolve_federation(config, [])
-    started = time.monotonic()
     run_federation_simulation(federation, resolved, resume=True)
-    assert time.monotonic() - started < 150, "the resumed run waited for node ids that no longer exist"
     rounds = history(tmp_path)
+    # the resumed round starts as soon as both sites are back (measured by the coordinator, so a
+    # loaded machine's slow training does not count); waiting for stale ids took the 300 s timeout
+    assert rounds[1]["node_wait_seconds"] < 30, rounds[1]
     assert [r["round"] for r in rounds] == [1, 2]
     assert {s: v["status"] for s, v in rounds[1]["sites"].items()} == {"site-1": "ok", "site-2": "ok"}
     report = json.loads((tmp_path / "coordinator" / "report.json").read_text())
