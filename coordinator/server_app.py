@@ -13,8 +13,9 @@ from pathlib import Path
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
-from coordinator.rounds import Coordinator
+from coordinator.grid import GridTransport
 from fedpose.federation.deployment import load_coordinator_run
+from fedpose.federation.server.rounds import RoundRunner
 
 
 def _flag(value: object) -> bool:
@@ -46,7 +47,7 @@ def build_server_app(config_path: str | Path | None = None, resume: bool | None 
             raise ValueError("no coordinator config: pass --run-config 'coordinator-config=\"/abs/path.toml\"'")
         run = load_coordinator_run(str(path), overrides)
         do_resume = resume if resume is not None else _flag(context.run_config.get("resume", False))
-        result = Coordinator(run, resume=do_resume, echo=lambda line: print(line, flush=True)).run_rounds(grid)
+        result = RoundRunner(run, resume=do_resume, echo=lambda line: print(line, flush=True)).run_rounds(GridTransport(grid))
         print(f"federation finished: {result['stopped_reason']}; {result['report']}", flush=True)
 
     return server_app

@@ -77,8 +77,8 @@ def config_failure_reply(msg: Message, context: Context, exc: Exception, federat
     if site_id is None:
         raise exc
     log.error("site %s: its config cannot be loaded; the coordinator gets the class name only:\n%s", site_id, traceback.format_exc())
-    run_id, round_id, *_ = protocol.parse_train_config(dict(msg.content[protocol.CONFIG_RECORD]))
-    reply = protocol.SiteReply(site_id=site_id, run_id=run_id, round=round_id, status="error", reason="site-error",
+    instruction = protocol.decode_instruction(dict(msg.content[protocol.CONFIG_RECORD]))
+    reply = protocol.SiteReply(site_id=site_id, run_id=instruction.run_id, round=instruction.round, status="error", reason="site-error",
                                error_class=protocol.error_class_name(exc))
     return Message(RecordDict({protocol.REPLY_RECORD: ConfigRecord(protocol.encode_reply(reply))}), reply_to=msg)
 
@@ -88,20 +88,18 @@ def _arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
 
 
 def handle_train(msg: Message, context: Context, site: SiteConfig) -> Message:
-    run_id, round_id, local_steps, model_spec, basis_version = protocol.parse_train_config(
-        dict(msg.content[protocol.CONFIG_RECORD])
-    )
+    instruction = protocol.decode_instruction(dict(msg.content[protocol.CONFIG_RECORD]))
     basis_message = None
     if protocol.BASIS_RECORD in msg.content:
         basis_message = (_arrays(msg.content[protocol.BASIS_RECORD]), dict(msg.content[protocol.BASIS_CONFIG_RECORD]))
     result = run_site_round(
-        site, run_id, round_id, _arrays(msg.content[protocol.GLOBAL_RECORD]), model_spec, local_steps,
-        basis_version=basis_version, basis_message=basis_message, threads=site.train.threads,
+        site, instruction.run_id, instruction.round, _arrays(msg.content[protocol.GLOBAL_RECORD]), instruction.model_spec,
+        instruction.local_steps, basis_version=instruction.basis_version, basis_message=basis_message, threads=site.train.threads,
     )
     content = RecordDict({protocol.REPLY_RECORD: ConfigRecord(protocol.encode_reply(result.reply))})
     if result.reply.carries_update:
         content[protocol.UPDATE_RECORD] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in result.update.items()})
-    log.info("site %s round %d: %s (%s)", site.site_id, round_id, result.reply.status, result.reply.describe())
+    log.info("site %s round %d: %s (%s)", site.site_id, instruction.round, result.reply.status, result.reply.describe())
     return Message(content, reply_to=msg)
 
 

@@ -10,7 +10,6 @@ from torch.func import functional_call, grad, vmap
 
 from fedpose.federation.basis_transport import (
     BasisCache,
-    BasisDistributor,
     BasisRecipe,
     BasisTransportError,
     basis_from_gradients,
@@ -127,21 +126,6 @@ def test_malformed_messages_are_clear_errors():
         decode({}, message.config)
     with pytest.raises(BasisTransportError, match="unknown basis transport"):
         decode({}, dict(message.config, **{"basis.transport": "carrier-pigeon"}))
-
-
-def test_distributor_sends_only_to_sites_without_the_version():
-    d = BasisDistributor(refresh_every_rounds=3)
-    assert d.needs_refresh(1) and not d.sites_needing(["a", "b"])
-    d.publish(1, "w1")
-    assert d.sites_needing(["a", "b"]) == ["a", "b"]
-    d.mark_held("a", 1)  # a's reply reported version 1
-    assert d.sites_needing(["a", "b"]) == ["b"]
-    assert not d.needs_refresh(2) and not d.needs_refresh(3) and d.needs_refresh(4)
-    d.publish(4, "w4")
-    assert d.sites_needing(["a", "b"]) == ["a", "b"]
-    d.mark_held("b", 4)
-    restored = BasisDistributor.from_state(d.state_dict())  # coordinator checkpoint / resume
-    assert restored == d and restored.sites_needing(["a", "b", "c"]) == ["a", "c"]
 
 
 def test_site_cache_round_trips(tmp_path):

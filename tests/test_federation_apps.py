@@ -25,7 +25,7 @@ def task_identity():
 def _train_message() -> Message:
     content = RecordDict({
         protocol.GLOBAL_RECORD: ArrayRecord({"head.w": Array(np.zeros((4, 3), np.float32)), "head.b": Array(np.zeros(3, np.float32))}),
-        protocol.CONFIG_RECORD: ConfigRecord(protocol.train_config("run", 1, 2, {"backbone": "x"}, -1)),
+        protocol.CONFIG_RECORD: ConfigRecord(protocol.encode_instruction(protocol.TrainInstruction(run_id="run", round=1, local_steps=2, model_spec={"backbone": "x"}))),
     })
     msg = Message(content, dst_node_id=1, message_type=protocol.MESSAGE_TYPE_TRAIN)
     msg.metadata.__dict__["_message_id"] = "m1"  # a pushed message has an id; replies refer to it

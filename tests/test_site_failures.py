@@ -106,7 +106,7 @@ def test_a_broken_site_config_is_reported_under_its_site_id(tmp_path: Path, flow
     config = tmp_path / "site.toml"
     config.write_text(f'site_id = "{site_id}"\neps_max = "secret-value"\n')
     context = Context(run_id=1, node_id=3, node_config={"site-config": str(config)}, state=RecordDict(), run_config={})
-    incoming = Message(RecordDict({protocol.CONFIG_RECORD: ConfigRecord(protocol.train_config("run", 4, 2, {}, -1))}),
+    incoming = Message(RecordDict({protocol.CONFIG_RECORD: ConfigRecord(protocol.encode_instruction(protocol.TrainInstruction(run_id="run", round=4, local_steps=2, model_spec={})))}),
                        dst_node_id=3, message_type=protocol.MESSAGE_TYPE_TRAIN, group_id="4", ttl=30)
     with pytest.raises(ConfigError) as failure:
         site_from_context(context)

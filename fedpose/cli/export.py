@@ -39,7 +39,7 @@ MODEL_FILE = "model.pt"
 REPORT_FILE = "privacy_report.json"
 TEXT_FILE = "PRIVACY.txt"
 EXPORTED_FILES = (MODEL_FILE, REPORT_FILE, TEXT_FILE)
-GLOBAL_CHECKPOINT = "global.npz"  # coordinator/rounds.py
+GLOBAL_CHECKPOINT = "global.npz"  # fedpose.federation.server.rounds.GLOBAL_CHECKPOINT (kept light: no import)
 COORDINATOR_REPORT = "report.json"  # fedpose.federation.report.REPORT_FILE
 DEFAULT_LEDGER = "ledger.sqlite"  # the coordinator's default ledger_db, inside its checkpoint_dir
 

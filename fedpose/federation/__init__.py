@@ -7,6 +7,9 @@
 - :mod:`.aggregation` — streaming weighted FedAvg + server optimizers (FedAvg, FedAvgM, FedAdam).
 - :mod:`.basis_transport` — ships the projection basis V: full arrays or a compact recipe.
 - :mod:`.metrics` — per-process Prometheus registries for coordinator and site.
+- :mod:`.protocol` — the round protocol: TrainInstruction, SiteReply, PrivacyReport (the only schema).
+- :mod:`.local_training` — one site's round: budget guard, data, private training, the reply.
+- :mod:`.server` — the coordinator's round runner (over any transport) and its basis service.
 
 Model weights and updates are ``dict[str, np.ndarray]`` ("ArrayDict"): name → float32 array, in
 the order of the global model's ``state``/trainable parameters. Nothing here imports Flower.

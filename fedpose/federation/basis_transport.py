@@ -15,7 +15,8 @@ post-processing, and any site holding the same S_pub can rebuild it. Two transpo
 Wire format (what the Flower wiring puts in the train message): :class:`BasisMessage` =
 ``arrays`` (``dict[str, np.ndarray]`` → an ``ArrayRecord``) + ``config`` (``dict[str, int | str]``
 → a ``ConfigRecord``). Versions are ints: the round at which the basis was computed. Sites report
-the version they hold; :class:`BasisDistributor` sends a basis only to sites that lack it.
+the version they hold; :class:`fedpose.federation.server.basis_service.BasisService` sends a basis
+only to sites that lack it.
 
 The basis itself: V = Gᵀ U_k Λ_k^-½ with (U, Λ) the top-k eigenpairs of the m×m Gram matrix
 G Gᵀ — the top-k eigenvectors of Gᵀ G (∝ the public second-moment matrix M), orthonormal, never
@@ -27,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -324,47 +325,6 @@ def receive_basis(
 def message_version(config: Mapping[str, Any]) -> int | None:
     """The basis version a message carries (None: no basis in it)."""
     return int(config["basis.version"]) if "basis.version" in config else None
-
-
-# -- who needs which version ----------------------------------------------------------------------
-@dataclass
-class BasisDistributor:
-    """Coordinator bookkeeping: when to refresh, and which sites still need the current version.
-
-    Version = the round in which the basis was computed. Refreshes happen in round 1, 1+R, 1+2R, … (R rounds after the last one, also after a resume)
-    A site counts as holding a version only once it *reports* it (its reply), not when sent.
-    """
-
-    refresh_every_rounds: int
-    current_version: int | None = None
-    current_weights: str = ""
-    held: dict[str, int] = field(default_factory=dict)  #: site id → version the site reported
-
-    def needs_refresh(self, round_id: int) -> bool:
-        """True when no basis exists yet or the current one is R or more rounds old."""
-        return self.current_version is None or round_id - self.current_version >= self.refresh_every_rounds
-
-    def publish(self, version: int, weights_version: str) -> None:
-        self.current_version, self.current_weights = int(version), weights_version
-
-    def needs_basis(self, site_id: str) -> bool:
-        return self.current_version is not None and self.held.get(site_id) != self.current_version
-
-    def sites_needing(self, site_ids: Iterable[str]) -> list[str]:
-        return [s for s in site_ids if self.needs_basis(s)]
-
-    def mark_held(self, site_id: str, version: int | None) -> None:
-        if version is not None:
-            self.held[site_id] = int(version)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"refresh_every_rounds": self.refresh_every_rounds, "current_version": self.current_version,
-                "current_weights": self.current_weights, "held": dict(self.held)}
-
-    @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> "BasisDistributor":
-        return cls(int(state["refresh_every_rounds"]), state["current_version"], str(state["current_weights"]),
-                   {str(k): int(v) for k, v in dict(state["held"]).items()})
 
 
 # -- the site's cache -----------------------------------------------------------------------------

@@ -50,9 +50,46 @@ class CoordinatorMetrics:
         self.basis_bytes_sent = Counter("fedpose_basis_bytes_sent", "Basis payload bytes sent to sites", ["transport"], registry=r)
         self.round_duration = Histogram("fedpose_round_duration_seconds", "Wall time of a round", buckets=ROUND_SECONDS_BUCKETS, registry=r)
 
+        self._server: MetricsServer | None = None
+
+    @classmethod
+    def serve(cls, port: int, addr: str = "0.0.0.0") -> "CoordinatorMetrics":
+        """Metrics served over HTTP at ``addr:port`` until :meth:`close`."""
+        metrics = cls()
+        metrics._server = start_metrics_server(port, metrics.registry, addr=addr)
+        return metrics
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
     def observe_site_report(self, site_id: str, epsilon: float, delta: float, guarantee: str) -> None:
         self.site_epsilon.labels(site=site_id, guarantee=guarantee).set(epsilon)
         self.site_delta.labels(site=site_id).set(delta)
+
+    def observe_round(self, entry: dict[str, Any]) -> None:
+        """One finished round's history entry (see ``fedpose.federation.server.rounds``)."""
+        self.round.set(entry["round"])
+        self.participating_sites.set(entry["accepted"])
+        self.round_duration.observe(entry["wall_seconds"])
+        for site_id, site in entry["sites"].items():
+            status = site["status"]
+            if site.get("epsilon") is not None and site.get("guarantee"):
+                self.observe_site_report(site_id, float(site["epsilon"]), float(site["delta"]), str(site["guarantee"]))
+            if site.get("update_norm") is not None:
+                self.update_norm.labels(site=site_id).set(site["update_norm"])
+            if status == "rejected":
+                self.rejected_updates.labels(reason=site.get("reject_reason", "invalid")).inc()
+            elif status == "refused":
+                self.refused_rounds.labels(site=site_id).inc()
+            elif status == "missing":
+                self.missing_replies.labels(site=site_id).inc()
+            elif status in ("failed", "error"):
+                self.failed_rounds.labels(site=site_id).inc()
+        if entry.get("basis_bytes"):
+            self.basis_bytes_sent.labels(transport=entry.get("basis_transport", "full")).inc(entry["basis_bytes"])
+        self.exhausted_sites.set(entry.get("exhausted", 0))
 
 
 class SiteMetrics:

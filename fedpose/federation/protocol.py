@@ -5,7 +5,7 @@ Coordinator → site, message type ``train``:
   ``global``        ArrayRecord: every tensor of the global model's state dict (name → array)
   ``basis``         ArrayRecord + ``basis-config`` ConfigRecord, only when the site lacks the
                     current basis version (pdp / fpdp): V itself, or a compact recipe
-  ``config``        ConfigRecord: run-id, round, local-steps, model-spec (JSON), basis-version
+  ``config``        ConfigRecord with one key, ``instruction``: a :class:`TrainInstruction` as JSON
 
 Site → coordinator — the reply, and nothing else ever leaves a site:
   ``update``        ArrayRecord: Δ = w_local − w_global of the trainable parameters (status "ok" only)
@@ -22,7 +22,6 @@ site's local log). ``sites/egress.py`` checks every outgoing message against thi
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Literal, Mapping
 
@@ -37,6 +36,7 @@ CONFIG_RECORD = "config"
 UPDATE_RECORD = "update"
 REPLY_RECORD = "reply"
 REPLY_KEY = "reply"
+INSTRUCTION_KEY = "instruction"
 
 #: every record name a site may send (the egress guard rejects anything else)
 SITE_REPLY_RECORDS = frozenset({UPDATE_RECORD, REPLY_RECORD})
@@ -161,22 +161,35 @@ def decode_reply(record: Mapping[str, Any]) -> SiteReply:
     try:
         return SiteReply.model_validate_json(raw)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in exc.errors())
-        raise ProtocolError(f"malformed site reply: {problems}") from None
+        raise ProtocolError(f"malformed site reply: {_problems(exc)}") from None
+
+
+def _problems(exc: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in exc.errors())
 
 
 # -- coordinator → site -----------------------------------------------------------------------------
-def train_config(run_id: str, round_id: int, local_steps: int, model_spec: dict[str, Any], basis_version: int) -> dict[str, Any]:
-    return {
-        "run-id": run_id, "round": int(round_id), "local-steps": int(local_steps),
-        "model-spec": json.dumps(model_spec), "basis-version": int(basis_version),
-    }
+class TrainInstruction(_Wire):
+    """What the coordinator asks of a site for one round (the ``config`` record, one JSON key)."""
+
+    run_id: str  #: site budgets key rounds by (run, round)
+    round: int = Field(ge=1)
+    local_steps: int = Field(ge=1)  #: asked for; the site caps it at its own configured local_steps
+    model_spec: dict[str, Any]  #: how to build the global model the arrays belong to
+    basis_version: int = -1  #: projection basis of this round (-1: none); sent only to sites lacking it
 
 
-def parse_train_config(config: dict[str, Any]) -> tuple[str, int, int, dict[str, Any], int]:
-    """(run id, round, local steps, model spec, basis version) from a train message's config."""
+def encode_instruction(instruction: TrainInstruction) -> dict[str, str]:
+    """The ``config`` ConfigRecord's content."""
+    return {INSTRUCTION_KEY: instruction.model_dump_json()}
+
+
+def decode_instruction(record: Mapping[str, Any]) -> TrainInstruction:
+    """Parse a train message's ``config`` record; :class:`ProtocolError` names what is wrong."""
+    raw = record.get(INSTRUCTION_KEY)
+    if not isinstance(raw, str):
+        raise ProtocolError(f"train instruction: the '{CONFIG_RECORD}' record must hold a JSON string under '{INSTRUCTION_KEY}'")
     try:
-        return (str(config["run-id"]), int(config["round"]), int(config["local-steps"]),
-                json.loads(str(config["model-spec"])), int(config["basis-version"]))
-    except (KeyError, ValueError, TypeError) as exc:
-        raise ProtocolError(f"malformed train instruction: {type(exc).__name__} {exc}") from None
+        return TrainInstruction.model_validate_json(raw)
+    except ValidationError as exc:
+        raise ProtocolError(f"malformed train instruction: {_problems(exc)}") from None

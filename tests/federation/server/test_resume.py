@@ -1,4 +1,4 @@
-"""A resumed coordinator never silently forgets: a lost ledger is an error, not a fresh one."""
+"""A resumed round runner never silently forgets: a lost ledger is an error, not a fresh one."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.rounds import Coordinator
 from fedpose.federation.deployment import CoordinatorRunConfig
 from fedpose.federation.ledger import BudgetLedger, LedgerEntry, LedgerError
+from fedpose.federation.server.rounds import RoundRunner
 
 
 def _run(tmp_path: Path) -> CoordinatorRunConfig:
@@ -19,11 +19,11 @@ def _run(tmp_path: Path) -> CoordinatorRunConfig:
 
 def _finished_rounds(tmp_path: Path, rounds: int) -> CoordinatorRunConfig:
     run = _run(tmp_path)
-    coordinator = Coordinator(run, echo=lambda *_: None)
-    coordinator.ledger.record_many([LedgerEntry(site_id="site-1", round=r, status="missing") for r in range(1, rounds + 1)])
-    coordinator.state.round = rounds
-    coordinator._save_checkpoint()
-    coordinator.ledger.close()
+    runner = RoundRunner(run, echo=lambda *_: None)
+    runner.ledger.record_many([LedgerEntry(site_id="site-1", round=r, status="missing") for r in range(1, rounds + 1)])
+    runner.state.round = rounds
+    runner._save_checkpoint()
+    runner.ledger.close()
     return run
 
 
@@ -33,7 +33,7 @@ def test_a_lost_ledger_is_refused_on_resume(tmp_path: Path, damage: str) -> None
     path = Path(run.coordinator.ledger_path)
     path.unlink() if damage == "delete" else path.write_bytes(b"")
     with pytest.raises(LedgerError, match="missing or empty"):
-        Coordinator(run, resume=True, echo=lambda *_: None)
+        RoundRunner(run, resume=True, echo=lambda *_: None)
     assert not path.exists() or path.stat().st_size == 0  # nothing recreated
 
 
@@ -43,14 +43,14 @@ def test_a_ledger_without_the_checkpointed_rounds_is_refused(tmp_path: Path) -> 
     path.unlink()
     BudgetLedger(path).close()  # a fresh, empty database where the old one was
     with pytest.raises(LedgerError, match="holds no rounds"):
-        Coordinator(run, resume=True, echo=lambda *_: None)
+        RoundRunner(run, resume=True, echo=lambda *_: None)
 
 
 def test_a_sound_ledger_resumes(tmp_path: Path) -> None:
     run = _finished_rounds(tmp_path, 2)
-    coordinator = Coordinator(run, resume=True, echo=lambda *_: None)
-    assert coordinator.state.round == 2
-    coordinator.ledger.close()
+    runner = RoundRunner(run, resume=True, echo=lambda *_: None)
+    assert runner.state.round == 2
+    runner.ledger.close()
 
 
 @pytest.mark.parametrize("resume", [False, True])
@@ -60,7 +60,7 @@ def test_a_ledger_with_rounds_is_never_overwritten_by_a_fresh_start(tmp_path: Pa
     run = _finished_rounds(tmp_path, 2)
     (Path(run.coordinator.checkpoint_dir) / "global.npz").unlink()
     with pytest.raises(LedgerError, match="already holds site reports up to round 2") as failure:
-        Coordinator(run, resume=resume, echo=lambda *_: None)
+        RoundRunner(run, resume=resume, echo=lambda *_: None)
     assert ("restore it from a backup" if resume else "--resume") in str(failure.value)
     with BudgetLedger(run.coordinator.ledger_path, read_only=True) as ledger:
         assert [e.round for e in ledger.entries()] == [1, 2]

@@ -1,32 +1,31 @@
-"""The coordinator's round loop over a Flower Grid (works the same in simulation and deployment).
+"""The coordinator's round loop, Flower-free: select, send, classify replies, aggregate, record.
 
 Per round: pick the sites that are not exhausted, send them the global weights (+ the basis when
-they lack its current version) with TTL = round timeout, wait at most the round timeout, validate
-and aggregate the updates that came back (streaming, one in memory at a time), record every
-site's report in the ledger (ok / rejected / refused / missing), evaluate the global model on the
-held-out split, then checkpoint. The numerics are in :mod:`fedpose.federation`; this file only
-moves records.
+they lack its current version), wait at most the round timeout, validate and aggregate the
+updates that came back (streaming, one in memory at a time), record every site's report in the
+ledger (ok / rejected / refused / missing), evaluate the global model on the held-out split, then
+checkpoint. How messages travel is a :class:`Transport` (``coordinator/grid.py`` adapts Flower's
+Grid; tests use an in-process one).
 
 Checkpoint order per round: ledger rows first (one transaction), then server-optimizer state,
-then the global model + coordinator state (the commit point). ``--resume`` continues after the
+then the global model + coordinator state (the commit point). A resume continues after the
 highest round found in either, so a crash in between never re-runs a round a site already spent
 on, and ledger rows are keyed by (site, round) so nothing is counted twice.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
-from flwr.common.constant import ErrorCode
-from flwr.serverapp import Grid
 
 from fedpose.federation import protocol
 from fedpose.federation.aggregation import (
@@ -37,9 +36,12 @@ from fedpose.federation.aggregation import (
     save_array_checkpoint,
     save_server_optimizer,
 )
+from fedpose.federation.basis_transport import BasisMessage
 from fedpose.federation.deployment import CoordinatorRunConfig
 from fedpose.federation.ledger import BudgetLedger, LedgerEntry, LedgerError
+from fedpose.federation.metrics import CoordinatorMetrics
 from fedpose.federation.report import load_history, round_line, save_history, write_report
+from fedpose.federation.server.basis_service import NO_BASIS, BasisService
 
 log = logging.getLogger("fedpose.coordinator")
 
@@ -49,33 +51,69 @@ NODE_WAIT_POLL_S = 1.0
 NODE_SETTLE_S = 5.0  #: a fresh run waits until the connected-node count is stable this long
 
 
+# -- transport -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TrainRequest:
+    """One node's share of a round: the instruction, the global weights, and the basis if it lacks it."""
+
+    node: int
+    instruction: protocol.TrainInstruction
+    global_arrays: Mapping[str, np.ndarray]
+    basis: BasisMessage | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.global_arrays.values()) + (self.basis.nbytes if self.basis is not None else 0)
+
+
+@dataclass(frozen=True)
+class NodeReply:
+    """What came back from one node: a site reply (+ a lazily decoded Δ), or why there is none."""
+
+    node: int
+    reply: protocol.SiteReply | None = None
+    update: Callable[[], dict[str, np.ndarray]] | None = None  #: decodes Δ when called (one in memory at a time)
+    bytes_up: int = 0
+    failure: str = ""  #: set when ``reply`` is None: a transport error or a malformed reply
+
+
+class Transport(Protocol):
+    def node_ids(self) -> list[int]:
+        """Nodes connected now."""
+
+    def send_and_receive(self, requests: list[TrainRequest], timeout: float) -> list[NodeReply]:
+        """Send every request; return the replies that arrived within ``timeout`` (any order)."""
+
+
+# -- state -------------------------------------------------------------------------------------------
 @dataclass
 class CoordinatorState:
     """Everything the coordinator must remember between rounds (checkpointed every round)."""
 
     round: int = 0  #: last finished round
     model_spec: dict[str, Any] = field(default_factory=dict)
-    node_sites: dict[str, str] = field(default_factory=dict)  #: Flower node id → site id (learned from replies)
-    site_basis: dict[str, int] = field(default_factory=dict)  #: site id → basis version the site holds
+    node_sites: dict[str, str] = field(default_factory=dict)  #: transport node id → site id (learned from replies)
+    basis: dict[str, Any] = field(default_factory=dict)  #: BasisService.state_dict()
     unaffordable: list[str] = field(default_factory=list)  #: sites that said one more round would pass ε_max
-    basis_version: int = -1
     stopped_reason: str = ""
     initial_pckh: float | None = None  #: PCKh@0.5 Mean of the initial global model (before any site data)
 
     def to_meta(self) -> dict[str, Any]:
-        return {"round": self.round, "model_spec": self.model_spec, "node_sites": self.node_sites,
-                "site_basis": self.site_basis, "unaffordable": sorted(set(self.unaffordable)),
-                "basis_version": self.basis_version, "stopped_reason": self.stopped_reason, "initial_pckh": self.initial_pckh}
+        return {"round": self.round, "model_spec": self.model_spec, "node_sites": self.node_sites, "basis": self.basis,
+                "unaffordable": sorted(set(self.unaffordable)), "stopped_reason": self.stopped_reason,
+                "initial_pckh": self.initial_pckh}
 
     @classmethod
     def from_meta(cls, meta: dict[str, Any]) -> "CoordinatorState":
-        return cls(int(meta["round"]), dict(meta["model_spec"]), dict(meta["node_sites"]), dict(meta.get("site_basis", {})),
-                   list(meta.get("unaffordable", [])), int(meta.get("basis_version", -1)), str(meta.get("stopped_reason", "")),
-                   meta.get("initial_pckh"))
+        # checkpoints before the basis service kept its fields at the top level
+        basis = meta.get("basis") or {"current_version": meta.get("basis_version", NO_BASIS), "held": meta.get("site_basis", {})}
+        return cls(int(meta["round"]), dict(meta["model_spec"]), dict(meta["node_sites"]), dict(basis),
+                   list(meta.get("unaffordable", [])), str(meta.get("stopped_reason", "")), meta.get("initial_pckh"))
 
 
-class Coordinator:
-    def __init__(self, run: CoordinatorRunConfig, resume: bool = False, echo: Any = print):
+# -- the runner --------------------------------------------------------------------------------------
+class RoundRunner:
+    def __init__(self, run: CoordinatorRunConfig, resume: bool = False, echo: Callable[[str], Any] = print):
         self.run = run
         self.cfg = run.coordinator
         self.dir = Path(self.cfg.checkpoint_dir)
@@ -96,12 +134,12 @@ class Coordinator:
                    else "continue it with --resume")
             raise LedgerError(f"the budget ledger {ledger_path} already holds site reports up to round {recorded}; {how}, "
                               "or use another checkpoint_dir — a new run never overwrites a ledger")
-        self.metrics = _coordinator_metrics(self.cfg.metrics_port)
+        # served over HTTP when a port is configured; otherwise kept in memory only
+        self.metrics = CoordinatorMetrics.serve(self.cfg.metrics_port) if self.cfg.metrics_port is not None else CoordinatorMetrics()
         self._eval_dataset: Any = None
-        self.basis_message: Any = None  #: current BasisMessage (in memory only: recomputed after a restart)
         self._nodes_settled = False  #: the first round of this process waits for the federation to reconnect
         self._node_wait_seconds = 0.0  #: how long the current round waited for sites to connect (history)
-        if resume and (self.dir / GLOBAL_CHECKPOINT).exists():
+        if resuming:
             arrays, meta = load_array_checkpoint(self.dir / GLOBAL_CHECKPOINT)
             if meta.get("run_id") != run.run_id:
                 raise ValueError(f"checkpoint in {self.dir} is of run '{meta.get('run_id')}', config says '{run.run_id}'")
@@ -109,13 +147,12 @@ class Coordinator:
             self.global_state = arrays
             self.optimizer = load_server_optimizer(self.dir / OPTIMIZER_CHECKPOINT, self.cfg.aggregation)
             self.history = [r for r in load_history(self.dir) if r["round"] <= self.state.round]
-            ledger_round = self.ledger.last_round()
-            if ledger_round > self.state.round:
+            if recorded > self.state.round:
                 # Killed after recording the ledger but before the model checkpoint: that round's
                 # updates are lost, but sites did spend — never ask them for that round again.
-                log.warning("ledger has round %d, model checkpoint round %d: continuing after round %d", ledger_round, self.state.round, ledger_round)
-                self.state.round = ledger_round
-            if self.state.round > 0 and ledger_round == 0:
+                log.warning("ledger has round %d, model checkpoint round %d: continuing after round %d", recorded, self.state.round, recorded)
+                self.state.round = recorded
+            if self.state.round > 0 and recorded == 0:
                 self.ledger.close()
                 raise LedgerError(f"resuming run '{run.run_id}' after round {self.state.round}: the budget ledger "
                                   f"{ledger_path} holds no rounds; restore it from a backup")
@@ -128,6 +165,7 @@ class Coordinator:
             self.state, self.global_state = self._initial_model()
             self.optimizer = build_server_optimizer(self.cfg.aggregation)
             self.history = []
+        self.basis = BasisService.from_state(self.state.basis, self.cfg.basis.refresh_every_rounds)
 
     # -- model --------------------------------------------------------------------------------------
     def _initial_model(self) -> tuple[CoordinatorState, dict[str, np.ndarray]]:
@@ -149,7 +187,8 @@ class Coordinator:
         state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
         return CoordinatorState(model_spec=spec), state
 
-    def _model(self) -> Any:
+    def global_model(self) -> Any:
+        """The current global model as a torch module."""
         import torch
 
         from fedpose.model import build_model_from_spec
@@ -169,20 +208,19 @@ class Coordinator:
 
             records, root = load_records(self.cfg.data.val)
             self._eval_dataset = PoseDataset(records, root, input_size=tuple(self.state.model_spec["input_size"]), train=False)
-        model = self._model()
-        return {k: float(v) for k, v in evaluate(model, self._eval_dataset, batch_size=16).items() if isinstance(v, (int, float))}
+        return {k: float(v) for k, v in evaluate(self.global_model(), self._eval_dataset, batch_size=16).items() if isinstance(v, (int, float))}
 
     # -- selection ------------------------------------------------------------------------------------
     def exhausted_sites(self) -> set[str]:
         return self.ledger.exhausted_sites(self.cfg.eps_max) | set(self.state.unaffordable)
 
-    def wait_for_nodes(self, grid: Grid) -> list[int]:
+    def wait_for_nodes(self, transport: Transport) -> list[int]:
         """Connected nodes. Before the first round of this process: once ≥ min_sites are connected
-        and every known, non-exhausted site's node is back (after a restart nodes reconnect one by
-        one) or, on a fresh run, the count has been stable for a few seconds; never longer than the
-        round timeout. Later rounds: as soon as ≥ min_sites are connected."""
+        and as many nodes as known, non-exhausted sites are back (after a restart nodes reconnect
+        one by one) or, on a fresh run, the count has been stable for a few seconds; never longer
+        than the round timeout. Later rounds: as soon as ≥ min_sites are connected."""
         if self._nodes_settled:  # steady state: a site that dropped out is reported missing, not waited for
-            nodes = sorted(grid.get_node_ids())
+            nodes = sorted(transport.node_ids())
             if len(nodes) >= self.cfg.min_sites:
                 return nodes
         self._nodes_settled = True
@@ -193,7 +231,7 @@ class Coordinator:
         deadline = time.monotonic() + self.cfg.round_timeout_s
         stable_since, last = time.monotonic(), -1
         while True:
-            nodes = sorted(grid.get_node_ids())
+            nodes = sorted(transport.node_ids())
             now = time.monotonic()
             if len(nodes) != last:
                 stable_since, last = now, len(nodes)
@@ -212,8 +250,8 @@ class Coordinator:
         return sorted(random.Random(self.cfg.seed * 7919 + round_id).sample(candidates, count))
 
     # -- the loop --------------------------------------------------------------------------------------
-    def run_rounds(self, grid: Grid) -> dict[str, Any]:
-        self._trainable = list(self._model().trainable_parameters())
+    def run_rounds(self, transport: Transport) -> dict[str, Any]:
+        self._trainable = list(self.global_model().trainable_parameters())
         if self.state.round == 0 and self.state.initial_pckh is None:
             scores = self.evaluate()
             if scores is not None:  # the reference every private round is compared with
@@ -222,7 +260,7 @@ class Coordinator:
         try:
             for round_id in range(self.state.round + 1, self.cfg.rounds + 1):
                 waiting = time.monotonic()
-                nodes = self.wait_for_nodes(grid)
+                nodes = self.wait_for_nodes(transport)
                 self._node_wait_seconds = time.monotonic() - waiting
                 selected = self.select(nodes, round_id)
                 if not selected:
@@ -230,7 +268,7 @@ class Coordinator:
                     self.state.stopped_reason = f"all sites exhausted their privacy budget ({', '.join(sorted(known)) or 'none connected'})"
                     self.echo(f"stopping before round {round_id}: {self.state.stopped_reason}")
                     break
-                self.run_round(grid, round_id, selected)
+                self.run_round(transport, round_id, selected)
             else:  # a resumed run's checkpoint holds the previous process's reason: replace it
                 self.state.stopped_reason = f"completed {self.cfg.rounds} rounds"
             self._save_checkpoint()
@@ -239,146 +277,132 @@ class Coordinator:
             self.ledger.close()
             self.metrics.close()
 
-    def _basis_for_round(self, round_id: int, selected: list[int]) -> tuple[int, Any]:
-        """(version, BasisMessage) of the projection basis for pdp / fpdp; (-1, None) when none is used."""
-        from coordinator.basis import basis_for_round
+    def _basis_for_round(self, round_id: int, selected: list[int]) -> tuple[int, BasisMessage | None]:
+        """(version, message) of the projection basis for pdp / fpdp; (-1, None) when none is used."""
+        if self.cfg.public_data is None:
+            return NO_BASIS, None
+        from fedpose.federation.public_basis import compute_basis
 
-        return basis_for_round(self, round_id, [self.state.node_sites.get(str(n)) for n in selected])
+        def compute(version: int) -> BasisMessage:
+            basis = self.cfg.basis
+            return compute_basis(self.global_model(), self.cfg.public_data, k=basis.k, m=basis.public_samples, version=version,
+                                 transport=basis.transport, dtype=basis.dtype)
 
-    def run_round(self, grid: Grid, round_id: int, selected: list[int]) -> None:
-        started = time.perf_counter()
+        return self.basis.for_round(round_id, [self.state.node_sites.get(str(n)) for n in selected], compute)
+
+    def requests(self, round_id: int, selected: list[int]) -> tuple[list[TrainRequest], int]:
+        """This round's requests (the basis only to sites lacking its version) and the basis bytes sent."""
         basis_version, basis_message = self._basis_for_round(round_id, selected)
-        global_record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in self.global_state.items()})
-        basis_record = basis_config = None
-        if basis_message is not None:
-            basis_record = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in basis_message.arrays.items()})
-            basis_config = ConfigRecord(dict(basis_message.config))
-        config = ConfigRecord(protocol.train_config(self.run.run_id, round_id, self.cfg.local_steps, self.state.model_spec, basis_version))
-        messages, bytes_down, basis_bytes = [], {}, 0
-        for node in selected:
-            content = RecordDict({protocol.GLOBAL_RECORD: global_record, protocol.CONFIG_RECORD: config})
-            site_id = self.state.node_sites.get(str(node))
-            down = global_record.count_bytes()
-            if basis_record is not None and (site_id is None or self.state.site_basis.get(site_id) != basis_version):
-                content[protocol.BASIS_RECORD] = basis_record
-                content[protocol.BASIS_CONFIG_RECORD] = basis_config
-                down += basis_record.count_bytes()
-                basis_bytes += basis_record.count_bytes()
-            bytes_down[node] = down
-            messages.append(Message(content, dst_node_id=node, message_type=protocol.MESSAGE_TYPE_TRAIN,
-                                    group_id=str(round_id), ttl=self.cfg.round_timeout_s))
-        replies = list(grid.send_and_receive(messages, timeout=self.cfg.round_timeout_s))
+        instruction = protocol.TrainInstruction(run_id=self.run.run_id, round=round_id, local_steps=self.cfg.local_steps,
+                                                model_spec=self.state.model_spec, basis_version=basis_version)
+        requests = [TrainRequest(node, instruction, self.global_state,
+                                 basis_message if self.basis.needs_basis(self.state.node_sites.get(str(node))) else None)
+                    for node in selected]
+        return requests, sum(r.basis.nbytes for r in requests if r.basis is not None)
+
+    def run_round(self, transport: Transport, round_id: int, selected: list[int]) -> None:
+        started = time.perf_counter()
+        requests, basis_bytes = self.requests(round_id, selected)
+        bytes_down = {r.node: r.nbytes for r in requests}
+        replies = transport.send_and_receive(requests, timeout=self.cfg.round_timeout_s)
         round_seconds = time.perf_counter() - started
 
         entries: list[LedgerEntry] = []
         sites: dict[str, dict[str, Any]] = {}
         answered: set[int] = set()
         failures: dict[int, str] = {}
-        updates: list[tuple[str, Any, float, dict[str, Any]]] = []
-        for reply in replies:
-            node = reply.metadata.src_node_id
-            if reply.has_error():
-                failures[node] = _failure_reason(reply)
+        updates: list[NodeReply] = []
+        for node_reply in replies:
+            node, site_reply = node_reply.node, node_reply.reply
+            if site_reply is None:
+                failures[node] = node_reply.failure
                 continue  # counted as missing below: we do not know whether the site spent
-            if not reply.has_content():
-                continue
-            try:
-                site_reply = protocol.decode_reply(dict(reply.content[protocol.REPLY_RECORD]))
-            except (KeyError, protocol.ProtocolError) as exc:
-                failures[node] = f"malformed reply: {exc}"
-                continue
             answered.add(node)
             site_id = site_reply.site_id
             self.state.node_sites[str(node)] = site_id
-            self.state.site_basis[site_id] = site_reply.basis_version
+            self.basis.mark_held(site_id, site_reply.basis_version)
             privacy = site_reply.privacy
+            info = {"status": site_reply.status, "epsilon": privacy.epsilon if privacy else None,
+                    "delta": privacy.delta if privacy else None, "guarantee": privacy.guarantee if privacy else None,
+                    "accountant": privacy.accountant if privacy else None, "reason": site_reply.describe() if site_reply.reason else "",
+                    "local_steps": site_reply.local_steps, "bytes_down": bytes_down.get(node, 0), "bytes_up": 0}
+            sites[site_id] = info
             regression = self._epsilon_regression(site_reply)
             if regression:
                 # A cumulative ε never decreases: a lower one means the site's budget state was
                 # reset or replaced. Keep the ledger's higher value authoritative and use nothing.
                 log.error("round %d: site %s: %s", round_id, site_id, regression)
                 self.echo(f"round {round_id}: rejected site '{site_id}': {regression}")
-                sites[site_id] = {"status": "rejected", "epsilon": privacy.epsilon, "delta": privacy.delta,
-                                  "guarantee": privacy.guarantee, "accountant": privacy.accountant, "reason": regression,
-                                  "reject_reason": "epsilon_regressed", "local_steps": site_reply.local_steps,
-                                  "bytes_down": bytes_down.get(node, 0), "bytes_up": 0}
+                info.update(status="rejected", reason=regression, reject_reason="epsilon_regressed")
                 entries.append(LedgerEntry.from_reply(round_id, site_reply, status="rejected", reason=regression))
                 continue
             if privacy is not None and not privacy.next_round_affordable and site_id not in self.state.unaffordable:
                 self.state.unaffordable.append(site_id)
-            reason = site_reply.describe() if site_reply.reason else ""
-            info = {"status": site_reply.status, "epsilon": privacy.epsilon if privacy else None,
-                    "delta": privacy.delta if privacy else None, "guarantee": privacy.guarantee if privacy else None,
-                    "accountant": privacy.accountant if privacy else None, "reason": reason,
-                    "local_steps": site_reply.local_steps, "bytes_down": bytes_down.get(node, 0), "bytes_up": 0}
-            sites[site_id] = info
             if not site_reply.carries_update:
                 # refused: nothing spent; replayed / failed / error: spent (or unknown), nothing to aggregate
-                log.warning("round %d: site %s %s: %s", round_id, site_id, site_reply.status, reason)
+                log.warning("round %d: site %s %s: %s", round_id, site_id, site_reply.status, info["reason"])
                 status = "refused" if site_reply.status == "refused" else "missing"
-                entries.append(LedgerEntry.from_reply(round_id, site_reply, status=status, reason=reason))
+                entries.append(LedgerEntry.from_reply(round_id, site_reply, status=status, reason=info["reason"]))
                 continue
-            update_record = reply.content.get(protocol.UPDATE_RECORD)
-            info["bytes_up"] = update_record.count_bytes() if update_record is not None else 0
-            updates.append((site_id, update_record, site_reply.aggregation_weight, site_reply))
+            info["bytes_up"] = node_reply.bytes_up
+            updates.append(node_reply)
 
         unidentified: list[int] = []
         for node in selected:
-            if node not in answered:
-                reason = failures.get(node) or _no_reply_reason(round_seconds, self.cfg.round_timeout_s)
-                site_id = self.state.node_sites.get(str(node))
-                if site_id is None:
-                    # A node that never told us its site id (e.g. a stale registration after a restart)
-                    # has no budget to mirror: report it in the round, keep it out of the site ledger.
-                    log.warning("round %d: unidentified node %d missing: %s", round_id, node, reason)
-                    unidentified.append(node)
-                    continue
-                log.warning("round %d: site %s missing: %s", round_id, site_id, reason)
-                sites[site_id] = {"status": "missing", "epsilon": None, "reason": reason, "bytes_down": bytes_down.get(node, 0), "bytes_up": 0}
-                entries.append(LedgerEntry(site_id=site_id, round=round_id, status="missing", reason=reason))
+            if node in answered:
+                continue
+            reason = failures.get(node) or _no_reply_reason(round_seconds, self.cfg.round_timeout_s)
+            site_id = self.state.node_sites.get(str(node))
+            if site_id is None:
+                # A node that never told us its site id (e.g. its ClientApp cannot start) has no
+                # budget to mirror: report it in the round, keep it out of the site ledger.
+                log.warning("round %d: unidentified node %d missing: %s", round_id, node, reason)
+                unidentified.append(node)
+                continue
+            log.warning("round %d: site %s missing: %s", round_id, site_id, reason)
+            sites[site_id] = {"status": "missing", "epsilon": None, "reason": reason, "bytes_down": bytes_down.get(node, 0), "bytes_up": 0}
+            entries.append(LedgerEntry(site_id=site_id, round=round_id, status="missing", reason=reason))
 
-        trainable = {k: self.global_state[k] for k in self._trainable}
-
-        def decoded():
-            for site_id, record, weight, _ in updates:
-                arrays = {k: a.numpy() for k, a in record.items()} if record is not None else {}
-                yield site_id, arrays, weight
-
-        result = aggregate_round(trainable, decoded(), self.optimizer, max_norm=self.cfg.update_norm_bound)
-        site_replies = {site_id: site_reply for site_id, _, _, site_reply in updates}
-        for check in result.accepted + result.rejected:
-            sites[check.site_id]["update_norm"] = check.norm
-        for check in result.accepted:
-            entries.append(LedgerEntry.from_reply(round_id, site_replies[check.site_id], status="ok"))
-        for check in result.rejected:
-            log.warning("round %d: %s", round_id, check)
-            self.echo(f"round {round_id}: rejected update from site '{check.site_id}': {check.reason}: {check.detail}")
-            sites[check.site_id].update(status="rejected", reason=f"{check.reason}: {check.detail}", reject_reason=check.reason)
-            entries.append(LedgerEntry.from_reply(round_id, site_replies[check.site_id], status="rejected",
-                                                  reason=f"{check.reason}: {check.detail}"))
-        if result.weights is not None and len(result.accepted) >= self.cfg.min_sites:
-            self.global_state.update(result.weights)
-            aggregated = True
-        else:
-            aggregated = False
-            self.echo(f"round {round_id}: {len(result.accepted)} accepted update(s) < min_sites = {self.cfg.min_sites}: global model unchanged")
-
+        aggregated, accepted, rejected = self._aggregate(round_id, updates, sites, entries)
         self.ledger.record_many(entries)  # 1) ledger
         self.state.round = round_id
-        pckh = self.evaluate()
         entry = {
-            "round": round_id, "pckh": pckh, "aggregated": aggregated, "accepted": len(result.accepted),
-            "rejected": len(result.rejected), "selected": len(selected), "basis_version": basis_version,
+            "round": round_id, "pckh": self.evaluate(), "aggregated": aggregated, "accepted": accepted,
+            "rejected": rejected, "selected": len(selected), "basis_version": self.basis.current_version,
             "wall_seconds": time.perf_counter() - started, "exchange_seconds": round_seconds, "sites": sites,
             "exhausted": len(self.exhausted_sites()), "basis_bytes": basis_bytes, "basis_transport": self.cfg.basis.transport,
-            "unidentified_missing_nodes": unidentified,
-            "node_wait_seconds": self._node_wait_seconds,
+            "unidentified_missing_nodes": unidentified, "node_wait_seconds": self._node_wait_seconds,
         }
         self.history.append(entry)
         self._save_checkpoint()  # 2) optimizer, 3) model + state (commit point)
         save_history(self.dir, self.history)
         self.metrics.observe_round(entry)
         self.echo(round_line(entry))
+
+    def _aggregate(self, round_id: int, updates: list[NodeReply], sites: dict[str, dict[str, Any]],
+                   entries: list[LedgerEntry]) -> tuple[bool, int, int]:
+        """Validate + fold the updates (decoded one at a time), step the server optimizer, add their
+        ledger rows; → (global model changed, accepted, rejected)."""
+        replies = {u.reply.site_id: u.reply for u in updates if u.reply is not None}
+        decoded = ((u.reply.site_id, u.update() if u.update is not None else {}, u.reply.aggregation_weight)
+                   for u in updates if u.reply is not None)
+        trainable = {k: self.global_state[k] for k in self._trainable}
+        result = aggregate_round(trainable, decoded, self.optimizer, max_norm=self.cfg.update_norm_bound)
+        for check in result.accepted + result.rejected:
+            sites[check.site_id]["update_norm"] = check.norm
+        for check in result.accepted:
+            entries.append(LedgerEntry.from_reply(round_id, replies[check.site_id], status="ok"))
+        for check in result.rejected:
+            log.warning("round %d: %s", round_id, check)
+            self.echo(f"round {round_id}: rejected update from site '{check.site_id}': {check.reason}: {check.detail}")
+            sites[check.site_id].update(status="rejected", reason=f"{check.reason}: {check.detail}", reject_reason=check.reason)
+            entries.append(LedgerEntry.from_reply(round_id, replies[check.site_id], status="rejected",
+                                                  reason=f"{check.reason}: {check.detail}"))
+        if result.weights is not None and len(result.accepted) >= self.cfg.min_sites:
+            self.global_state.update(result.weights)
+            return True, len(result.accepted), len(result.rejected)
+        self.echo(f"round {round_id}: {len(result.accepted)} accepted update(s) < min_sites = {self.cfg.min_sites}: global model unchanged")
+        return False, len(result.accepted), len(result.rejected)
 
     def _epsilon_regression(self, reply: protocol.SiteReply) -> str:
         """Why a reply's cumulative ε cannot be true ('' when it can): it is below what the ledger holds."""
@@ -394,12 +418,11 @@ class Coordinator:
 
     # -- persistence -----------------------------------------------------------------------------------
     def _save_checkpoint(self) -> None:
+        self.state.basis = self.basis.state_dict()
         save_server_optimizer(self.dir / OPTIMIZER_CHECKPOINT, self.optimizer)
         save_array_checkpoint(self.dir / GLOBAL_CHECKPOINT, self.global_state, {"run_id": self.run.run_id, "state": self.state.to_meta()})
 
     def finish(self) -> dict[str, Any]:
-        import json
-
         summary = json.loads(self.ledger.to_json())
         summary.pop("entries", None)
         path = write_report(self.dir, {"run_id": self.run.run_id, "stopped_reason": self.state.stopped_reason,
@@ -415,35 +438,3 @@ def _no_reply_reason(round_seconds: float, timeout_s: float) -> str:
     if round_seconds >= 0.99 * timeout_s:
         return f"no reply within the round timeout ({timeout_s:g} s)"
     return f"no reply: the node disconnected (the round ended after {round_seconds:.0f} s, before the {timeout_s:g} s timeout)"
-
-
-#: Flower error codes that mean the site's own ClientApp failed; the others come from the SuperLink
-_SITE_FAILURES = (ErrorCode.LOAD_CLIENT_APP_EXCEPTION, ErrorCode.CLIENT_APP_RAISED_EXCEPTION, ErrorCode.CLIENT_APP_CRASHED)
-
-
-def _failure_reason(reply: Message) -> str:
-    """Why an error reply carries no update, for the round record and the ledger."""
-    error = reply.error
-    detail = " ".join(str(error.reason).split())
-    if len(detail) > 600:  # a traceback (Ray's, in simulation) ends with the exception's message
-        detail = "…" + detail[-600:]
-    if error.code in _SITE_FAILURES:
-        return f"the site's ClientApp failed: {detail}"
-    return f"no update (Flower error {error.code}): {detail}"
-
-
-class _NoMetrics:
-    def observe_round(self, entry: dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _coordinator_metrics(port: int | None) -> Any:
-    """Prometheus metrics of the coordinator (served over HTTP on ``port``), or a no-op."""
-    if port is None:
-        return _NoMetrics()
-    from coordinator.metrics import CoordinatorMetrics
-
-    return CoordinatorMetrics(port)

@@ -1,0 +1,74 @@
+"""Flower's Grid as the round runner's transport: protocol objects ↔ Flower Messages.
+
+Everything the round does is in :mod:`fedpose.federation.server.rounds`; this file only builds a
+``train`` Message per request (records named by :mod:`fedpose.federation.protocol`, TTL = the
+round timeout) and turns what comes back into :class:`NodeReply` — a decoded site reply with a lazy
+Δ, or the reason there is none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
+from flwr.common.constant import ErrorCode
+from flwr.serverapp import Grid
+
+from fedpose.federation import protocol
+from fedpose.federation.server.rounds import NodeReply, TrainRequest
+
+#: Flower error codes that mean the site's own ClientApp failed; the others come from the SuperLink
+_SITE_FAILURES = (ErrorCode.LOAD_CLIENT_APP_EXCEPTION, ErrorCode.CLIENT_APP_RAISED_EXCEPTION, ErrorCode.CLIENT_APP_CRASHED)
+
+
+class GridTransport:
+    def __init__(self, grid: Grid):
+        self.grid = grid
+
+    def node_ids(self) -> list[int]:
+        return list(self.grid.get_node_ids())
+
+    def send_and_receive(self, requests: list[TrainRequest], timeout: float) -> list[NodeReply]:
+        encoded: dict[int, ArrayRecord] = {}  # one encoding of each distinct array set (global, basis)
+
+        def record(arrays: Mapping[str, np.ndarray]) -> ArrayRecord:
+            if id(arrays) not in encoded:
+                encoded[id(arrays)] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()})
+            return encoded[id(arrays)]
+
+        messages = []
+        for request in requests:
+            content = RecordDict({protocol.CONFIG_RECORD: ConfigRecord(protocol.encode_instruction(request.instruction)),
+                                  protocol.GLOBAL_RECORD: record(request.global_arrays)})
+            if request.basis is not None:
+                content[protocol.BASIS_RECORD] = record(request.basis.arrays)
+                content[protocol.BASIS_CONFIG_RECORD] = ConfigRecord(dict(request.basis.config))
+            messages.append(Message(content, dst_node_id=request.node, message_type=protocol.MESSAGE_TYPE_TRAIN,
+                                    group_id=str(request.instruction.round), ttl=timeout))
+        return [node_reply(reply) for reply in self.grid.send_and_receive(messages, timeout=timeout)]
+
+
+def node_reply(reply: Message) -> NodeReply:
+    node = reply.metadata.src_node_id
+    if reply.has_error():
+        return NodeReply(node, failure=failure_reason(reply))
+    try:
+        site_reply = protocol.decode_reply(dict(reply.content[protocol.REPLY_RECORD]))
+    except (KeyError, protocol.ProtocolError) as exc:
+        return NodeReply(node, failure=f"malformed reply: {exc}")
+    record = reply.content.get(protocol.UPDATE_RECORD) if site_reply.carries_update else None
+    if record is None:
+        return NodeReply(node, site_reply)
+    return NodeReply(node, site_reply, update=lambda: {k: a.numpy() for k, a in record.items()}, bytes_up=record.count_bytes())
+
+
+def failure_reason(reply: Message) -> str:
+    """Why an error reply carries no update, for the round record and the ledger."""
+    error = reply.error
+    detail = " ".join(str(error.reason).split())
+    if len(detail) > 600:  # a traceback (Ray's, in simulation) ends with the exception's message
+        detail = "…" + detail[-600:]
+    if error.code in _SITE_FAILURES:
+        return f"the site's ClientApp failed: {detail}"
+    return f"no update (Flower error {error.code}): {detail}"

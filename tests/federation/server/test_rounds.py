@@ -1,0 +1,156 @@
+"""The round runner against an in-process transport: what it records when sites misbehave.
+
+The transport stands in for Flower only (node ids, send and receive); the runner, the ledger,
+aggregation and the protocol objects are the production code. The integration tests cover the
+same paths over real Flower processes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fedpose.federation.server.rounds as rounds_module
+from fedpose.federation import protocol
+from fedpose.federation.deployment import CoordinatorRunConfig
+from fedpose.federation.ledger import BudgetLedger
+from fedpose.federation.report import load_history
+from fedpose.federation.server.rounds import NodeReply, RoundRunner, TrainRequest
+
+#: node id → site id of the scripted sites
+SITE_OF = {11: "site-1", 12: "site-2", 13: "site-3"}
+
+
+@pytest.fixture(autouse=True)
+def no_settle_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rounds_module, "NODE_SETTLE_S", 0.0)
+
+
+class ScriptedTransport:
+    """Nodes answer ``answer(request)``; nodes in ``silent[round]`` send nothing (disconnected)."""
+
+    def __init__(self, nodes: list[int], answer: Callable[[TrainRequest], NodeReply], silent: dict[int, set[int]] | None = None):
+        self.nodes, self.answer, self.silent = nodes, answer, silent or {}
+        self.sent: list[TrainRequest] = []
+
+    def node_ids(self) -> list[int]:
+        return list(self.nodes)
+
+    def send_and_receive(self, requests: list[TrainRequest], timeout: float) -> list[NodeReply]:
+        self.sent += requests
+        return [self.answer(r) for r in requests if r.node not in self.silent.get(r.instruction.round, set())]
+
+
+def _run(tmp_path: Path, rounds: int, **coordinator: object) -> CoordinatorRunConfig:
+    return CoordinatorRunConfig.model_validate({"run_id": "r", "coordinator": {
+        "checkpoint_dir": str(tmp_path / "coordinator"), "data": {"input_size": [64, 64]}, "rounds": rounds, "min_sites": 1,
+        "model": {"backbone": "tiny_vit_test", "scenario": "scratch"}, **coordinator}})
+
+
+def _privacy(epsilon: float, rounds_spent: int) -> protocol.PrivacyReport:
+    return protocol.PrivacyReport(guarantee="DP", unit="record", adjacency="add_remove", accountant="rdp", epsilon=epsilon,
+                                  delta=1e-5, eps_max=10.0, steps=2 * rounds_spent, rounds_spent=rounds_spent,
+                                  orders=[2.0], rdp=[epsilon / 2], next_round_affordable=True)
+
+
+def ok_reply(request: TrainRequest, trainable: list[str], epsilon: float) -> NodeReply:
+    """A site's "ok" reply: a zero update of the trainable tensors and its cumulative ε."""
+    round_id = request.instruction.round
+    reply = protocol.SiteReply(site_id=SITE_OF[request.node], run_id="r", round=round_id, status="ok",
+                               privacy=_privacy(epsilon, round_id), local_steps=2)
+    return NodeReply(request.node, reply, update=lambda: {k: np.zeros_like(request.global_arrays[k]) for k in trainable})
+
+
+def test_a_site_reporting_less_epsilon_than_the_ledger_holds_is_rejected(tmp_path: Path) -> None:
+    """A site whose budget state was reset reports a lower cumulative ε: the ledger keeps the
+    higher value, the update is not aggregated, and the console says what happened."""
+    reported = {1: 2.0, 2: 0.9, 3: 2.4}  # round 2: the site's budget.json was deleted and restarted from zero
+    lines: list[str] = []
+    runner = RoundRunner(_run(tmp_path, 3), echo=lines.append)
+    trainable = list(runner.global_model().trainable_parameters())
+    runner.run_rounds(ScriptedTransport([11], lambda r: ok_reply(r, trainable, reported[r.instruction.round])))
+
+    with BudgetLedger(tmp_path / "coordinator" / "ledger.sqlite", read_only=True) as ledger:
+        rows = {e.round: e for e in ledger.entries("site-1")}
+        (summary,) = ledger.site_summaries()
+    assert [rows[r].status for r in (1, 2, 3)] == ["ok", "rejected", "ok"]
+    assert "below the 2 the ledger already holds" in rows[2].reason
+    assert summary.epsilon == 2.4 and summary.rounds_joined == 3  # the reset never lowered the ledger's ε
+    assert any("round 2: rejected site 'site-1'" in line and "reset or replaced" in line for line in lines), lines
+    history = load_history(tmp_path / "coordinator")
+    assert history[1]["sites"]["site-1"]["status"] == "rejected" and not history[1]["aggregated"]
+    assert history[1]["sites"]["site-1"]["reject_reason"] == "epsilon_regressed"
+
+
+def test_a_site_that_disconnects_is_missing_with_the_true_reason(tmp_path: Path) -> None:
+    """The round ends early without one node: its reason says it disconnected, not that it timed
+    out; a node that never said which site it is appears as an unidentified node, not as a site."""
+    lines: list[str] = []
+    runner = RoundRunner(_run(tmp_path, 2), echo=lines.append)
+    trainable = list(runner.global_model().trainable_parameters())
+    transport = ScriptedTransport([11, 12, 13], lambda r: ok_reply(r, trainable, 1.0 * r.instruction.round), silent={1: {13}, 2: {12}})
+    runner.run_rounds(transport)
+
+    history = load_history(tmp_path / "coordinator")
+    assert history[0]["unidentified_missing_nodes"] == [13] and "site-3" not in history[0]["sites"]
+    missing = history[1]["sites"]["site-2"]
+    assert missing["status"] == "missing" and missing["reason"].startswith("no reply: the node disconnected")
+    round_lines = [line for line in lines if line.startswith("round ")]
+    assert "node 13: missing" in round_lines[0] and "site-2: missing (no reply: the node disconnected" in round_lines[1]
+    report = json.loads((tmp_path / "coordinator" / "report.json").read_text())
+    assert [(f["round"], f["site"]) for f in report["site_failures"]] == [(1, "node 13"), (2, "site-2")]
+
+
+def test_failures_refusals_and_transport_errors_are_recorded_per_site(tmp_path: Path) -> None:
+    """One round, four kinds of answer: ok, a refusal (nothing spent), a site error with its spend,
+    and a transport-level failure of a node already known from round 1."""
+    runner = RoundRunner(_run(tmp_path, 2), echo=lambda *_: None)
+    trainable = list(runner.global_model().trainable_parameters())
+
+    def answer(request: TrainRequest) -> NodeReply:
+        round_id, site_id = request.instruction.round, SITE_OF[request.node]
+        if round_id == 1 or site_id == "site-1":
+            return ok_reply(request, trainable, 1.0 * round_id)
+        if site_id == "site-2":
+            reply = protocol.SiteReply(site_id=site_id, run_id="r", round=round_id, status="refused", reason="budget-exhausted",
+                                       privacy=_privacy(1.0, 1).model_copy(update={"next_round_affordable": False}), local_steps=2)
+            return NodeReply(request.node, reply)
+        return NodeReply(request.node, failure="the site's ClientApp failed: OSError: disk full")
+
+    runner.run_rounds(ScriptedTransport([11, 12, 13], answer))
+    with BudgetLedger(tmp_path / "coordinator" / "ledger.sqlite", read_only=True) as ledger:
+        rows = {(e.site_id, e.round): e for e in ledger.entries()}
+        exhausted = ledger.exhausted_sites(None)
+    assert rows[("site-1", 2)].status == "ok"
+    assert rows[("site-2", 2)].status == "refused" and rows[("site-2", 2)].steps == 0 and exhausted == {"site-2"}
+    assert rows[("site-3", 2)].status == "missing" and "disk full" in rows[("site-3", 2)].reason
+
+
+def test_the_basis_goes_only_to_sites_lacking_its_version(tmp_path: Path) -> None:
+    """pdp/fpdp: round 1 ships the basis to everyone; round 2 ships nothing to sites that reported
+    holding it; in round 3 site-2 reports a lost cache, so a fresh version (bound to round 3's
+    weights) is computed and goes to every selected site."""
+    from fedpose.data.synthetic import ensure_dataset
+
+    data = tmp_path / "data"
+    ensure_dataset(data, sites=1, per_site=4, public=8, test=4, size=(64, 64), seed=0, progress=False)
+    run = _run(tmp_path, 3, public_data=str(data / "public"), basis={"k": 2, "public_samples": 4, "refresh_every_rounds": 10})
+    runner = RoundRunner(run, echo=lambda *_: None)
+    trainable = list(runner.global_model().trainable_parameters())
+
+    def answer(request: TrainRequest) -> NodeReply:
+        reply = ok_reply(request, trainable, 1.0 * request.instruction.round)
+        lost = SITE_OF[request.node] == "site-2" and request.instruction.round == 2
+        held = -1 if lost else request.instruction.basis_version
+        return NodeReply(reply.node, reply.reply.model_copy(update={"basis_version": held}), update=reply.update)
+
+    transport = ScriptedTransport([11, 12], answer)
+    runner.run_rounds(transport)
+    shipped = {(r.instruction.round, SITE_OF[r.node]): (r.instruction.basis_version, r.basis is not None) for r in transport.sent}
+    assert shipped == {(1, "site-1"): (1, True), (1, "site-2"): (1, True),
+                       (2, "site-1"): (1, False), (2, "site-2"): (1, False),
+                       (3, "site-1"): (3, True), (3, "site-2"): (3, True)}
