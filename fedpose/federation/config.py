@@ -62,6 +62,14 @@ class BasisTransportConfig(Strict):
     public_samples: int = Field(100, ge=1, description="m, public samples per basis computation")
 
 
+class SiteOptimConfig(OptimConfig):
+    """A site's optimizer: built fresh for every round (each round is a new ClientApp process), so
+    its schedule runs over that round's local steps; constant by default."""
+
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up over each round's first local steps")
+    cosine: bool = Field(False, description="cosine decay to 0 over each round's local steps (else constant)")
+
+
 class SiteConfig(Strict):
     """One clinical site (`sites/` ClientApp). The site is the authority on its own budget."""
 
@@ -72,7 +80,7 @@ class SiteConfig(Strict):
     eps_max: float = Field(..., gt=0, description="ε budget of this site (guarantee of privacy.mechanism, δ = privacy.delta)")
     local_steps: int = Field(50, ge=1, description="local optimizer steps per round")
     model: ModelConfig = ModelConfig()
-    optim: OptimConfig = OptimConfig()
+    optim: SiteOptimConfig = SiteOptimConfig()
     train: TrainConfig = TrainConfig()
     privacy: PrivacyConfig = PrivacyConfig()
     input_privacy: InputPrivacyConfig = InputPrivacyConfig()

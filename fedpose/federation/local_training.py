@@ -161,6 +161,7 @@ def train_site_round(
     from fedpose.privacy.engine import build_engine
     from fedpose.runtime import configure_cpu
     from fedpose.train.loop import TrainingDiverged, train_steps
+    from fedpose.train.optim import build_optimizer, build_scheduler
 
     started = time.perf_counter()
     # The site caps the work it accepts per round at its own configured local_steps.
@@ -233,9 +234,10 @@ def train_site_round(
     if basis is not None:
         engine.set_basis(basis, version=basis_version)
 
-    optimizer = _build_optimizer(site, list(trainable.values()))
+    optimizer = build_optimizer(model, site.optim)
+    scheduler = build_scheduler(optimizer, site.optim, local_steps)
     try:
-        history = train_steps(model, engine, dataset, optimizer, local_steps, progress=False)
+        history = train_steps(model, engine, dataset, optimizer, local_steps, scheduler=scheduler, progress=False)
     except TrainingDiverged as failure:
         # Spent (recorded above) but nothing released: say so, with the spend, instead of vanishing.
         log.warning("site %s round %d: %s", site.site_id, round_id, failure)
@@ -314,11 +316,3 @@ def _load_released(site: SiteConfig, run_id: str, round_id: int) -> dict[str, np
     if meta.get("run_id") != run_id or meta.get("round") != int(round_id):
         return None
     return arrays
-
-
-def _build_optimizer(site: SiteConfig, params: list[Any]) -> Any:
-    import torch
-
-    if site.optim.name == "sgd":
-        return torch.optim.SGD(params, lr=site.optim.lr, momentum=site.optim.momentum, weight_decay=site.optim.weight_decay)
-    return torch.optim.AdamW(params, lr=site.optim.lr, weight_decay=site.optim.weight_decay)
