@@ -67,47 +67,28 @@ def _as_numpy(matrix: Any) -> np.ndarray:
     return np.asarray(matrix)
 
 
-def basis_mixing(public_gradients: Any, k: int, rel_tolerance: float = 1e-7) -> np.ndarray:
-    """The m×k' mixing matrix U_k Λ_k^-½ (float32) from G (m×p); k' = min(k, numerical rank of G)."""
-    import torch  # torch's BLAS: ~10x faster than numpy's here for m×p products with p in the millions
+def basis_mixing(public_gradients: Any, k: int) -> np.ndarray:
+    """The m×k' mixing matrix U_k Λ_k^-½ (float32) from G (m×p) — the engine's own
+    eigendecomposition (:func:`fedpose.privacy.projection.basis_mixing`), transposed for the wire."""
+    import torch
 
-    g = torch.as_tensor(_as_numpy(public_gradients))
-    if g.ndim != 2:
-        raise ValueError(f"public gradients must be an m×p matrix, got shape {tuple(g.shape)}")
-    gram = torch.zeros((g.shape[0], g.shape[0]), dtype=torch.float64)
-    chunk = 1 << 18  # columns per chunk: float64 accuracy with bounded temporaries for large p
-    for start in range(0, g.shape[1], chunk):
-        block = g[:, start : start + chunk].to(torch.float64)
-        gram += block @ block.T
-    eigenvalues, eigenvectors = np.linalg.eigh(gram.numpy())
-    order = np.argsort(eigenvalues)[::-1]
-    eigenvalues, eigenvectors = eigenvalues[order], eigenvectors[:, order]
-    keep = min(k, int(np.sum(eigenvalues > rel_tolerance * max(eigenvalues[0], 0.0))))
-    if keep == 0:
-        raise ValueError("public gradients are all zero: no basis")
-    # Fix each eigenvector's sign (largest-magnitude entry positive) so the basis is deterministic.
-    vectors = eigenvectors[:, :keep]
-    signs = np.sign(vectors[np.argmax(np.abs(vectors), axis=0), np.arange(keep)])
-    vectors = vectors * signs
-    return (vectors / np.sqrt(eigenvalues[:keep])).astype(np.float32)
+    from fedpose.privacy.projection import basis_mixing as engine_mixing
+
+    mixing_t, _ = engine_mixing(torch.as_tensor(_as_numpy(public_gradients)), k)
+    return mixing_t.T.contiguous().numpy()
 
 
 def apply_mixing(public_gradients: Any, mixing: np.ndarray) -> np.ndarray:
-    """V = Gᵀ · mix, then :func:`fedpose.privacy.projection.orthonormalize` (p×k, float32).
-
-    Coordinator and sites both build V with this one function, and its final step is the same as
-    :func:`fedpose.privacy.projection.basis_from_gradients`, so a shipped or rebuilt V matches
-    the one a site would compute itself.
-    """
+    """V (p×k', float32, orthonormal) from G and an m×k' mixing matrix: the same function the
+    engine builds its own basis with, so a shipped or rebuilt V matches a site's own."""
     import torch
 
-    from fedpose.privacy.projection import orthonormalize
+    from fedpose.privacy.projection import apply_mixing as engine_apply
 
-    g = torch.as_tensor(_as_numpy(public_gradients)).to(torch.float32)
+    g = torch.as_tensor(_as_numpy(public_gradients))
     if g.shape[0] != mixing.shape[0]:
         raise BasisTransportError(f"recipe mixes {mixing.shape[0]} public gradients, got {g.shape[0]}")
-    v = g.T @ torch.as_tensor(np.ascontiguousarray(mixing, dtype=np.float32))
-    return orthonormalize(v).contiguous().numpy()
+    return engine_apply(g, torch.as_tensor(np.ascontiguousarray(mixing, dtype=np.float32)).T).contiguous().numpy()
 
 
 def basis_from_gradients(public_gradients: Any, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -94,17 +94,17 @@ class Basis:
         return out.to(gradient.dtype)
 
 
-def basis_from_gradients(
-    gradients: Tensor, k: int, rel_tolerance: float = 1e-5, out: Tensor | None = None
-) -> tuple[Tensor, Tensor]:
-    """(V p × k' float32 orthonormal, eigenvalues k') from a gradient matrix G (m × p), k' ≤ k.
+def basis_mixing(gradients: Tensor, k: int, rel_tolerance: float = 1e-5) -> tuple[Tensor, Tensor]:
+    """(mixing k' × m float32, eigenvalues k') with V = orthonormalize((mixing · G)ᵀ), k' ≤ k.
 
-    Directions with eigenvalue below ``rel_tolerance`` × the largest are dropped (rank < k). The
-    Gram matrix is formed in float32, so a zero eigenvalue comes out as round-off of order
-    eps_f32 · λ_max ≈ 1e-7 · λ_max, higher or lower depending on the CPU's kernels (AVX-512 or
-    not); 1e-5 sits well above that noise, and directions that weak carry no usable signal.
-    Eigenvector signs are fixed (largest-magnitude entry of u positive) so V is deterministic.
-    ``out``: float32 storage of >= k·p elements, not overlapping G, to build V in (V is a view of it).
+    The one eigendecomposition behind every basis (the engine's own, and the coordinator's shipped
+    or recipe basis, :mod:`fedpose.federation.basis_transport`): mixing = (U_k Λ_k^-½)ᵀ from the
+    top-k eigenpairs (U, Λ) of the m × m Gram matrix G Gᵀ. Directions with eigenvalue below
+    ``rel_tolerance`` × the largest are dropped (rank < k). The Gram matrix is formed in float32,
+    so a zero eigenvalue comes out as round-off of order eps_f32 · λ_max ≈ 1e-7 · λ_max, higher or
+    lower depending on the CPU's kernels (AVX-512 or not); 1e-5 sits well above that noise, and
+    directions that weak carry no usable signal. Eigenvector signs are fixed (largest-magnitude
+    entry of u positive) so V is deterministic.
     """
     if gradients.dim() != 2:
         raise ValueError(f"expected an m × p gradient matrix, got shape {tuple(gradients.shape)}")
@@ -122,13 +122,30 @@ def basis_from_gradients(
     eigenvalues, u = eigenvalues[:keep], eigenvectors[:, :keep]
     signs = torch.sign(u.gather(0, u.abs().argmax(0, keepdim=True)))
     u = u * signs
-    # (mixᵀ G)ᵀ: V comes out column-major, the layout Basis keeps (see Basis).
-    mixing_t = (u / eigenvalues.sqrt()).to(torch.float32).T
+    return (u / eigenvalues.sqrt()).to(torch.float32).T.contiguous(), eigenvalues.to(torch.float32)
+
+
+def apply_mixing(gradients: Tensor, mixing: Tensor, out: Tensor | None = None) -> Tensor:
+    """V = orthonormalize((mixing · G)ᵀ), p × k' float32 (column-major, the layout Basis keeps).
+    ``out``: float32 storage of >= k'·p elements, not overlapping G, to build V in."""
+    g = gradients.to(torch.float32)
+    if mixing.shape[1] != g.shape[0]:
+        raise ValueError(f"the mixing combines {mixing.shape[1]} public gradients, got {g.shape[0]}")
     if out is None:
-        rows = mixing_t @ g
+        rows = mixing @ g
     else:
-        rows = torch.matmul(mixing_t, g, out=buffer_view(out, (keep, g.shape[1]), "basis buffer"))
-    return orthonormalize(rows.T), eigenvalues.to(torch.float32)
+        rows = torch.matmul(mixing, g, out=buffer_view(out, (mixing.shape[0], g.shape[1]), "basis buffer"))
+    return orthonormalize(rows.T)
+
+
+def basis_from_gradients(
+    gradients: Tensor, k: int, rel_tolerance: float = 1e-5, out: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """(V p × k' float32 orthonormal, eigenvalues k') from a gradient matrix G (m × p), k' ≤ k
+    (see :func:`basis_mixing`). ``out``: float32 storage of >= k·p elements, not overlapping G, to
+    build V in (V is a view of it)."""
+    mixing, eigenvalues = basis_mixing(gradients, k, rel_tolerance)
+    return apply_mixing(gradients, mixing, out), eigenvalues
 
 
 def orthonormalize(v: Tensor) -> Tensor:
