@@ -103,10 +103,11 @@ def image_grid(images: Sequence[np.ndarray], ncols: int | None = None, pad: int 
     return grid
 
 
-def save_png(image: np.ndarray, path: str | Path) -> Path:
-    """Write a uint8 image as PNG atomically; returns the path."""
+def save_png(image: np.ndarray, path: str | Path, compress_level: int = 6) -> Path:
+    """Write a uint8 (H, W, 3) image as PNG atomically; returns the path. ``compress_level`` 1 is
+    ~3× faster than the default 6 with ~10 % larger files (noisy images barely compress)."""
     buffer = io.BytesIO()
-    _to_pil(image).save(buffer, format="PNG")
+    _to_pil(image).save(buffer, format="PNG", compress_level=compress_level)
     atomic_write(path, lambda fh: fh.write(buffer.getvalue()))
     return Path(path)
 

@@ -71,7 +71,7 @@ def _run(args: argparse.Namespace) -> int:
     from fedpose.io import atomic_write
     from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
     from fedpose.privacy.dprp import DprpError, video_dprp
-    from fedpose.privacy.input_privacy import save_png
+    from fedpose.viz import save_png
     from fedpose.privacy.ldp_slicing import to_uint8
 
     clip = load_clip(Path(args.input))
@@ -89,7 +89,7 @@ def _run(args: argparse.Namespace) -> int:
         atomic_write(out, lambda fh: fh.write(buffer.getvalue()))
     else:
         for index, frame in enumerate(result.frames):
-            save_png(out / f"frame_{index:05d}.png", to_uint8(frame * 255.0))
+            save_png(to_uint8(frame * 255.0), out / f"frame_{index:05d}.png")
     g = result.guarantee
     void = f"{SEEDED_NO_GUARANTEE}: " if g["guarantee_void"] else ""
     print(

@@ -93,7 +93,8 @@ def _slice(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from fedpose.io import atomic_write
-    from fedpose.privacy.input_privacy import InputPrivacyError, load_rgb, save_png
+    from fedpose.privacy.input_privacy import InputPrivacyError, load_rgb
+    from fedpose.viz import save_png
     from fedpose.privacy.ldp_slicing import LdpSlicer, LdpSlicingError
 
     out_dir = Path(args.out)
@@ -114,7 +115,7 @@ def _slice(args: argparse.Namespace) -> int:
             failed.append(str(path))
             continue
         if args.format == "png":
-            save_png(out_dir / f"{path.stem}.png", result.rgb)
+            save_png(result.rgb, out_dir / f"{path.stem}.png")
         else:
             buffer = io.BytesIO()
             np.save(buffer, result.ycbcr)

@@ -118,11 +118,11 @@ def write_report(directory: str | Path, run_info: dict[str, Any], rounds: list[d
     }
     path = directory / REPORT_FILE
     atomic_write_json(path, _finite(report))
-    save_curves(directory / CURVES_FILE, rounds, run_info.get("initial_pckh"))
+    save_federation_curves(directory / CURVES_FILE, rounds, run_info.get("initial_pckh"))
     return path
 
 
-def save_curves(path: str | Path, rounds: list[dict[str, Any]], initial_pckh: float | None = None) -> None:
+def save_federation_curves(path: str | Path, rounds: list[dict[str, Any]], initial_pckh: float | None = None) -> None:
     """PCKh@0.5 (server-side, held-out split) and per-site cumulative ε over rounds."""
     import io
 

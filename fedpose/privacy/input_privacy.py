@@ -30,8 +30,9 @@ import numpy as np
 
 from fedpose.config import InputPrivacyConfig
 from fedpose.data.annotations import ANNOTATIONS_FILE, read_annotations, resolve_image, write_annotations
-from fedpose.io import atomic_write, atomic_write_json
+from fedpose.io import atomic_write_json
 from fedpose.privacy.ldp_slicing import LdpSlicer
+from fedpose.viz import save_png
 
 MANIFEST_FILE = "ldp_manifest.json"
 PARTIAL_SUFFIX = ".partial"
@@ -52,12 +53,6 @@ def load_rgb(path: Path) -> np.ndarray:
             return np.asarray(image.convert("RGB"), dtype=np.uint8)
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         raise InputPrivacyError(f"{path}: cannot decode image ({exc})") from exc
-
-
-def save_png(path: Path, rgb: np.ndarray) -> None:
-    from PIL import Image
-
-    atomic_write(path, lambda fh: Image.fromarray(rgb, mode="RGB").save(fh, format="PNG"))
 
 
 def settings_record(cfg: InputPrivacyConfig) -> dict[str, Any]:
@@ -146,7 +141,7 @@ def privatize_dataset(
     for index, (name, path) in enumerate(sources.items()):
         target = partial / renamed[name]
         if not target.exists():  # already privatized in an interrupted run: never draw again
-            save_png(target, slicer(load_rgb(path)).rgb)
+            save_png(slicer(load_rgb(path)).rgb, target)
         if progress is not None:
             progress(index + 1, len(sources))
     for record in records:
