@@ -12,6 +12,7 @@ the budget and the basis cache are on disk in the site's ``state_dir``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tomllib
@@ -46,12 +47,19 @@ def site_from_context(context: Context, federation_config: str | Path | None = N
         return load_config(str(node["site-config"]), model=SiteConfig)
     federation_path = federation_config or context.run_config.get("federation-config") or os.environ.get("FEDPOSE_FEDERATION_CONFIG")
     if federation_path and "partition-id" in node:
-        federation = load_config(str(federation_path), model=FederationConfig)
+        federation = _federation(str(federation_path), Path(federation_path).stat().st_mtime_ns)
         index = int(node["partition-id"])
         if not 0 <= index < len(federation.sites):
             raise ConfigError(f"{federation_path}: no site for partition-id {index} ({len(federation.sites)} sites)")
         return federation.sites[index]
     raise ConfigError("site not configured: start the SuperNode with --node-config 'site-config=\"<site.toml>\"'")
+
+
+@functools.lru_cache(maxsize=4)
+def _federation(path: str, mtime_ns: int) -> FederationConfig:
+    """The federation TOML, validated once per version of the file (simulation sends many messages
+    to each worker process; ``mtime_ns`` makes an edited file count as new)."""
+    return load_config(path, model=FederationConfig)
 
 
 def declared_site_id(context: Context, federation_config: str | Path | None = None) -> str | None:
