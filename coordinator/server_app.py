@@ -14,6 +14,9 @@ from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
 
 from coordinator.grid import GridTransport
+from fedpose.config import ConfigError
+from fedpose.federation.ledger import LedgerError
+from fedpose.federation.report import COORDINATOR_ERROR_PREFIX
 from fedpose.federation.deployment import load_coordinator_run
 from fedpose.federation.server.rounds import RoundRunner
 
@@ -42,12 +45,17 @@ def build_server_app(config_path: str | Path | None = None, resume: bool | None 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
         _configure_logging()
-        path = config_path or context.run_config.get("coordinator-config")
-        if not path:
-            raise ValueError("no coordinator config: pass --run-config 'coordinator-config=\"/abs/path.toml\"'")
-        run = load_coordinator_run(str(path), overrides)
-        do_resume = resume if resume is not None else _flag(context.run_config.get("resume", False))
-        result = RoundRunner(run, resume=do_resume, echo=lambda line: print(line, flush=True)).run_rounds(GridTransport(grid))
+        try:
+            path = config_path or context.run_config.get("coordinator-config")
+            if not path:
+                raise ConfigError("no coordinator config: pass --run-config 'coordinator-config=\"/abs/path.toml\"'")
+            run = load_coordinator_run(str(path), overrides)
+            do_resume = resume if resume is not None else _flag(context.run_config.get("resume", False))
+            result = RoundRunner(run, resume=do_resume, echo=lambda line: print(line, flush=True)).run_rounds(GridTransport(grid))
+        except (ConfigError, LedgerError, ValueError, OSError) as exc:
+            # one line the operator sees (deploy local and simulate print it), then fail the run
+            print(f"{COORDINATOR_ERROR_PREFIX}{type(exc).__name__}: {exc}", flush=True)
+            raise
         print(f"federation finished: {result['stopped_reason']}; {result['report']}", flush=True)
 
     return server_app

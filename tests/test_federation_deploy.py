@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import urllib.request
 from pathlib import Path
 
@@ -89,6 +90,18 @@ def test_deployment_grpc_tls_auth_results_ledgers_and_budget_stop(tmp_path: Path
             status = health_pb2_grpc.HealthStub(health).Check(health_pb2.HealthCheckRequest(), timeout=10).status
         assert status == health_pb2.HealthCheckResponse.SERVING
 
+        # SuperNode authentication: a SuperNode with a key the SuperLink never registered, and one
+        # with no key at all, are turned away (they exit) and never join a round.
+        rogues = _start_rogue_supernodes(tmp_path, base, ca_path=run_dir / "certs" / "ca.crt")
+        for name, rogue in rogues.items():
+            try:
+                rogue.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(rogue.pid, signal.SIGKILL)
+                pytest.fail(f"the {name} SuperNode was not refused within 120 s")
+            log = (tmp_path / f"rogue-{name}.log").read_text()
+            assert rogue.returncode != 0 and "Exit Code: 305" in log, log[-2000:]  # 305: could not connect to the SuperLink
+
         # Prometheus over HTTP: coordinator (ServerApp) and each site's exporter
         coordinator_text = wait_for(lambda: _try_scrape(base + 5, "fedpose_round 1.0"), 400, "coordinator metrics after round 1", proc)
         assert 'fedpose_site_epsilon{guarantee="DP",site="site-1"}' in coordinator_text
@@ -150,6 +163,25 @@ def test_deployment_grpc_tls_auth_results_ledgers_and_budget_stop(tmp_path: Path
     after = site_budget(run_dir, "site-2")
     assert after["accountant"] == before["accountant"]  # nothing spent
     assert [(e["round"], e["status"]) for e in after["entries"]] == [(1, "spent"), (3, "refused")]
+
+
+def _start_rogue_supernodes(tmp_path: Path, base: int, ca_path: Path) -> dict[str, subprocess.Popen]:
+    """An 'unregistered' SuperNode (valid key pair, never registered) and a 'keyless' one."""
+    import sys
+
+    from fedpose.cli.certs import write_dev_certificates
+
+    write_dev_certificates(tmp_path / "rogue-certs", ["rogue"])
+    supernode = str(Path(sys.executable).parent / "flower-supernode")
+    common = [supernode, "--superlink", f"127.0.0.1:{base}", "--grpc-rere", "--root-certificates", str(ca_path),
+              "--host", "127.0.0.1", "--node-config", 'site-config="/nonexistent.toml"']
+    argv = {"unregistered": [*common, "--port", str(base + 28), "--auth-supernode-private-key", str(tmp_path / "rogue-certs" / "sites" / "rogue")],
+            "keyless": [*common, "--port", str(base + 29)]}
+    # the SuperNode starts flower-superexec from PATH (without it, it hangs instead of exiting)
+    env = flower_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    return {name: subprocess.Popen(args, env=env, stdout=(tmp_path / f"rogue-{name}.log").open("w"), stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+            for name, args in argv.items()}
 
 
 def _try_scrape(port: int, needle: str) -> str | None:

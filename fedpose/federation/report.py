@@ -53,6 +53,8 @@ def epsilon_text(epsilon: float | None, delta: float | None, guarantee: str | No
 
 #: per-site round statuses that mean the site failed the round (ok / refused / replayed are not failures)
 FAILURE_STATUSES = ("error", "failed", "missing", "rejected")
+#: how the coordinator's fatal error line starts in the ServerApp's output (the CLI shows that line)
+COORDINATOR_ERROR_PREFIX = "fedpose: coordinator error: "
 #: exit code of ``fedpose simulate`` / ``deploy local`` when a site failed (without --allow-site-failures)
 SITE_FAILURE_EXIT = 3
 
