@@ -45,7 +45,7 @@ def site_from_context(context: Context, federation_config: str | Path | None = N
     node = context.node_config
     if "site-config" in node:
         return load_config(str(node["site-config"]), model=SiteConfig)
-    federation_path = federation_config or context.run_config.get("federation-config") or os.environ.get("FEDPOSE_FEDERATION_CONFIG")
+    federation_path = _federation_path(context, federation_config)
     if federation_path and "partition-id" in node:
         federation = _federation(str(federation_path), Path(federation_path).stat().st_mtime_ns)
         index = int(node["partition-id"])
@@ -53,6 +53,11 @@ def site_from_context(context: Context, federation_config: str | Path | None = N
             raise ConfigError(f"{federation_path}: no site for partition-id {index} ({len(federation.sites)} sites)")
         return federation.sites[index]
     raise ConfigError("site not configured: start the SuperNode with --node-config 'site-config=\"<site.toml>\"'")
+
+
+def _federation_path(context: Context, federation_config: str | Path | None) -> str | Path | None:
+    """Simulation: the federation TOML the sites come from (argument, run config or environment)."""
+    return federation_config or context.run_config.get("federation-config") or os.environ.get("FEDPOSE_FEDERATION_CONFIG")
 
 
 @functools.lru_cache(maxsize=4)
@@ -70,7 +75,7 @@ def declared_site_id(context: Context, federation_config: str | Path | None = No
         if "site-config" in node:
             site_id = tomllib.loads(Path(str(node["site-config"])).read_text()).get("site_id")
         else:
-            path = federation_config or context.run_config.get("federation-config") or os.environ.get("FEDPOSE_FEDERATION_CONFIG")
+            path = _federation_path(context, federation_config)
             site_id = tomllib.loads(Path(str(path)).read_text())["sites"][int(node["partition-id"])].get("site_id")
     except Exception:  # noqa: BLE001 - best effort: an unreadable file leaves the failure unattributed
         return None
