@@ -82,13 +82,28 @@ class BasisConfig(Strict):
 
 class BlurConfig(Strict):
     kernel_size: int = Field(21, ge=3, description="odd Gaussian kernel size in pixels")
-    sigma: float = Field(6.0, gt=0, description="Gaussian blur σ in pixels (ψ of FDP / FP-DP)")
+    sigma: float = Field(6.0, gt=0, description="Gaussian blur σ in pixels")
 
     @model_validator(mode="after")
     def _odd(self) -> "BlurConfig":
         if self.kernel_size % 2 == 0:
-            raise ValueError(f"privacy.blur.kernel_size must be odd, got {self.kernel_size}")
+            raise ValueError(f"privacy.public_view.blur.kernel_size must be odd, got {self.kernel_size}")
         return self
+
+
+class PublicViewConfig(Strict):
+    """ψ of FDP / FP-DP: what of each record is public. Computed once per record from the
+    un-augmented crop (before augmentation); see fedpose.privacy.public_views."""
+
+    kind: Literal["downsample_quantize", "gaussian_blur"] = Field(
+        "downsample_quantize",
+        description="downsample_quantize: f×f area average then b-bit quantization (many-to-one: everything finer than an "
+        "f-pixel block at b bits is private); gaussian_blur: invertible, its FDP neighbour relation is degenerate (protects "
+        "almost nothing), kept only for comparison",
+    )
+    factor: int = Field(8, ge=2, le=64, description="downsample_quantize: block size f in model-input pixels")
+    bits: int = Field(3, ge=1, le=8, description="downsample_quantize: bits per colour channel kept of each block mean")
+    blur: BlurConfig = BlurConfig()
 
 
 class MaskConfig(Strict):
@@ -116,7 +131,7 @@ class PrivacyConfig(Strict):
         "anyone who knows the seed removes the noise; sites refuse to federate with it",
     )
     basis: BasisConfig = BasisConfig()
-    blur: BlurConfig = BlurConfig()
+    public_view: PublicViewConfig = PublicViewConfig()
     mask: MaskConfig = MaskConfig()
 
     @model_validator(mode="after")
