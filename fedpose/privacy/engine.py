@@ -45,7 +45,7 @@ from fedpose.config import PrivacyConfig
 from fedpose.privacy import projection
 from fedpose.privacy.accountant import RDPAccountant, noise_multiplier_for
 from fedpose.privacy.mechanisms import Mechanism, get_mechanism
-from fedpose.privacy.public_views import public_view_report
+from fedpose.privacy.public_views import public_view_kind, public_view_report
 from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
 from fedpose.privacy.noise import make_noise
 from fedpose.privacy.per_sample import (
@@ -56,7 +56,7 @@ from fedpose.privacy.per_sample import (
     mean_gradient,
     unflatten,
 )
-from fedpose.privacy.report import format_epsilon
+from fedpose.privacy.report import format_epsilon, public_view_statement
 
 
 #: keys separating the seeded (test-only) random streams, with the step index; see InsecureSeededNoise.reseed
@@ -337,6 +337,10 @@ class GradientEngine:
             "steps": self.steps_done,
             "planned_steps": self.planned_steps,
         }
+        if mechanism.uses_dataset_public_view:
+            view = public_view_kind(self.privacy.public_view)
+            report["guarantee_statement"], report["unit_protected"] = public_view_statement(
+                guarantee, view.name, view.many_to_one, view.protects(self.privacy.public_view))
         if self.dataset_size_public:
             report["dataset_size"] = self.dataset_size
         if self.accountant is None:

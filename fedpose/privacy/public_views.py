@@ -121,9 +121,11 @@ def fill_value(fill: str, dtype: torch.dtype = torch.float32) -> Tensor:
 def box_masks(boxes: Tensor, height: int, width: int, margin: float) -> Tensor:
     """(B, 4) x1, y1, x2, y2 boxes → (B, H, W) bool masks, True = private pixel.
 
-    Each box is enlarged by ``margin`` × its width/height on every side and rounded outwards to
-    whole pixels (a pixel is private if it touches the enlarged box). Degenerate boxes (zero
-    area, e.g. no annotation) mark the whole image private.
+    Each box is enlarged by ``margin`` × its width/height on every side. Pixel centres sit on
+    integers (the convention of :mod:`fedpose.data.transforms`), and a crop pixel is bilinearly
+    interpolated from source points up to 1 px away, so a pixel is private if its centre is less
+    than 1 px (in x and in y) from the enlarged box. Degenerate boxes (zero area, e.g. no
+    annotation) mark the whole image private.
     """
     if boxes.dim() != 2 or boxes.shape[1] != 4:
         raise ValueError(f"expected boxes (B, 4) as x1, y1, x2, y2, got shape {tuple(boxes.shape)}")
@@ -134,11 +136,11 @@ def box_masks(boxes: Tensor, height: int, width: int, margin: float) -> Tensor:
     box_w, box_h = (x2 - x1).clamp(min=0), (y2 - y1).clamp(min=0)
     x1, x2 = x1 - margin * box_w, x2 + margin * box_w
     y1, y2 = y1 - margin * box_h, y2 + margin * box_h
-    # Pixel (i, j) covers [j, j+1) × [i, i+1): it is private if it overlaps the box.
+    # Pixel (i, j) has its centre at (j, i) and bilinear support (j ± 1, i ± 1): private if that support meets the box.
     cols = torch.arange(width, dtype=torch.float64)
     rows = torch.arange(height, dtype=torch.float64)
-    in_x = (cols[None, :] + 1 > x1[:, None]) & (cols[None, :] < x2[:, None])
-    in_y = (rows[None, :] + 1 > y1[:, None]) & (rows[None, :] < y2[:, None])
+    in_x = (cols[None, :] + 1 > x1[:, None]) & (cols[None, :] - 1 < x2[:, None])
+    in_y = (rows[None, :] + 1 > y1[:, None]) & (rows[None, :] - 1 < y2[:, None])
     masks = in_y[:, :, None] & in_x[:, None, :]
     undeclared = (box_w * box_h <= 0) | ~torch.isfinite(boxes).all(1)
     masks[undeclared] = True
