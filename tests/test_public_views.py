@@ -277,12 +277,21 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 def unmasked_head_pixels(masks: torch.Tensor, matrix: np.ndarray, heads: np.ndarray) -> int:
     """Crop pixels whose centre maps (back to the original frame) inside one of ``heads`` but is not masked."""
     height, width = masks.shape
-    rows, cols = np.mgrid[0:height, 0:width]
-    original = affine_points(np.stack([cols.ravel(), rows.ravel()], 1).astype(np.float64), invert(matrix)).astype(np.float64)
-    inside = np.zeros(height * width, bool)
+    back = invert(matrix)
+    unmasked = ~masks.numpy()
+    count = 0
     for (x1, y1), (x2, y2) in heads:
-        inside |= (original[:, 0] >= x1) & (original[:, 0] <= x2) & (original[:, 1] >= y1) & (original[:, 1] <= y2)
-    return int((inside & ~masks.numpy().ravel()).sum())
+        # only the pixels near the head's image in the crop can map inside it
+        hull = affine_points(np.array([[x1, y1], [x2, y1], [x1, y2], [x2, y2]], np.float64), matrix)
+        c0, r0 = np.maximum(np.floor(hull.min(0)) - 1, 0).astype(int)
+        c1, r1 = np.minimum(np.ceil(hull.max(0)) + 2, [width, height]).astype(int)
+        if c0 >= c1 or r0 >= r1:
+            continue
+        rows, cols = np.mgrid[r0:r1, c0:c1]
+        original = affine_points(np.stack([cols.ravel(), rows.ravel()], 1).astype(np.float64), back)
+        inside = (original[:, 0] >= x1) & (original[:, 0] <= x2) & (original[:, 1] >= y1) & (original[:, 1] <= y2)
+        count += int((inside & unmasked[rows.ravel(), cols.ravel()]).sum())
+    return count
 
 
 def test_no_mpii_validation_crop_shows_part_of_an_annotated_head() -> None:

@@ -30,6 +30,7 @@ The ``*_view(batch, privacy_cfg)`` functions are what the mechanism registry cal
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -131,20 +132,27 @@ def box_masks(boxes: Tensor, height: int, width: int, margin: float) -> Tensor:
         raise ValueError(f"expected boxes (B, 4) as x1, y1, x2, y2, got shape {tuple(boxes.shape)}")
     if margin < 0:
         raise ValueError(f"mask margin must be >= 0, got {margin}")
-    boxes = boxes.to(torch.float64)
-    x1, y1, x2, y2 = boxes.unbind(1)
-    box_w, box_h = (x2 - x1).clamp(min=0), (y2 - y1).clamp(min=0)
+    masks = torch.zeros(boxes.shape[0], height, width, dtype=torch.bool)
+    for index, box in enumerate(boxes.detach().cpu().to(torch.float64).tolist()):
+        _mark_box(masks[index], box, margin)
+    return masks.to(boxes.device)
+
+
+def _mark_box(mask: Tensor, box: list[float], margin: float) -> None:
+    """Set the pixels of one (H, W) mask that :func:`box_masks` calls private for ``box``."""
+    height, width = mask.shape
+    x1, y1, x2, y2 = box
+    if not all(math.isfinite(v) for v in box) or x2 <= x1 or y2 <= y1:
+        mask.fill_(True)  # undeclared or degenerate: the private region is unknown
+        return
+    box_w, box_h = x2 - x1, y2 - y1
     x1, x2 = x1 - margin * box_w, x2 + margin * box_w
     y1, y2 = y1 - margin * box_h, y2 + margin * box_h
-    # Pixel (i, j) has its centre at (j, i) and bilinear support (j ± 1, i ± 1): private if that support meets the box.
-    cols = torch.arange(width, dtype=torch.float64)
-    rows = torch.arange(height, dtype=torch.float64)
-    in_x = (cols[None, :] + 1 > x1[:, None]) & (cols[None, :] - 1 < x2[:, None])
-    in_y = (rows[None, :] + 1 > y1[:, None]) & (rows[None, :] - 1 < y2[:, None])
-    masks = in_y[:, :, None] & in_x[:, None, :]
-    undeclared = (box_w * box_h <= 0) | ~torch.isfinite(boxes).all(1)
-    masks[undeclared] = True
-    return masks.to(boxes.device)
+    # Pixel j (centre j, bilinear support (j − 1, j + 1)) is private iff j + 1 > x1 and j − 1 < x2.
+    c0, c1 = max(0, math.floor(x1 - 1) + 1), min(width, math.ceil(x2 + 1))
+    r0, r1 = max(0, math.floor(y1 - 1) + 1), min(height, math.ceil(y2 + 1))
+    if c0 < c1 and r0 < r1:
+        mask[r0:r1, c0:c1] = True
 
 
 def union_box_masks(boxes: Tensor, counts: Tensor, height: int, width: int, margin: float) -> Tensor:
@@ -161,13 +169,14 @@ def union_box_masks(boxes: Tensor, counts: Tensor, height: int, width: int, marg
         raise ValueError(f"{counts.shape[0]} box counts for {batch} samples")
     if bool((counts < 0).any()) or bool((counts > slots).any()):
         raise ValueError(f"box counts must be in 0..{slots}, got {counts.tolist()}")
-    if slots == 0:
-        return torch.ones(batch, height, width, dtype=torch.bool)
-    per_box = box_masks(boxes.reshape(-1, 4), height, width, margin).reshape(batch, slots, height, width)
-    real = torch.arange(slots)[None, :] < counts[:, None]
-    masks = (per_box & real[:, :, None, None].to(per_box.device)).any(dim=1)
-    masks[counts == 0] = True
-    return masks
+    masks = torch.zeros(batch, height, width, dtype=torch.bool)
+    rows = boxes.detach().cpu().to(torch.float64).tolist()
+    for index, count in enumerate(counts.tolist()):
+        if count == 0:
+            masks[index] = True  # no declared region: nothing of the image is public
+        for box in rows[index][:count]:
+            _mark_box(masks[index], box, margin)
+    return masks.to(boxes.device)
 
 
 def mask_boxes(
