@@ -174,6 +174,17 @@ class RunConfig(Strict):
     privacy: PrivacyConfig = PrivacyConfig()
     input_privacy: InputPrivacyConfig = InputPrivacyConfig()
 
+    @model_validator(mode="after")
+    def _public_view_fits_the_input(self) -> "RunConfig":
+        view = self.privacy.public_view
+        if self.privacy.mechanism in ("fdp", "fpdp") and view.kind == "downsample_quantize":
+            if any(side % view.factor for side in self.data.input_size):
+                raise ValueError(
+                    f"privacy.public_view.factor {view.factor} must divide data.input_size {self.data.input_size} "
+                    "(ψ's blocks tile the model input)"
+                )
+        return self
+
 
 def parse_override(item: str) -> tuple[list[str], Any]:
     """``a.b.c=value`` → (["a","b","c"], value); value parsed as TOML when possible, else a string."""
