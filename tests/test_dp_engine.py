@@ -361,3 +361,25 @@ def test_maskdp_public_input_has_no_private_region_pixels_real_mpii(model) -> No
     altered["image"][0, :, math.floor(y1): math.ceil(y2), math.floor(x1): math.ceil(x2)] += 5.0
     assert torch.equal(mask_boxes(altered["image"], batch["head_boxes"], 0.1, "mean", batch["head_count"]), public)
     assert engine.privacy_report()["guarantee"] == "MaskDP"
+
+
+@pytest.mark.parametrize("mechanism", ["fdp", "fpdp"])
+def test_fdp_trains_on_real_images_with_the_dataset_public_view(model, mechanism: str) -> None:
+    """End to end: Poisson batches of a PoseDataset built for the mechanism carry ψ(x), and the
+    engine's public path runs on them (fpdp: basis from a public PoseDataset)."""
+    from fedpose.data.dataset import PoseDataset
+    from fedpose.data.loaders import load_records
+    from fedpose.privacy.public_views import dataset_public_view
+
+    cfg = dp_config(mechanism=mechanism, noise_multiplier=1.0, insecure_seeded_noise=True,
+                    basis={"k": 2, "public_samples": 3, "refresh_every": 5})
+    records, root = load_records(SHARED_DATA / "mpii-real")
+    train = PoseDataset(records, root, input_size=SIZE, train=True, seed=0, public_view=dataset_public_view(cfg))
+    public = PoseDataset(records, root, input_size=SIZE, train=False) if mechanism == "fpdp" else None
+    engine = build_engine(cfg, model, len(train), 4, 3, public_dataset=public)
+    for _, batch in zip(range(3), engine.batches(train)):
+        assert "public_image" in batch and batch["public_image"].shape == batch["image"].shape
+        metrics = engine.step(model, batch)
+        assert ("public_loss" in metrics) == (batch["image"].shape[0] > 0)
+    assert engine.privacy_report()["public_view"]["factor"] == 8
+    assert dataset_public_view(dp_config(mechanism="dpsgd")) is None
