@@ -1,6 +1,6 @@
 """How much of a crop can be recovered from FDP's public view ψ(x), and how much pose ψ keeps.
 
-    python benchmarks/public_view/run.py                      # both parts (CPU, ~6–8 min on 2 cores)
+    python benchmarks/public_view/run.py                      # both parts (~12 CPU-min; 35 min wall on a loaded 2-core machine)
     python benchmarks/public_view/run.py --skip-utility       # reconstruction only (~1 min)
 
 For each candidate ψ (Gaussian blur k7 σ1.5 and k21 σ6 — the old defaults — and area-downsample
@@ -394,6 +394,7 @@ def main() -> int:
             "on ψ(x) only — FP-DP's noise-free public path, which dominates its update at strong privacy — "
             "vs on x and vs no fine-tuning")
     result["total_seconds"] = time.perf_counter() - started
+    result["process_cpu_seconds"] = time.process_time()
     atomic_write_json(HERE / "results.json", result)
     return 0
 

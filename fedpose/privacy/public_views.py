@@ -15,7 +15,7 @@ The batch carries it as ``public_image``; the engine's public path reads that ke
   each block mean per colour channel, upsample bilinearly back. Many-to-one with a large null
   space: any change that keeps every block mean in the same b-bit bin — everything finer than an
   f-pixel block, and contrast below 256/2^b grey levels — leaves ψ(x) unchanged. Of
-  H·W·3·8 input bits, at most (H/f)·(W/f)·3·b survive (f = 8, b = 3 at 256×192: 1/171).
+  H·W·3·8 input bits, at most (H/f)·(W/f)·3·b survive (default f = 16, b = 3: 1/683).
 * ``gaussian_blur`` — a separable Gaussian blur. It is invertible (smallest 1-D singular value
   2.5e-4 at kernel 7, σ 1.5); deconvolution recovers the crop, so "neighbours share ψ(x)" means
   they are (almost) the same image: the FDP relation is degenerate. Kept only to compare against.
