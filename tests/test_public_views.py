@@ -350,3 +350,19 @@ def test_no_real_multi_person_crop_shows_part_of_a_head_after_masking() -> None:
             aug = Augmentation(sample["scale"] / (record.scale * dataset.padding), sample["rotation"], sample["flipped"])
             matrix = crop_transform(record.center, record.scale * dataset.padding, size, aug)
             assert unmasked_head_pixels(masked, matrix, np.stack(heads[record.image])) == 0, (record.image, train)
+
+
+def test_a_federated_site_round_with_fdp_trains_on_the_public_view(tmp_path: Path) -> None:
+    from site_round_helpers import INPUT_SIZE, global_model, make_site_data, site_config
+
+    from fedpose.federation.local_training import load_site_dataset, train_site_round
+
+    data_root = make_site_data(tmp_path / "data")
+    site = site_config(data_root, tmp_path / "state", mechanism="fdp", noise_multiplier=4.0)
+    dataset = load_site_dataset(site, INPUT_SIZE)
+    assert dataset.public_view is not None and dataset[0]["public_image"].shape == dataset[0]["image"].shape
+    plain = load_site_dataset(site_config(data_root, tmp_path / "state2"), INPUT_SIZE)  # dpsgd: no ψ computed
+    assert plain.public_view is None and "public_image" not in plain[0]
+    weights, spec = global_model()
+    result = train_site_round(site, "run", 1, weights, spec, local_steps=2)
+    assert result.reply.status == "ok" and result.reply.privacy.guarantee == "FDP"
