@@ -66,6 +66,9 @@ IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
 # HRNet enlarges the annotated person box by 25% so limbs at its border stay inside the crop.
 DEFAULT_PADDING = 1.25
 
+#: memory cap of a dataset's cache of compact public views (downsample_quantize at f 16: ~2 KB a record)
+PUBLIC_CACHE_BYTES = 256 * 2**20
+
 
 class PublicImageView(Protocol):
     """ψ of FDP (fedpose.privacy.public_views.ImagePublicView): compact on a block-aligned window, expand back."""
@@ -198,6 +201,7 @@ class PoseDataset(Dataset):
         self._rng_pid = os.getpid()
         self.public_view = public_view
         self._public_cache: dict[int, np.ndarray] = {}  # record index → compact ψ of its context window
+        self._public_cache_bytes = 0
         if public_view is not None:
             extent = augmentation_extent(self.input_size, scale_jitter, rotation) if train else (0.0, 0.0)
             self.context_size = context_window(self.input_size, public_view.block, extent)
@@ -260,7 +264,11 @@ class PoseDataset(Dataset):
             image_matrix = matrix if reduction == 1 else compose(matrix, invert(reduction_matrix(reduction)))
             window = np.asarray(warp_affine(image, image_matrix, self.context_size))
             compact = self.public_view.compact(window)
-            self._public_cache[index] = compact
+            # ψ is a deterministic function of the record, so a record that does not fit the cache
+            # (e.g. the full-size compact form of the comparison-only blur) just gets the same ψ again.
+            if self._public_cache_bytes + compact.nbytes <= PUBLIC_CACHE_BYTES:
+                self._public_cache[index] = compact
+                self._public_cache_bytes += compact.nbytes
         return self.public_view.expand(compact, self.context_size), matrix
 
     def __len__(self) -> int:
