@@ -18,7 +18,8 @@ For each candidate ψ (Gaussian blur k7 σ1.5 and k21 σ6 — the old defaults �
    synthetic public split, then fine-tune on a synthetic site using ψ(x) only (images replaced
    by the dataset's ``public_image``, computed before augmentation) and report PCKh@0.5 on the
    clean test split, next to fine-tuning on x (upper bound) and no fine-tuning (what FP-DP
-   falls back to without its public path). Optionally (``--fpdp-steps``) real fpdp runs.
+   falls back to without its public path). ``--fpdp-only`` then adds real PDP and FP-DP runs
+   (clip, noise, projection) per ψ in ``--fpdp-views`` from the cached pre-trained model.
 
 Writes results.json (with device, threads, seeds, timings) and examples.png (original | ψ(x) |
 best reconstruction for every candidate, on a synthetic and a real face) next to this file.
