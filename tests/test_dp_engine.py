@@ -29,7 +29,7 @@ from fedpose.privacy.per_sample import (
     per_sample_gradients,
     per_sample_norms,
 )
-from fedpose.privacy.public_views import gaussian_blur, mask_boxes
+from fedpose.privacy.public_views import mask_boxes
 from fedpose.privacy.report import describe
 
 SIZE = (64, 64)
@@ -55,12 +55,18 @@ class TensorPoseSet(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         g = torch.Generator().manual_seed(self.offset + i)
         h, w = self.size
+        image = torch.randn(3, h, w, generator=g)
+        head = torch.tensor([[w * 0.3, h * 0.1, w * 0.6, h * 0.35]])
         return {
-            "image": torch.randn(3, h, w, generator=g),
+            "image": image,
+            # stands in for the dataset's ψ(x): 8×8 block means (the engine only reads the key)
+            "public_image": torch.nn.functional.interpolate(
+                torch.nn.functional.avg_pool2d(image[None], 8), size=(h, w), mode="nearest")[0],
             "joints": torch.rand(16, 2, generator=g) * torch.tensor([w, h]),
             "weight": (torch.rand(16, generator=g) > 0.2).float(),
             "index": i,
-            "face_box": torch.tensor([w * 0.3, h * 0.1, w * 0.6, h * 0.35]),
+            "face_box": head[0],
+            "head_boxes": head, "head_count": torch.tensor(1), "face_boxes": head, "face_count": torch.tensor(1),
         }
 
 
@@ -295,24 +301,37 @@ class RecordingPrefix:
         del self.model.forward_frozen  # back to the class method
 
 
-def test_fdp_public_path_sees_only_the_blurred_image(model) -> None:
+def test_fdp_public_path_sees_only_the_dataset_public_view(model) -> None:
     dataset = TensorPoseSet(10)
     batch = batch_of(dataset, range(3))
-    cfg = dp_config(mechanism="fdp", noise_multiplier=0.0, max_grad_norm=1e-9, blur={"kernel_size": 9, "sigma": 2.0})
+    cfg = dp_config(mechanism="fdp", noise_multiplier=0.0, max_grad_norm=1e-9)
     engine = build_engine(cfg, model, len(dataset), 3, 10)
     with RecordingPrefix(model) as rec:
         engine.step(model, batch)
     (inputs,) = rec.inputs  # one frozen forward for x and ψ(x) together
-    blurred = gaussian_blur(batch["image"], 9, 2.0)
-    assert torch.equal(inputs[:3], batch["image"]) and torch.allclose(inputs[3:], blurred)
+    public = batch["public_image"]  # ψ(x) as the dataset computed it (before augmentation)
+    assert torch.equal(inputs[:3], batch["image"]) and torch.equal(inputs[3:], public)
     # With C → 0 and σ = 0 the private part vanishes: what is left is the public gradient, which
     # must be the plain mean gradient on ψ(x) — not on x.
     gradient = flatten([p.grad for p in model.trainable_parameters().values()])
-    on_blur, _ = mean_gradient(model, frozen_features(model, blurred), batch["joints"], batch["weight"])
+    on_view, _ = mean_gradient(model, frozen_features(model, public), batch["joints"], batch["weight"])
     on_raw, _ = mean_gradient(model, frozen_features(model, batch["image"]), batch["joints"], batch["weight"])
-    assert (gradient - on_blur).norm() <= 1e-4 * on_blur.norm()
+    assert (gradient - on_view).norm() <= 1e-4 * on_view.norm()
     assert (gradient - on_raw).norm() > 1e-2 * on_raw.norm()
-    assert engine.privacy_report()["guarantee"] == "FDP"
+    report = engine.privacy_report()
+    assert report["guarantee"] == "FDP" and report["public_view"]["map"] == "downsample_quantize"
+    assert report["public_view"]["many_to_one"] and "facial identity" in report["unit_protected"]
+    # a batch without ψ(x) is refused, naming the key (the engine never computes ψ of an augmented crop)
+    without_view = {k: v for k, v in batch.items() if k != "public_image"}
+    with pytest.raises(KeyError, match="public_image"):
+        engine.step(model, without_view)
+
+
+def test_fdp_report_says_a_blur_view_is_degenerate(model) -> None:
+    cfg = dp_config(mechanism="fpdp", noise_multiplier=1.0, public_view={"kind": "gaussian_blur"})
+    report = build_engine(cfg, model, 10, 2, 10).privacy_report()
+    assert report["public_view"]["map"] == "gaussian_blur" and not report["public_view"]["many_to_one"]
+    assert "degenerate" in report["guarantee_statement"] and "almost nothing" in report["unit_protected"]
 
 
 def test_maskdp_public_input_has_no_private_region_pixels_real_mpii(model) -> None:
@@ -329,15 +348,38 @@ def test_maskdp_public_input_has_no_private_region_pixels_real_mpii(model) -> No
     (inputs,) = rec.inputs
     size = len(dataset)
     public = inputs[size:]
-    assert torch.equal(public, mask_boxes(batch["image"], batch["face_box"], 0.1, "mean"))
-    # The private box itself (from the real head annotation) is entirely filled in the public input.
-    for i, (x1, y1, x2, y2) in enumerate(batch["face_box"].tolist()):
-        assert x2 > x1 and y2 > y1
-        inside = public[i, :, max(0, math.floor(y1)): math.ceil(y2), max(0, math.floor(x1)): math.ceil(x2)]
-        assert inside.numel() > 0 and torch.all(inside == 0)
-    # Changing pixels inside the box cannot change the public input.
+    assert torch.equal(public, mask_boxes(batch["image"], batch["head_boxes"], 0.1, "mean", batch["head_count"]))
+    # Every annotated head box of the image (from the real annotations) is entirely filled in the public input.
+    for i in range(size):
+        for x1, y1, x2, y2 in batch["head_boxes"][i, : int(batch["head_count"][i])].tolist():
+            assert x2 > x1 and y2 > y1
+            inside = public[i, :, max(0, math.floor(y1)): max(0, math.ceil(y2)), max(0, math.floor(x1)): max(0, math.ceil(x2))]
+            assert torch.all(inside == 0)
+    # Changing pixels inside the record's own head box cannot change the public input.
     altered = dict(batch, image=batch["image"].clone())
     x1, y1, x2, y2 = batch["face_box"][0].tolist()
     altered["image"][0, :, math.floor(y1): math.ceil(y2), math.floor(x1): math.ceil(x2)] += 5.0
-    assert torch.equal(mask_boxes(altered["image"], batch["face_box"], 0.1, "mean"), public)
+    assert torch.equal(mask_boxes(altered["image"], batch["head_boxes"], 0.1, "mean", batch["head_count"]), public)
     assert engine.privacy_report()["guarantee"] == "MaskDP"
+
+
+@pytest.mark.parametrize("mechanism", ["fdp", "fpdp"])
+def test_fdp_trains_on_real_images_with_the_dataset_public_view(model, mechanism: str) -> None:
+    """End to end: Poisson batches of a PoseDataset built for the mechanism carry ψ(x), and the
+    engine's public path runs on them (fpdp: basis from a public PoseDataset)."""
+    from fedpose.data.dataset import PoseDataset
+    from fedpose.data.loaders import load_records
+    from fedpose.privacy.public_views import dataset_public_view
+
+    cfg = dp_config(mechanism=mechanism, noise_multiplier=1.0, insecure_seeded_noise=True,
+                    basis={"k": 2, "public_samples": 3, "refresh_every": 5})
+    records, root = load_records(SHARED_DATA / "mpii-real")
+    train = PoseDataset(records, root, input_size=SIZE, train=True, seed=0, public_view=dataset_public_view(cfg))
+    public = PoseDataset(records, root, input_size=SIZE, train=False) if mechanism == "fpdp" else None
+    engine = build_engine(cfg, model, len(train), 4, 3, public_dataset=public)
+    for _, batch in zip(range(3), engine.batches(train)):
+        assert "public_image" in batch and batch["public_image"].shape == batch["image"].shape
+        metrics = engine.step(model, batch)
+        assert ("public_loss" in metrics) == (batch["image"].shape[0] > 0)
+    assert engine.privacy_report()["public_view"]["factor"] == cfg.public_view.factor
+    assert dataset_public_view(dp_config(mechanism="dpsgd")) is None

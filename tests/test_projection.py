@@ -122,7 +122,7 @@ def test_engine_basis_sees_only_public_samples_and_refreshes_on_schedule(monkeyp
 def test_coordinator_basis_is_used_as_given() -> None:
     model = make_model()
     private = TensorPoseSet(10)
-    cfg = PrivacyConfig(mechanism="fpdp", noise_multiplier=1.0, blur={"kernel_size": 5, "sigma": 1.0})
+    cfg = PrivacyConfig(mechanism="fpdp", noise_multiplier=1.0)
     engine = build_engine(cfg, model, len(private), 2, 10)
     p = model.num_trainable()
     v, _ = basis_from_gradients(torch.randn(8, p), k=8)

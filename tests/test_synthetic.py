@@ -64,7 +64,7 @@ def test_layout_schema_and_manifest(tmp_path):
     out = tmp_path / "ds"
     manifest = _small_dataset(out)
     assert sorted(p.name for p in out.iterdir()) == [
-        "blur_demo.png", "manifest.json", "preview.png", "public", "site-1", "site-2", "test",
+        "manifest.json", "preview.png", "public", "public_view_demo.png", "site-1", "site-2", "test",
     ]
     assert json.loads((out / "manifest.json").read_text()) == manifest
     assert manifest["params"]["size"] == list(SMALL) and manifest["params"]["seed"] == 0

@@ -29,12 +29,13 @@ from pathlib import Path
 
 import torch
 
-from fedpose.config import ModelConfig, OptimConfig, PrivacyConfig
+from fedpose.config import ModelConfig, OptimConfig, PrivacyConfig, PublicViewConfig
 from fedpose.data.dataset import PoseDataset
 from fedpose.data.loaders import load_records
 from fedpose.io import atomic_write_json, atomic_write_text
 from fedpose.model import build_model
 from fedpose.privacy.engine import build_engine
+from fedpose.privacy.public_views import ImagePublicView
 from fedpose.privacy.report import format_epsilon
 from fedpose.runtime import configure_cpu
 from fedpose.train.evaluate import evaluate
@@ -58,9 +59,14 @@ def ensure_data(args: argparse.Namespace) -> Path:
     return root
 
 
-def dataset(path: Path, size: tuple[int, int], train: bool, seed: int = 0) -> PoseDataset:
+def dataset(path: Path, size: tuple[int, int], train: bool, seed: int = 0, public_view: ImagePublicView | None = None) -> PoseDataset:
     records, image_root = load_records(path)
-    return PoseDataset(records, image_root, input_size=size, train=train, seed=seed)
+    return PoseDataset(records, image_root, input_size=size, train=train, seed=seed, public_view=public_view)
+
+
+def public_view_config(args: argparse.Namespace) -> PublicViewConfig:
+    return PublicViewConfig(kind=args.view, factor=args.view_factor, bits=args.view_bits,
+                            blur={"kernel_size": args.blur_kernel, "sigma": args.blur_sigma})
 
 
 def new_model(args: argparse.Namespace, scenario: str):
@@ -100,7 +106,7 @@ def finetune(args, state, site, public_views, test, mechanism: str, epsilon: flo
     privacy = PrivacyConfig() if mechanism == "none" else PrivacyConfig(
         mechanism=mechanism, target_epsilon=epsilon, max_grad_norm=clip, delta=args.delta,
         basis={"k": args.k, "public_samples": args.public_samples, "refresh_every": args.refresh_every},
-        blur={"kernel_size": args.blur_kernel, "sigma": args.blur_sigma},
+        public_view=public_view_config(args),
     )
     engine = build_engine(privacy, model, len(site), args.batch, args.finetune_steps, public_dataset=public_views, seed=args.seed)
     optim_cfg = OptimConfig(name=args.optimizer, lr=args.finetune_lr, weight_decay=0.0)
@@ -226,8 +232,12 @@ def main() -> int:
     parser.add_argument("--k", type=int, default=50)
     parser.add_argument("--public-samples", type=int, default=100)
     parser.add_argument("--refresh-every", type=int, default=20)
-    parser.add_argument("--blur-kernel", type=int, default=11)
-    parser.add_argument("--blur-sigma", type=float, default=3.0)
+    parser.add_argument("--view", choices=["downsample_quantize", "gaussian_blur"], default="downsample_quantize",
+                        help="FDP / FP-DP public view ψ (privacy.public_view.kind)")
+    parser.add_argument("--view-factor", type=int, default=PublicViewConfig().factor, help="downsample_quantize block f")
+    parser.add_argument("--view-bits", type=int, default=PublicViewConfig().bits, help="downsample_quantize bits b")
+    parser.add_argument("--blur-kernel", type=int, default=11, help="gaussian_blur kernel (only with --view gaussian_blur)")
+    parser.add_argument("--blur-sigma", type=float, default=3.0, help="gaussian_blur σ (only with --view gaussian_blur)")
     parser.add_argument("--eval-samples", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -244,7 +254,8 @@ def main() -> int:
     root = ensure_data(args)
     public_train = dataset(root / "public", size, train=True, seed=args.seed)
     public_views = dataset(root / "public", size, train=False)  # basis samples: no augmentation
-    site = dataset(root / "site-1", size, train=True, seed=args.seed + 1)
+    # ψ(x) computed once per record before augmentation (used by fdp / fpdp only)
+    site = dataset(root / "site-1", size, train=True, seed=args.seed + 1, public_view=ImagePublicView(public_view_config(args)))
     test = dataset(root / "test", size, train=False)
     state, pretrained = pretrain(args, public_train, test)
 

@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Render articulated synthetic people in MPII annotation format: a public split, one "
             "split per site (each with its own pose mix, backgrounds, lighting and camera), and a "
-            "test split mixing all sites. Writes preview.png, blur_demo.png and manifest.json."
+            "test split mixing all sites. Writes preview.png, public_view_demo.png and manifest.json."
         ),
     )
     synth.add_argument("--out", required=True, help="output directory (must be empty unless --overwrite/--resume)")

@@ -48,7 +48,9 @@ DEFAULT_LEDGER = "ledger.sqlite"  # the coordinator's default ledger_db, inside 
 #: the LDP settings are configuration).
 PUBLISHABLE_SECTION_KEYS: dict[str, frozenset[str]] = {
     "basis": frozenset({"k", "public_samples", "refresh_every", "dtype", "source", "refreshes", "current_k", "current_version"}),
-    "public_view": frozenset({"map", "kernel_size", "sigma", "region", "margin", "fill"}),
+    "public_view": frozenset({
+        "map", "factor", "bits", "kernel_size", "sigma", "many_to_one", "computed", "protects", "region", "margin", "fill", "covers",
+    }),
     "input_privacy": frozenset({
         "mechanism", "guarantee", "guarantee_statement", "guarantee_void", "epsilon_total", "epsilon_realized", "delta",
         "accountant", "unit_protected", "epsilon_per_original_pixel", "block_note", "public", "ll_prune", "ll_offset",

@@ -44,6 +44,14 @@ Head box (for PCKh's head size), derived from the labelled face points when at l
 (≈ ear-to-ear ≈ 0.85 × head width for a frontal head; MPII head boxes are ~1.35× taller than
 wide). It is an approximation — PCKh on COCO is indicative, not comparable to MPII numbers.
 Otherwise the record has no headbox.
+
+Private head boxes (MaskDP masks every head in a crop, not only the record's own): every person
+annotation of the image — including people with too few keypoints to become a record and crowd
+regions — contributes one box to ``extra["image_head_boxes"]`` of each record of that image
+(:func:`private_head_box`): a generous box around *all* its labelled face points (nose, eyes,
+ears; one is enough), at least :data:`MIN_HEAD_FRACTION` of the person box's longer side wide and
+tall; a person with no labelled face point, or a crowd region, contributes its whole person box
+(the head is somewhere inside it: conservative).
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ from __future__ import annotations
 import json
 from itertools import combinations
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -84,6 +92,13 @@ FACE_POINTS: tuple[str, ...] = ("nose", "left_eye", "right_eye", "left_ear", "ri
 MIN_FACE_POINTS = 3
 HEADBOX_WIDTH_FACTOR = 1.2
 HEADBOX_HEIGHT_FACTOR = 1.6
+#: private head box: margin around the labelled face points, × their largest distance D (the crown and
+#: chin lie beyond the eyes and ears: 0.9·D above/below and 0.6·D left/right of the points' hull gives a
+#: box ≥ 1.2·D wide and ≥ 1.8·D tall, larger than the PCKh head box's 1.2·D × 1.6·D around the same points)
+MASK_PAD_X, MASK_PAD_Y = 0.6, 0.9
+#: private head box: minimum side, × the longer side of the person box (a head is ~1/7 of a standing
+#: person; 1/4 is generous and covers single-point and foreshortened faces)
+MIN_HEAD_FRACTION = 0.25
 DEFAULT_ASPECT_RATIO = 192 / 256  # W / H of fedpose's default input
 PIXEL_STD = 200.0
 
@@ -125,6 +140,23 @@ def headbox_from_face(keypoints: np.ndarray) -> np.ndarray | None:
     return np.array([[cx - half_w, cy - half_h], [cx + half_w, cy + half_h]], dtype=np.float32)
 
 
+def private_head_box(keypoints: np.ndarray, bbox_xywh: Sequence[float]) -> np.ndarray:
+    """The box MaskDP masks for one COCO person, [[x1, y1], [x2, y2]] (see the module docstring)."""
+    x, y, w, h = (float(v) for v in bbox_xywh)
+    person = np.array([[x, y], [x + max(w, 0.0), y + max(h, 0.0)]])
+    kp = np.asarray(keypoints, dtype=np.float64).reshape(len(COCO_KEYPOINTS), 3)
+    face = np.array([kp[COCO_INDEX[n], :2] for n in FACE_POINTS if kp[COCO_INDEX[n], 2] > 0]).reshape(-1, 2)
+    if len(face) == 0:
+        return person
+    extent = max([float(np.linalg.norm(p - q)) for p, q in combinations(face, 2)] + [0.0])
+    low, high = face.min(axis=0), face.max(axis=0)
+    low = low - np.array([MASK_PAD_X, MASK_PAD_Y]) * extent
+    high = high + np.array([MASK_PAD_X, MASK_PAD_Y]) * extent
+    centre, half = (low + high) / 2, (high - low) / 2
+    half = np.maximum(half, 0.5 * MIN_HEAD_FRACTION * max(w, h))
+    return np.stack([centre - half, centre + half])
+
+
 def box_to_center_scale(
     box_xywh: np.ndarray, aspect_ratio: float = DEFAULT_ASPECT_RATIO
 ) -> tuple[np.ndarray, float]:
@@ -157,6 +189,7 @@ def records_from_coco(
         except (KeyError, TypeError, ValueError) as exc:
             raise AnnotationError(f"{where}: images[{i}] needs id, file_name, width, height ({exc!r})") from exc
     person_ids = {c["id"] for c in raw.get("categories", []) if c.get("name") == "person"} or {1}
+    head_boxes = _image_head_boxes(raw["annotations"], person_ids, where)
     records: list[PoseRecord] = []
     for i, ann in enumerate(raw["annotations"]):
         at = f"{where} annotations[{i}] (id {ann.get('id')})"
@@ -183,9 +216,29 @@ def records_from_coco(
         records.append(PoseRecord(
             image=file_name, joints=joints, joints_vis=vis, center=center, scale=scale,
             headbox=headbox_from_face(keypoints),
-            extra={"coco_annotation_id": ann.get("id"), "coco_image_id": image_id},
+            extra={"coco_annotation_id": ann.get("id"), "coco_image_id": image_id,
+                   "image_head_boxes": head_boxes.get(image_id, [])},
         ))
     return records
+
+
+def _image_head_boxes(annotations: list[dict[str, Any]], person_ids: set[Any], where: str) -> dict[Any, list[list[list[float]]]]:
+    """image id → the private head box of every person annotation (crowd regions and people with
+    no keypoints included: they are people whose faces may be in someone's crop)."""
+    boxes: dict[Any, list[list[list[float]]]] = {}
+    for i, ann in enumerate(annotations):
+        if ann.get("category_id", 1) not in person_ids:
+            continue
+        try:
+            bbox = [float(v) for v in ann["bbox"]]
+            keypoints = np.asarray(ann.get("keypoints") or [0.0] * 3 * len(COCO_KEYPOINTS), dtype=np.float64)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise AnnotationError(f"{where} annotations[{i}] (id {ann.get('id')}): needs a numeric bbox ({exc!r})") from exc
+        if keypoints.size != 3 * len(COCO_KEYPOINTS) or ann.get("iscrowd", 0):
+            keypoints = np.zeros(3 * len(COCO_KEYPOINTS))  # a crowd region: its whole box is private
+        box = private_head_box(keypoints, bbox)
+        boxes.setdefault(ann.get("image_id"), []).append(np.round(box, 2).tolist())
+    return boxes
 
 
 def find_coco_file(directory: Path) -> Path | None:

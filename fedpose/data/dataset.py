@@ -12,7 +12,25 @@ parameters (after padding and jitter), so ``crop_to_original(pred, center, scale
 rotation)`` maps crop predictions back to the original image; ``rotation`` (degrees, 0 at
 eval) and ``flipped``; ``headbox`` (2, 2) original frame (zeros if absent); ``face_box`` (4,)
 x1, y1, x2, y2 in the crop frame (zeros if neither ``extra["face_box"]`` nor a headbox exists);
-``joints_original`` (16, 2) and ``joints_vis`` (16,) in the original frame, for PCKh.
+``joints_original`` (16, 2) and ``joints_vis`` (16,) in the original frame, for PCKh;
+``head_boxes`` (K, 4) / ``head_count`` and ``face_boxes`` (K, 4) / ``face_count``: the private
+boxes of *every* annotated person of the image, crop frame, padded to the dataset's K (see
+:meth:`PoseDataset.private_boxes`); with a ``public_view``, ``public_image`` (3, H, W): ψ of the
+record computed once, before augmentation, then warped with this sample's augmentation.
+
+**ψ before augmentation.** ψ (FDP's public view) must be a property of the record, not of an
+augmented crop. The dataset takes the record's un-augmented crop frame (same centre and pixel
+size as the eval crop) enlarged to a *context window* that contains every crop the augmentation
+can draw (scale ×(1 + scale_jitter), rotation up to ``rotation``), a whole number of ψ's blocks
+on each side, with the eval crop aligned to the block grid. ψ of that window is computed once
+and cached (its compact form: for downsample_quantize the (H/f)·(W/f) block levels); each sample
+warps it with the same matrix (crop ∘ augmentation, relative to the window) as the private crop.
+
+**Every head.** MaskDP must hide all faces in the crop, not just the record's own. Private boxes
+of an image: every record's ``headbox`` plus ``extra["image_head_boxes"]`` (COCO: one generous
+box per person annotation of the image, see :mod:`fedpose.data.coco`). A person with no head
+annotation contributes their whole padded person box (the region this dataset would crop for
+them), which contains their head: conservative, never less private.
 """
 
 from __future__ import annotations
@@ -20,7 +38,7 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -47,6 +65,43 @@ IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
 
 # HRNet enlarges the annotated person box by 25% so limbs at its border stay inside the crop.
 DEFAULT_PADDING = 1.25
+
+#: memory cap of a dataset's cache of compact public views (downsample_quantize at f 16: ~2 KB a record)
+PUBLIC_CACHE_BYTES = 256 * 2**20
+
+
+class PublicImageView(Protocol):
+    """ψ of FDP (fedpose.privacy.public_views.ImagePublicView): compact on a block-aligned window, expand back."""
+
+    @property
+    def block(self) -> int: ...
+
+    def compact(self, image: np.ndarray) -> np.ndarray: ...
+
+    def expand(self, compact: np.ndarray, size: tuple[int, int]) -> np.ndarray: ...
+
+
+def augmentation_extent(input_size: tuple[int, int], scale_jitter: float, rotation: float) -> tuple[float, float]:
+    """(height, width), in input pixels of the un-augmented crop, of the smallest centred axis-aligned
+    window holding every crop the augmentation can draw (scale ≤ 1 + jitter, |rotation| ≤ ``rotation``)."""
+    height, width = input_size
+    largest = 1.0 + scale_jitter
+    angles = np.radians(np.linspace(0.0, min(abs(rotation), 180.0), 721))
+    cos, sin = np.abs(np.cos(angles)), np.abs(np.sin(angles))
+    return (float(largest * (height * cos + width * sin).max()), float(largest * (width * cos + height * sin).max()))
+
+
+def context_window(input_size: tuple[int, int], block: int, extent: tuple[float, float]) -> tuple[int, int]:
+    """Window (H_c, W_c) ≥ ``extent``, each side the input side plus a whole number of blocks on both
+    ends, so the eval crop sits on ψ's block grid. Needs input sides that are multiples of ``block``."""
+    if block < 1:
+        raise ValueError(f"public view block must be >= 1, got {block}")
+    height, width = input_size
+    if height % block or width % block:
+        raise ValueError(f"data.input_size {input_size} must be a multiple of the public view's block size {block}")
+    pad_h = block * math.ceil(max(0.0, extent[0] - height) / (2 * block) - 1e-9)
+    pad_w = block * math.ceil(max(0.0, extent[1] - width) / (2 * block) - 1e-9)
+    return height + 2 * pad_h, width + 2 * pad_w
 
 
 def load_image(path: Path, min_zoom: float = 1.0) -> tuple[Image.Image, int]:
@@ -122,6 +177,7 @@ class PoseDataset(Dataset):
         seed: int = 0,
         padding: float = DEFAULT_PADDING,
         cache_images: bool = False,
+        public_view: PublicImageView | None = None,
     ) -> None:
         if len(input_size) != 2 or min(input_size) <= 0:
             raise ValueError(f"input_size must be (H, W) with positive sides, got {input_size}")
@@ -143,6 +199,77 @@ class PoseDataset(Dataset):
         # Augmentation RNG per process: DataLoader workers re-seed from their own torch seed.
         self._rng: np.random.Generator = np.random.default_rng(seed)
         self._rng_pid = os.getpid()
+        self.public_view = public_view
+        self._public_cache: dict[int, np.ndarray] = {}  # record index → compact ψ of its context window
+        self._public_cache_bytes = 0
+        if public_view is not None:
+            extent = augmentation_extent(self.input_size, scale_jitter, rotation) if train else (0.0, 0.0)
+            self.context_size = context_window(self.input_size, public_view.block, extent)
+        self._build_private_boxes()
+
+    def _build_private_boxes(self) -> None:
+        """Per image: every person's head box and face box (original frame), see the module docstring."""
+        heads: dict[str, list[np.ndarray]] = {}
+        faces: dict[str, list[np.ndarray]] = {}
+        for record in self.records:
+            head = record.headbox if record.headbox is not None else self._person_box(record)
+            head = np.asarray(head, dtype=np.float64).reshape(2, 2)
+            face = record.extra.get("face_box")
+            face = np.asarray(face, dtype=np.float64).reshape(2, 2) if face is not None else head
+            heads.setdefault(record.image, []).append(head)
+            faces.setdefault(record.image, []).append(face)
+            for other in record.extra.get("image_head_boxes", ()):
+                box = np.asarray(other, dtype=np.float64).reshape(2, 2)
+                heads[record.image].append(box)
+                faces[record.image].append(box)
+        self._image_heads = {name: np.unique(np.stack(boxes), axis=0) for name, boxes in heads.items()}
+        self._image_faces = {name: np.unique(np.stack(boxes), axis=0) for name, boxes in faces.items()}
+        self.max_private_boxes = max([len(b) for b in self._image_heads.values()] + [len(b) for b in self._image_faces.values()] + [1])
+
+    def _person_box(self, record: PoseRecord) -> np.ndarray:
+        """The padded crop region of a person with no head annotation: it contains their head."""
+        height = PIXEL_STD * float(record.scale) * self.padding
+        width = height * self.input_size[1] / self.input_size[0]
+        cx, cy = (float(v) for v in record.center)
+        return np.array([[cx - width / 2, cy - height / 2], [cx + width / 2, cy + height / 2]])
+
+    def private_boxes(self, index: int, matrix: np.ndarray) -> dict[str, torch.Tensor]:
+        """Every person's head and face box of record ``index``'s image mapped by the original→crop
+        ``matrix`` (axis-aligned hulls of the mapped corners), padded to ``max_private_boxes``."""
+        name = self.records[index].image
+        out: dict[str, torch.Tensor] = {}
+        for key, boxes in (("head", self._image_heads[name]), ("face", self._image_faces[name])):
+            padded = np.zeros((self.max_private_boxes, 4), np.float32)
+            for slot, box in enumerate(boxes):
+                padded[slot] = _box_in_crop(box, matrix)
+            out[f"{key}_boxes"] = torch.from_numpy(padded)
+            out[f"{key}_count"] = torch.tensor(len(boxes), dtype=torch.long)
+        return out
+
+    def public_context(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ψ of record ``index``'s context window (uint8 H_c×W_c×3), original→window matrix).
+
+        Computed from the original image without augmentation, once (the compact form is cached)."""
+        if self.public_view is None:
+            raise ValueError("this dataset computes no public view (build it with public_view=...)")
+        record = self.records[index]
+        context_h, context_w = self.context_size
+        # Same centre and pixel size as the eval crop, only a larger window.
+        context_scale = float(record.scale) * self.padding * context_h / self.input_size[0]
+        matrix = crop_transform(np.asarray(record.center, dtype=np.float32), context_scale, self.context_size)
+        compact = self._public_cache.get(index)
+        if compact is None:
+            # A fixed decode resolution (the un-augmented zoom), so ψ never depends on the augmentation draw.
+            image, reduction = self._image(index, self.input_size[0] / (PIXEL_STD * float(record.scale) * self.padding))
+            image_matrix = matrix if reduction == 1 else compose(matrix, invert(reduction_matrix(reduction)))
+            window = np.asarray(warp_affine(image, image_matrix, self.context_size))
+            compact = self.public_view.compact(window)
+            # ψ is a deterministic function of the record, so a record that does not fit the cache
+            # (e.g. the full-size compact form of the comparison-only blur) just gets the same ψ again.
+            if self._public_cache_bytes + compact.nbytes <= PUBLIC_CACHE_BYTES:
+                self._public_cache[index] = compact
+                self._public_cache_bytes += compact.nbytes
+        return self.public_view.expand(compact, self.context_size), matrix
 
     def __len__(self) -> int:
         return len(self.records)
@@ -206,7 +333,7 @@ class PoseDataset(Dataset):
         else:
             face_box = np.zeros(4, np.float32)
 
-        return {
+        sample: dict[str, Any] = {
             "image": normalize(np.asarray(crop)),
             "joints": torch.from_numpy(joints.astype(np.float32)),
             "weight": torch.from_numpy(weight.astype(np.float32)),
@@ -219,7 +346,15 @@ class PoseDataset(Dataset):
             "face_box": torch.from_numpy(face_box),
             "joints_original": torch.from_numpy(np.asarray(record.joints, dtype=np.float32).copy()),
             "joints_vis": torch.from_numpy(np.asarray(record.joints_vis, dtype=np.float32).copy()),
+            **self.private_boxes(index, matrix),
         }
+        if self.public_view is not None:
+            public_window, window_matrix = self.public_context(index)
+            # window → crop: the same crop, scale, rotation and flip as the private image.
+            public_matrix = compose(matrix, invert(window_matrix))
+            public_crop = warp_affine(Image.fromarray(public_window), public_matrix, self.input_size)
+            sample["public_image"] = normalize(np.asarray(public_crop))
+        return sample
 
 
 __all__ = [
@@ -228,6 +363,9 @@ __all__ = [
     "DEFAULT_PADDING",
     "ImageLoadError",
     "PoseDataset",
+    "PublicImageView",
+    "augmentation_extent",
+    "context_window",
     "denormalize",
     "load_records",
     "load_image",

@@ -113,8 +113,8 @@ def write_report(directory: str | Path, run_info: dict[str, Any], rounds: list[d
         "privacy_note": (
             "Each site's ε is its cumulative spend reported by the site itself (the authority on its "
             "budget), composed with RDP over every local step of every round it joined, at the δ shown; "
-            "'DP' protects one record, 'FDP' the fine detail of one image (blurred image and keypoints "
-            "public) — the two ε are not comparable. Site selection is not secret: no amplification claimed."
+            "'DP' protects one record, 'FDP' what the public view ψ discards of one record (ψ(x) — by default "
+            "f×f block averages at b bits — and keypoints public; see each site's privacy report) — the two ε are not comparable. Site selection is not secret: no amplification claimed."
         ),
         "rounds": rounds,
     }

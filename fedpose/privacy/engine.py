@@ -23,6 +23,8 @@ DP mechanisms (see :mod:`fedpose.privacy.mechanisms` for the table):
   ``privacy.basis.refresh_every`` steps or supplied by the coordinator (``set_basis``).
 * **Public view** (fdp, fpdp, maskdp) — ψ(x) goes through the frozen prefix in the same forward
   as x (one concatenated batch); the plain mean gradient of l(ψ(x), y) is added without noise.
+  FDP/FP-DP read ψ(x) from ``batch["public_image"]``, which the dataset computed once per record
+  from the original image before augmentation and then augmented exactly like ``image``.
 * **Accounting** — every DP step records (σ, q) in an :class:`RDPAccountant`.
 * **σ** — ``privacy.noise_multiplier``, or calibrated so that ``planned_steps`` steps reach at
   most ``privacy.target_epsilon`` at ``privacy.delta``.
@@ -43,6 +45,7 @@ from fedpose.config import PrivacyConfig
 from fedpose.privacy import projection
 from fedpose.privacy.accountant import RDPAccountant, noise_multiplier_for
 from fedpose.privacy.mechanisms import Mechanism, get_mechanism
+from fedpose.privacy.public_views import public_view_kind, public_view_report
 from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
 from fedpose.privacy.noise import make_noise
 from fedpose.privacy.per_sample import (
@@ -53,7 +56,7 @@ from fedpose.privacy.per_sample import (
     mean_gradient,
     unflatten,
 )
-from fedpose.privacy.report import format_epsilon
+from fedpose.privacy.report import format_epsilon, public_view_statement
 
 
 #: keys separating the seeded (test-only) random streams, with the step index; see InsecureSeededNoise.reseed
@@ -334,6 +337,10 @@ class GradientEngine:
             "steps": self.steps_done,
             "planned_steps": self.planned_steps,
         }
+        if mechanism.uses_dataset_public_view:
+            view = public_view_kind(self.privacy.public_view)
+            report["guarantee_statement"], report["unit_protected"] = public_view_statement(
+                guarantee, view.name, view.many_to_one, view.protects(self.privacy.public_view))
         if self.dataset_size_public:
             report["dataset_size"] = self.dataset_size
         if self.accountant is None:
@@ -377,13 +384,14 @@ class GradientEngine:
                 "current_k": self.basis.k if self.basis is not None else None,
                 "current_version": self.basis.version if self.basis is not None else None,
             }
-        if mechanism.public_view is not None:
-            view: dict[str, Any] = {"map": mechanism.public_view_name}
-            if mechanism.public_view_name == "gaussian_blur":
-                view.update(kernel_size=self.privacy.blur.kernel_size, sigma=self.privacy.blur.sigma)
-            else:
-                view.update(region=self.privacy.mask.region, margin=self.privacy.mask.margin, fill=self.privacy.mask.fill)
-            report["public_view"] = view
+        if mechanism.uses_dataset_public_view:
+            report["public_view"] = public_view_report(self.privacy.public_view)
+        elif mechanism.public_view is not None:
+            mask = self.privacy.mask
+            report["public_view"] = {
+                "map": "mask", "region": mask.region, "margin": mask.margin, "fill": mask.fill,
+                "covers": f"every annotated {mask.region} of the image inside the crop (all people, not only the record's own)",
+            }
         return report
 
 

@@ -9,13 +9,18 @@ mechanism         noisy      projection   public view ψ (noise-free)    guarant
 ``none``          no         no           —                             none
 ``dpsgd``         yes        no           —                             DP
 ``pdp``           yes        V Vᵀ         —                             DP
-``fdp``           yes        no           Gaussian blur                 FDP
-``fpdp``          yes        V Vᵀ         Gaussian blur                 FDP
-``maskdp``        yes        no           private box masked out        MaskDP
+``fdp``           yes        no           ψ(x), default downsample+     FDP
+                                          quantize (privacy.public_view)
+``fpdp``          yes        V Vᵀ         same as fdp                   FDP
+``maskdp``        yes        no           every head in the crop        MaskDP
+                                          masked out
 ================  =========  ===========  ============================  =========
 
 Gradient of one step (DESIGN.md): g = g_pub(ψ(x)) + P( (Σ_i clip(∇l(x_i), C) + N(0, σ²C²I)) / (qN) ),
 with P = V Vᵀ when projecting (else identity) and g_pub the plain mean gradient over the batch.
+FDP's ψ(x) is not computed here: the dataset computes it once per record before augmentation
+(``batch["public_image"]``, :mod:`fedpose.privacy.public_views`); MaskDP's mask is applied to
+the augmented crop, with the annotated head boxes mapped through the same augmentation.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from torch import Tensor
 
 from fedpose.config import PrivacyConfig
 from fedpose.privacy import report
-from fedpose.privacy.public_views import blur_view, mask_view
+from fedpose.privacy.public_views import mask_view, precomputed_view
 
 PublicView = Callable[[dict, PrivacyConfig], Tensor]
 
@@ -39,7 +44,8 @@ class Mechanism:
     noisy: bool  #: clip + Gaussian noise on the private gradient (False only for "none")
     projects: bool  #: project the noisy private gradient onto the public basis V
     public_view: PublicView | None = None  #: ψ whose gradient is added without noise
-    public_view_name: str = ""
+    #: ψ comes from the dataset (``public_image``, computed before augmentation; privacy.public_view)
+    uses_dataset_public_view: bool = False
 
 
 MECHANISMS: dict[str, Mechanism] = {
@@ -48,9 +54,9 @@ MECHANISMS: dict[str, Mechanism] = {
         Mechanism("none", report.NO_PRIVACY, noisy=False, projects=False),
         Mechanism("dpsgd", report.RECORD_DP, noisy=True, projects=False),
         Mechanism("pdp", report.PROJECTED_DP, noisy=True, projects=True),
-        Mechanism("fdp", report.FEATURE_DP, noisy=True, projects=False, public_view=blur_view, public_view_name="gaussian_blur"),
-        Mechanism("fpdp", report.FEATURE_PROJECTED_DP, noisy=True, projects=True, public_view=blur_view, public_view_name="gaussian_blur"),
-        Mechanism("maskdp", report.MASK_DP, noisy=True, projects=False, public_view=mask_view, public_view_name="mask"),
+        Mechanism("fdp", report.FEATURE_DP, noisy=True, projects=False, public_view=precomputed_view, uses_dataset_public_view=True),
+        Mechanism("fpdp", report.FEATURE_PROJECTED_DP, noisy=True, projects=True, public_view=precomputed_view, uses_dataset_public_view=True),
+        Mechanism("maskdp", report.MASK_DP, noisy=True, projects=False, public_view=mask_view),
     )
 }
 

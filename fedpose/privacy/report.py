@@ -1,9 +1,10 @@
 """What a privacy number means: guarantee types, unit protected, and how ε is printed.
 
 fedpose never shows a bare ε. Every ε travels with the guarantee it belongs to (DP, FDP,
-MaskDP, ...), its δ and the accountant that produced it; FDP's ε is about the fine detail of
-an image whose blurred version and label are public, so it is not comparable with DP-SGD's ε
-on whole records. ``format_epsilon`` is the single place that turns the numbers into text.
+MaskDP, ...), its δ and the accountant that produced it; FDP's ε is about what the public view
+ψ discards of one record (with the default ψ: everything finer than an f×f-pixel block at b bits
+— facial identity, skin and clothing texture) while ψ(x) and the keypoints are public, so it is
+not comparable with DP-SGD's ε on whole records. ``format_epsilon`` is the single place that turns the numbers into text.
 """
 
 from __future__ import annotations
@@ -44,30 +45,49 @@ PROJECTED_DP = Guarantee(
     unit="one record (image + keypoints) of the training set",
     public="the public set S_pub that the projection basis is computed from",
 )
-#: Until ψ is many-to-one (the protection-units issue), every FDP statement carries this warning:
-#: a Gaussian blur is invertible, so neighbours that share ψ(x) are (almost) the same image.
-_INVERTIBLE_VIEW = (" — WARNING: ψ is currently a Gaussian blur, which is invertible (deconvolution recovers the "
-                    "crop), so this protects little of the image")
-
+#: The FDP statements are completed per run by :func:`public_view_statement` (engine.privacy_report),
+#: which names ψ's parameters and, for the invertible Gaussian blur, says the relation is degenerate.
 FEATURE_DP = Guarantee(
     name="FDP",
-    statement="(ε, δ)-feature-level differential privacy: neighbouring datasets share ψ(x) and the label" + _INVERTIBLE_VIEW,
-    unit="the fine detail of one image (what the Gaussian blur ψ removes)",
-    public="ψ(x) = Gaussian blur of each image, and the keypoints; the public-loss gradient carries no noise",
+    statement="(ε, δ)-feature-level differential privacy: neighbouring datasets differ in one record whose public "
+              "view ψ(x) and keypoints stay the same",
+    unit="what the public view ψ discards of one record (one person crop)",
+    public="ψ(x) of each record (computed once from the original image, before augmentation) and the keypoints; "
+           "the public-loss gradient carries no noise",
     relation="replace_public_membership",
 )
 FEATURE_PROJECTED_DP = Guarantee(
     name="FDP",
-    statement="(ε, δ)-feature-level differential privacy (FP-DP): FDP with public-subspace projection" + _INVERTIBLE_VIEW,
-    unit="the fine detail of one image (what the Gaussian blur ψ removes)",
-    public="ψ(x) = Gaussian blur of each image, the keypoints, and S_pub",
+    statement="(ε, δ)-feature-level differential privacy (FP-DP): FDP with public-subspace projection; neighbouring "
+              "datasets differ in one record whose public view ψ(x) and keypoints stay the same",
+    unit="what the public view ψ discards of one record (one person crop)",
+    public="ψ(x) of each record (computed once from the original image, before augmentation), the keypoints, and S_pub",
     relation="replace_public_membership",
 )
+
+
+def public_view_statement(guarantee: Guarantee, view_name: str, many_to_one: bool, protects: str) -> tuple[str, str]:
+    """(statement, unit) of an FDP guarantee with its ψ filled in, in words a clinician can check."""
+    if not many_to_one:
+        return (
+            f"{guarantee.statement} — WARNING: ψ = {view_name} is invertible, so this neighbour relation is degenerate "
+            f"(records with the same ψ(x) are essentially the same image): it protects {protects}",
+            "almost nothing of one record (ψ is invertible)",
+        )
+    return (
+        f"{guarantee.statement}; ψ = {view_name} is many-to-one, so what is protected is {protects}",
+        f"what ψ discards of one record: {protects}",
+    )
+
+
 MASK_DP = Guarantee(
     name="MaskDP",
-    statement="(ε, δ)-MaskDP: neighbouring datasets differ only inside the declared private region of one record",
-    unit="the masked-private region (head/face box) of one record",
-    public="the image outside the private region, and the keypoints; the mask comes from the annotation box only",
+    statement="(ε, δ)-MaskDP: neighbouring datasets differ only inside the masked region of one record — every "
+              "annotated head (face) of the image that falls in the record's crop, with margin",
+    unit="the masked region of one record: every annotated head in its crop (all people of the image, not only the "
+         "record's own); a person with no head annotation has their whole person box masked",
+    public="the crop outside all masked heads, and the keypoints; the mask comes from the annotations only (people "
+           "nobody annotated are not masked)",
     relation="replace_public_membership",
 )
 

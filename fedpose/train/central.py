@@ -125,15 +125,18 @@ class RunState:
         return {"train": self.train, "val": self.val, "best_val_mean": None if self.best == -math.inf else self.best}
 
 
-def _load_dataset(path: Path, cfg: RunConfig, train: bool, seed: int) -> Any:
+def _load_dataset(path: Path, cfg: RunConfig, train: bool, seed: int, with_public_view: bool = False) -> Any:
+    """``with_public_view``: the training set of FDP / FP-DP also computes ψ(x) (before augmentation)."""
     from fedpose.data.dataset import PoseDataset, load_records
+    from fedpose.privacy.public_views import dataset_public_view
 
     records, root = load_records(path)
     if not records:
         raise ConfigError(f"{path}: the dataset has no records")
     data = cfg.data
     return PoseDataset(records, root, input_size=data.input_size, train=train, flip=data.flip,
-                       scale_jitter=data.scale_jitter, rotation=data.rotation, seed=seed)
+                       scale_jitter=data.scale_jitter, rotation=data.rotation, seed=seed,
+                       public_view=dataset_public_view(cfg.privacy) if with_public_view else None)
 
 
 def _curve_rows(state: RunState) -> list[dict[str, Any]]:
@@ -182,7 +185,7 @@ def run_training(
     stream_seed = seed + STREAM_STRIDE * start_step if (noisy and start_step) else seed
 
     train_dir, input_guarantee = prepare_site_dataset(cfg.data.train, cfg.input_privacy)
-    train_set = _load_dataset(Path(train_dir), cfg, train=True, seed=stream_seed)
+    train_set = _load_dataset(Path(train_dir), cfg, train=True, seed=stream_seed, with_public_view=True)
     # The site's validation images are privatized too: input privacy covers every image the site
     # trains or evaluates on (evaluate a checkpoint on clean data with `fedpose eval`).
     val_dir = prepare_site_dataset(cfg.data.val, cfg.input_privacy)[0] if cfg.data.val else None

@@ -25,7 +25,7 @@ from typing import Any, Final, Iterator
 import numpy as np
 
 from fedpose.data.annotations import ANNOTATIONS_FILE, PoseRecord, read_annotations, write_annotations
-from fedpose.data.synthetic.preview import save_blur_demo, save_preview
+from fedpose.data.synthetic.preview import save_public_view_demo, save_preview
 from fedpose.data.synthetic.profiles import SiteProfile, public_profile, site_profile
 from fedpose.data.synthetic.render import annotation_fields, render_scene, sample_scene
 from fedpose.io import atomic_write_json
@@ -148,7 +148,7 @@ def _status(out: Path, params: dict[str, Any]) -> str:
 
 def _our_outputs(out: Path) -> Iterator[Path]:
     for child in out.iterdir():
-        if child.name in (MANIFEST_FILE, PROGRESS_FILE, "public", "test", "preview.png", "blur_demo.png") or child.name.startswith("site-"):
+        if child.name in (MANIFEST_FILE, PROGRESS_FILE, "public", "test", "preview.png", "public_view_demo.png", "blur_demo.png") or child.name.startswith("site-"):
             yield child
 
 
@@ -234,7 +234,7 @@ def generate_dataset(
 
     split_records = {s.name: read_annotations(out / s.name) for s in specs}
     save_preview(out / "preview.png", out, split_records)
-    save_blur_demo(out / "blur_demo.png", out, split_records)
+    save_public_view_demo(out / "public_view_demo.png", out, split_records)
     manifest = {
         "format": "fedpose-synthetic",
         "params": params,

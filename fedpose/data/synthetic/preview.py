@@ -1,8 +1,8 @@
-"""Contact sheets for a generated dataset: preview.png (skeleton overlays) and blur_demo.png.
+"""Contact sheets for a generated dataset: preview.png (skeleton overlays) and public_view_demo.png.
 
-blur_demo.png shows what FDP treats as public: ψ(x) = the FDP Gaussian blur with the default
-``privacy.blur`` settings (σ = 6 px, 21-tap kernel) — the face, skin and clothing detail vanish while the limbs, and so the pose,
-survive.
+public_view_demo.png shows what FDP treats as public: ψ(x) with the default ``privacy.public_view``
+(area-downsample f×f + b-bit quantization, fedpose.privacy.public_views) — the face, skin and
+clothing detail vanish while the limbs, and so the pose, survive.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ from PIL import Image, ImageDraw
 
 from fedpose.data.annotations import PoseRecord, resolve_image
 from fedpose.io import atomic_write
-from fedpose.config import BlurConfig
+from fedpose.config import BlurConfig, PublicViewConfig
 from fedpose.viz import draw_skeleton
 
 def gaussian_blur(image: np.ndarray) -> np.ndarray:
-    """FDP's public view ψ (fedpose.privacy.public_views, default privacy.blur settings) of an
-    (H, W[, C]) array; float32 out. The demo shows exactly what FDP treats as public."""
+    """Gaussian blur (σ 6 px, 21 taps: ``privacy.public_view.blur`` defaults) of an (H, W[, C]) array;
+    float32 out. The generator's textures are designed so this scale of blur removes identity
+    detail; it is *not* FDP's default ψ (a blur is invertible, see fedpose.privacy.public_views)."""
     import torch  # lazy: keeps generator worker start-up light
 
     from fedpose.privacy.public_views import gaussian_blur as blur_batch
@@ -66,8 +67,21 @@ def save_preview(path: Path, root: Path, split_records: dict[str, list[PoseRecor
         _save(path, _grid(tiles, columns=per_split * 2 if len(tiles) > per_split * 3 else per_split, labels=labels))
 
 
-def save_blur_demo(path: Path, root: Path, split_records: dict[str, list[PoseRecord]], count: int = 4) -> None:
-    """Rows: original | ψ(x) blurred | blurred with the ground-truth skeleton | face crops ×3."""
+def default_public_view(image: np.ndarray) -> np.ndarray:
+    """FDP's default ψ (``privacy.public_view`` defaults) of a uint8 (H, W, 3) image, cropped to
+    whole blocks and padded back (the dataset applies it to block-aligned windows)."""
+    from fedpose.privacy.public_views import ImagePublicView  # lazy: keeps generator worker start-up light
+
+    view = ImagePublicView(PublicViewConfig())
+    h, w = image.shape[:2]
+    hb, wb = h - h % view.block, w - w % view.block
+    out = image.copy()
+    out[:hb, :wb] = view(np.ascontiguousarray(image[:hb, :wb]))
+    return out
+
+
+def save_public_view_demo(path: Path, root: Path, split_records: dict[str, list[PoseRecord]], count: int = 4) -> None:
+    """Rows: original | ψ(x) | ψ(x) with the ground-truth skeleton | face crops ×3."""
     chosen = []
     for name, records in split_records.items():
         for record in records:
@@ -79,7 +93,7 @@ def save_blur_demo(path: Path, root: Path, split_records: dict[str, list[PoseRec
     tiles, labels = [], []
     for name, record in chosen:
         original = np.asarray(Image.open(resolve_image(root / name, record.image)).convert("RGB"))
-        blurred = Image.fromarray(np.clip(gaussian_blur(original) + 0.5, 0, 255).astype(np.uint8))
+        blurred = Image.fromarray(default_public_view(original))
         h, w = original.shape[:2]
         x1, y1, x2, y2 = record.extra["face_box"]
         pad = 4
@@ -92,6 +106,7 @@ def save_blur_demo(path: Path, root: Path, split_records: dict[str, list[PoseRec
         zoom.paste(face.resize((fw * k, fh * k), Image.NEAREST), (0, 0))
         zoom.paste(face_blur.resize((fw * k, fh * k), Image.NEAREST), (w // 2, 0))
         tiles += [Image.fromarray(original), blurred, draw_pose(blurred, record, headbox=False), zoom]
-        labels += [f"{name} original", f"psi: blur s={BlurConfig().sigma:g} k={BlurConfig().kernel_size}", "pose survives", "face: orig | blur"]
+        view = PublicViewConfig()
+        labels += [f"{name} original", f"psi: {view.factor}x{view.factor} blocks, {view.bits} bits", "pose survives", "face: orig | psi"]
     if tiles:
         _save(path, _grid(tiles, columns=4, labels=labels))
