@@ -54,7 +54,7 @@ def open_budget(site: SiteConfig) -> SiteBudget | None:
         # no budget, but the state still remembers that this site once trained without privacy
         ensure_site_state(site.state_dir, site.site_id, mechanism.guarantee.name, None)
         return None
-    return SiteBudget(site.state_dir, site.site_id, site.eps_max, site.delta, mechanism.guarantee.name)
+    return SiteBudget(site.state_dir, site.site_id, site.eps_max, site.delta, mechanism.guarantee.name, site.privacy.accountant)
 
 
 def declared_noise(site: SiteConfig, local_steps: int) -> tuple[float, float]:
@@ -77,7 +77,7 @@ def privacy_report(site: SiteConfig, budget: SiteBudget | None, next_round_affor
     state = budget.report()
     epsilon = float(state["epsilon"])
     return PrivacyReport(
-        guarantee=guarantee.name, unit=guarantee.unit, adjacency=guarantee.relation, accountant="rdp",
+        guarantee=guarantee.name, unit=guarantee.unit, adjacency=guarantee.relation, accountant=state["accountant"],
         epsilon=epsilon if math.isfinite(epsilon) else None, delta=budget.delta, eps_max=budget.eps_max,
         steps=int(state["steps"]), rounds_spent=int(state["rounds_spent"]),
         orders=[float(x) for x in state["orders"]], rdp=[float(x) for x in state["rdp"]],

@@ -23,7 +23,8 @@ DP mechanisms (see :mod:`fedpose.privacy.mechanisms` for the table):
   ``privacy.basis.refresh_every`` steps or supplied by the coordinator (``set_basis``).
 * **Public view** (fdp, fpdp, maskdp) — ψ(x) goes through the frozen prefix in the same forward
   as x (one concatenated batch); the plain mean gradient of l(ψ(x), y) is added without noise.
-* **Accounting** — every DP step records (σ, q) in an :class:`RDPAccountant`.
+* **Accounting** — every DP step records (σ, q) in a :class:`PrivacyLedger`, whose ε comes from
+  ``privacy.accountant`` (default: the tightest accountant exact for the mechanism's relation).
 * **σ** — ``privacy.noise_multiplier``, or calibrated so that ``planned_steps`` steps reach at
   most ``privacy.target_epsilon`` at ``privacy.delta``.
 """
@@ -41,7 +42,7 @@ from torch.utils.data import Dataset, default_collate
 
 from fedpose.config import PrivacyConfig
 from fedpose.privacy import projection
-from fedpose.privacy.accountant import RDPAccountant, noise_multiplier_for
+from fedpose.privacy.accountant import PrivacyLedger, default_accountant, noise_multiplier_for
 from fedpose.privacy.mechanisms import Mechanism, get_mechanism
 from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
 from fedpose.privacy.noise import make_noise
@@ -69,15 +70,23 @@ def collate(samples: Sequence[dict], template: dict | None = None) -> dict:
     return {key: value[:0] if isinstance(value, Tensor) else [] for key, value in template.items()}
 
 
+def resolve_accountant(privacy: PrivacyConfig) -> str:
+    """``privacy.accountant``, or the tightest accountant exact for the mechanism's relation."""
+    relation = get_mechanism(privacy.mechanism).guarantee.relation
+    return privacy.accountant if privacy.accountant is not None else default_accountant(relation)
+
+
 def resolve_noise_multiplier(privacy: PrivacyConfig, sample_rate: float, planned_steps: int) -> float:
     """σ: ``privacy.noise_multiplier``, or the smallest σ whose ``planned_steps`` steps at rate q
-    stay within ``privacy.target_epsilon`` (the mechanism's relation, at ``privacy.delta``)."""
+    stay within ``privacy.target_epsilon`` (the mechanism's relation, at ``privacy.delta``, by the
+    resolved accountant)."""
     if privacy.noise_multiplier is not None:
         return float(privacy.noise_multiplier)
     if privacy.target_epsilon is None:  # PrivacyConfig's validator already forbids this
         raise ValueError(f"privacy: mechanism '{privacy.mechanism}' needs privacy.noise_multiplier or privacy.target_epsilon")
     relation = get_mechanism(privacy.mechanism).guarantee.relation
-    return noise_multiplier_for(privacy.target_epsilon, sample_rate, planned_steps, privacy.delta, relation=relation)
+    return noise_multiplier_for(privacy.target_epsilon, sample_rate, planned_steps, privacy.delta, relation=relation,
+                                accountant=resolve_accountant(privacy))
 
 
 class GradientEngine:
@@ -126,7 +135,7 @@ class GradientEngine:
             self.dataset_size_public = True
             self.sample_rate = min(1.0, self.batch_size / self.dataset_size)
             self.noise_multiplier = 0.0
-            self.accountant: RDPAccountant | None = None
+            self.accountant: PrivacyLedger | None = None
             self.noise = None
             return
         # A declared q keeps N secret: under add/remove adjacency neighbouring datasets differ in
@@ -141,9 +150,10 @@ class GradientEngine:
             )
         else:
             self.sample_rate = self.batch_size / self.dataset_size
+        # The guarantee's neighbouring relation decides the analysis (FDP family: replace-one, see accountant);
+        # a relation the configured accountant cannot handle fails here, before any step.
+        self.accountant = PrivacyLedger(relation=mechanism.guarantee.relation, accountant=resolve_accountant(privacy))
         self.noise_multiplier = resolve_noise_multiplier(privacy, self.sample_rate, self.planned_steps)
-        # The guarantee's neighbouring relation decides the RDP curve (FDP family: replace-one, see accountant).
-        self.accountant = RDPAccountant(relation=mechanism.guarantee.relation)
         # The CSPRNG unless a test asks for seeded noise, which voids the guarantee (see privacy_report).
         self.noise = make_noise(self.seed if privacy.insecure_seeded_noise else None)
         if mechanism.projects and privacy.basis.k < 1:
@@ -341,9 +351,9 @@ class GradientEngine:
             return report
         assert self.noise is not None  # every noisy mechanism has both a ledger and a noise source
         epsilon, order = self.accountant.get_epsilon(self.privacy.delta)
-        epsilon_text = format_epsilon(epsilon, self.privacy.delta, guarantee)
+        epsilon_text = format_epsilon(epsilon, self.privacy.delta, guarantee, self.accountant.accountant)
         rdp = self.accountant.rdp()
-        planned = RDPAccountant(relation=self.accountant.relation)
+        planned = PrivacyLedger(relation=self.accountant.relation, accountant=self.accountant.accountant)
         planned.step(self.noise_multiplier, self.sample_rate, self.planned_steps)
         report.update({
             "epsilon": _finite_or_none(epsilon),
@@ -353,7 +363,7 @@ class GradientEngine:
             "guarantee_void": not self.noise.secure,
             "planned_epsilon": _finite_or_none(planned.get_epsilon(self.privacy.delta)[0]),
             "target_epsilon": self.privacy.target_epsilon,
-            "accountant": "rdp",
+            "accountant": self.accountant.accountant,
             "neighbouring_relation": self.accountant.relation,
             "noise_multiplier": self.noise_multiplier,
             "max_grad_norm": self.privacy.max_grad_norm,
