@@ -97,7 +97,7 @@ def test_deployment_grpc_tls_auth_results_ledgers_and_budget_stop(tmp_path: Path
     finally:
         output = _finish(proc)
     assert proc.returncode == 0, output
-    assert "round   2" in output and "(DP, δ = 1e-05, RDP)" in output
+    assert "round   2" in output and "(DP, δ = 1e-05, PLD)" in output
 
     rounds = history(run_dir)
     assert [r["round"] for r in rounds] == [1, 2]

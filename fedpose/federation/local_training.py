@@ -22,7 +22,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -140,8 +140,12 @@ def train_site_round(
     basis_version: int = -1,
     basis_message: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None,
     threads: int | None = None,
+    engine_hook: Callable[[Any], None] | None = None,
 ) -> SiteRoundResult:
     """Guard the budget, run ``local_steps`` private steps from the global weights, return Δ.
+
+    ``engine_hook`` (``fedpose audit`` only; never set by the ClientApp) receives the round's
+    gradient engine before the first step, to attach audit canaries.
 
     The budget decision comes first, from declared values only, before any data or basis work:
     a refused round (status "refused") spends nothing and touches no data. The spend is recorded
@@ -217,6 +221,8 @@ def train_site_round(
         raise RuntimeError(f"engine noise (σ={engine.noise_multiplier}, q={engine.sample_rate}) differs from the authorized (σ={sigma}, q={rate})")
     if basis is not None:
         engine.set_basis(basis, version=basis_version)
+    if engine_hook is not None:
+        engine_hook(engine)
 
     optimizer = _build_optimizer(site, list(trainable.values()))
     try:

@@ -379,8 +379,13 @@ class SiteBudget:
         return None
 
     def report(self) -> dict[str, Any]:
-        """What the site tells the coordinator (cumulative): ε, δ, guarantee, accountant, steps, RDP per order."""
+        """What the site tells the coordinator (cumulative): ε, δ, guarantee, accountant, steps, RDP per order.
+
+        The RDP curve is sent at the orders where it is finite: dp-accounting excludes (as ∞) the
+        fractional orders near 1 whose series does not converge, and JSON has no ∞."""
         acc = self._state.accountant
+        curve = acc.rdp()
+        finite = np.isfinite(curve)
         return {
             "site_id": self.site_id,
             "guarantee": self.guarantee,
@@ -390,8 +395,8 @@ class SiteBudget:
             "eps_max": self.eps_max,
             "steps": acc.steps,
             "rounds_spent": sum(e.status == "spent" for e in self._state.entries),
-            "orders": list(acc.orders),
-            "rdp": [float(x) for x in acc.rdp()],
+            "orders": [float(a) for a, ok in zip(acc.orders, finite) if ok],
+            "rdp": [float(x) for x in curve[finite]],
         }
 
     # -- the guard -------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -120,6 +120,9 @@ class GradientEngine:
         self.seed = int(seed)
         self.chunk_size = int(chunk_size)
         self.steps_done = 0
+        #: AUDIT ONLY (``fedpose audit``): step index → the clipped gradients of audit canaries, added to the
+        #: clipped sum before the noise as records of the dataset would be (:mod:`fedpose.privacy.canaries`)
+        self.canary_gradients: Callable[[int], Tensor] | None = None
         self._batches_drawn = 0
         self._empty_template: dict | None = None
         self._shuffle = torch.Generator().manual_seed(self.seed + 1)
@@ -311,6 +314,8 @@ class GradientEngine:
                 public_gradient, public_losses = mean_gradient(model, features[size:], batch["joints"], batch["weight"])
                 metrics["public_loss"] = float(public_losses.mean())
 
+        if self.canary_gradients is not None:
+            clipped_sum = clipped_sum + self.canary_gradients(self.steps_done)
         noise_std = self.noise_multiplier * clip
         self.noise.reseed(_NOISE_STREAM, self.steps_done)
         gradient = (clipped_sum + self.noise.normal(num_params, noise_std)) / self.expected_batch_size

@@ -29,7 +29,7 @@ from scipy import optimize, special, stats
 
 from fedpose.privacy.accountants.base import ADD_REMOVE, REPLACE_PUBLIC_MEMBERSHIP, Event, check_delta, check_relation, effective
 
-#: dp-accounting's PLD grid step in privacy-loss units (its default): ε error of order 1e-4·steps^½
+#: dp-accounting's PLD grid step in privacy-loss units (its default) at ε ≤ 1; scaled by ε above
 VALUE_DISCRETIZATION = 1e-4
 #: binomial probabilities below this are dropped (and their mass added to δ)
 _TAIL_MASS = 1e-18
@@ -100,8 +100,15 @@ def add_remove_epsilon(events: Sequence[Event], delta: float) -> float:
     import dp_accounting
     from dp_accounting.pld import pld_privacy_accountant
 
+    from fedpose.privacy.accountants.rdp import RdpAccountant
+
+    # The grid scales with the ε being computed: PLD arrays grow as (loss range)/(grid step), and the
+    # loss range grows fast at small σ (ε ≈ 8: minutes at a fixed 1e-4). The RDP ε (fast, an upper
+    # bound) sets the scale; the discretization stays pessimistic, so ε is still an upper bound, with a
+    # relative error of order 1e-4.
+    scale = max(1.0, RdpAccountant().epsilon(events, ADD_REMOVE, delta))
     accountant = pld_privacy_accountant.PLDAccountant(
-        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=VALUE_DISCRETIZATION
+        dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE, value_discretization_interval=VALUE_DISCRETIZATION * scale
     )
     for event in effective(events):
         gaussian = dp_accounting.GaussianDpEvent(event.noise_multiplier)
