@@ -22,7 +22,8 @@ class CoordinatorMetrics:
         for site_id, site in entry["sites"].items():
             status = site["status"]
             if site.get("epsilon") is not None and site.get("guarantee"):
-                m.observe_site_report(site_id, float(site["epsilon"]), float(site["delta"]), str(site["guarantee"]))
+                m.observe_site_report(site_id, float(site["epsilon"]), float(site["delta"]), str(site["guarantee"]),
+                                      str(site.get("accountant") or "rdp"))
             if site.get("update_norm") is not None:
                 m.update_norm.labels(site=site_id).set(site["update_norm"])
             if status == "rejected":

@@ -163,7 +163,7 @@ def _budget(args: argparse.Namespace) -> int:
     if args.apply and args.accountant is None:
         raise UserError("--apply needs --accountant (the accountant to switch the budget to)")
     try:
-        result = recompute_budget(args.state_dir, args.accountant or "rdp", apply=args.apply)
+        result = recompute_budget(args.state_dir, args.accountant, apply=args.apply)
     except BudgetError as exc:
         raise UserError(str(exc)) from None
     if args.json:

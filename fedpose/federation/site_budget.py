@@ -498,15 +498,17 @@ def _parse_state(payload: dict[str, Any], path: Path) -> _State:
     return _State(site_id, guarantee, delta, accountant, entries, float(created_at), recomputations)
 
 
-def recompute_budget(state_dir: str | Path, accountant: str, apply: bool = False) -> dict[str, Any]:
+def recompute_budget(state_dir: str | Path, accountant: str | None = None, apply: bool = False) -> dict[str, Any]:
     """ε of a site's persisted events under ``accountant`` (and under every accountant that handles
     its relation); with ``apply``, switch the budget to ``accountant`` and record the switch.
+    ``accountant`` None: the budget's own.
 
     The events are the accountant's whole input, so the switch is exact bookkeeping, not an
     estimate. It is recorded in ``recomputations`` (from, to, ε before and after, steps, time);
     earlier round entries keep the ε and accountant they were written with.
     """
-    get_accountant(accountant)
+    if accountant is not None:
+        get_accountant(accountant)
     state_dir = Path(state_dir)
     path = state_dir / STATE_FILE
     if not path.exists():
@@ -514,6 +516,7 @@ def recompute_budget(state_dir: str | Path, accountant: str, apply: bool = False
     with _state_lock(state_dir):
         state = _parse_state(_read_signed(path, "site budget state"), path)
         ledger = state.accountant
+        accountant = accountant or ledger.accountant
         if not get_accountant(accountant).supports(ledger.relation):
             raise BudgetStateError(f"the {accountant} accountant does not handle this budget's '{ledger.relation}' relation")
         before = ledger.get_epsilon(state.delta)[0]
