@@ -165,6 +165,10 @@ def train_site_round(
     if local_steps < 1:
         raise ValueError(f"site '{site.site_id}': asked for {local_steps} local steps")
     budget = open_budget(site)
+    if budget is not None and site.privacy.accountant is None:
+        # σ calibration and the engine's report use the accountant the budget enforces (an existing
+        # budget keeps its own, e.g. RDP), so a target ε means the same thing to both.
+        site = site.model_copy(update={"privacy": site.privacy.model_copy(update={"accountant": budget.accountant_name})})
 
     def reply(status: ReplyStatus, reason: ReasonCode | None, affordable: bool) -> SiteReply:
         return SiteReply(site_id=site.site_id, run_id=run_id, round=int(round_id), status=status, reason=reason,
