@@ -184,3 +184,20 @@ def test_ledger_summary_labels_the_accountant_and_does_not_mix_them(tmp_path) ->
         [summary] = ledger.site_summaries()
         assert (summary.epsilon, summary.accountant) == (1.9, "pld")
         assert [e.accountant for e in ledger.entries("a")] == ["rdp", "pld"]
+
+
+def test_a_site_round_on_an_rdp_budget_calibrates_and_reports_with_rdp(tmp_path) -> None:
+    from fedpose.federation.local_training import train_site_round
+    from fedpose.federation.site_budget import SiteBudget
+    from site_round_helpers import BATCH_SIZE, PER_SITE, global_model, make_site_data, site_config
+
+    site = site_config(make_site_data(tmp_path / "data"), tmp_path / "state", noise_multiplier=None, target_epsilon=20.0)
+    SiteBudget(site.state_dir, "site-1", eps_max=50.0, delta=1e-5, guarantee="DP", accountant="rdp")  # written with RDP
+    weights, spec = global_model()
+    result = train_site_round(site, "run", 1, weights, spec, local_steps=2)
+    assert result.reply.status == "ok" and result.reply.privacy.accountant == "rdp"
+    q = BATCH_SIZE / PER_SITE
+    [entry] = SiteBudget(site.state_dir, "site-1", eps_max=50.0, delta=1e-5, guarantee="DP").entries
+    assert entry.accountant == "rdp"
+    assert entry.noise_multiplier == pytest.approx(noise_multiplier_for(20.0, q, 2, 1e-5, accountant="rdp"))
+    assert entry.noise_multiplier > noise_multiplier_for(20.0, q, 2, 1e-5, accountant="pld")
