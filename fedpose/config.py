@@ -118,7 +118,13 @@ class PrivacyConfig(Strict):
     mechanism: Literal["none", "dpsgd", "pdp", "fdp", "fpdp", "maskdp"] = Field(
         "none", description="gradient mechanism; guarantee: DP (dpsgd, pdp), FDP (fdp, fpdp), MaskDP (maskdp)"
     )
-    target_epsilon: float | None = Field(None, gt=0, description="calibrate σ so the planned steps reach this ε (at privacy.delta, RDP)")
+    target_epsilon: float | None = Field(None, gt=0, description="calibrate σ so the planned steps reach this ε (at privacy.delta, privacy.accountant)")
+    accountant: Literal["rdp", "pld", "prv"] | None = Field(
+        None,
+        description="privacy accountant for ε, σ calibration and site budgets; None: the tightest one exact for the "
+        "mechanism's neighbouring relation (pld for every mechanism). An existing site budget keeps the accountant it "
+        "was written with (recompute it deliberately with `fedpose privacy budget --apply`)",
+    )
     noise_multiplier: float | None = Field(None, ge=0, description="σ: noise std = σ·C (alternative to target_epsilon)")
     max_grad_norm: float = Field(1.0, gt=0, description="per-sample clipping bound C")
     sample_rate: float | None = Field(

@@ -57,9 +57,11 @@ def tiny_federation(tmp: Path, data_dir: Path, *, sites: int = 2, rounds: int = 
 
 
 def epsilon_after_rounds(rounds: int) -> float:
-    from fedpose.privacy.accountant import RDPAccountant
+    """ε a site of :func:`tiny_federation` has spent after ``rounds`` rounds, by the accountant its
+    (new) budget enforces: the default for DP's relation (PLD)."""
+    from fedpose.privacy.accountant import PrivacyLedger, default_accountant
 
-    acc = RDPAccountant()
+    acc = PrivacyLedger(accountant=default_accountant("add_remove"))
     acc.step(NOISE, BATCH_SIZE / PER_SITE, LOCAL_STEPS * rounds)
     return acc.get_epsilon(DELTA)[0]
 

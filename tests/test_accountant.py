@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-dp_accounting = pytest.importorskip("dp_accounting")
+import dp_accounting  # noqa: E402  (a runtime dependency: the RDP and PLD accountants use it)
 
 from fedpose.cli import main  # noqa: E402
 from fedpose.privacy.accountant import (  # noqa: E402
@@ -82,7 +82,7 @@ def test_empty_ledger_spends_nothing() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", [{"history": "x"}, {"history": [{"steps": 1}]}, {"accountant": "prv", "history": []}, []]
+    "bad", [{"history": "x"}, {"history": [{"steps": 1}]}, {"accountant": "moments", "history": []}, []]
 )
 def test_from_dict_rejects_malformed_state(bad: object) -> None:
     with pytest.raises(ValueError):
@@ -117,7 +117,8 @@ def run_cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
 
 
 def test_cli_epsilon_json(capsys: pytest.CaptureFixture) -> None:
-    code, out, err = run_cli(capsys, "epsilon", "--sample-rate", "0.01", "--noise-multiplier", "1.0", "--steps", "1000", "--delta", "1e-5", "--json")
+    code, out, err = run_cli(capsys, "epsilon", "--sample-rate", "0.01", "--noise-multiplier", "1.0", "--steps", "1000", "--delta", "1e-5",
+                             "--accountant", "rdp", "--json")
     assert code == 0, err
     result = json.loads(out)
     assert result["accountant"] == "rdp" and result["delta"] == 1e-5
@@ -126,12 +127,14 @@ def test_cli_epsilon_json(capsys: pytest.CaptureFixture) -> None:
 
 
 def test_cli_noise_json_and_human_text(capsys: pytest.CaptureFixture) -> None:
-    code, out, err = run_cli(capsys, "noise", "--target-epsilon", "0.8", "--sample-rate", "0.01", "--steps", "1000", "--delta", "4e-5", "--json")
+    code, out, err = run_cli(capsys, "noise", "--target-epsilon", "0.8", "--sample-rate", "0.01", "--steps", "1000", "--delta", "4e-5",
+                             "--accountant", "rdp", "--json")
     assert code == 0, err
     result = json.loads(out)
     assert result["epsilon"] <= 0.8
     assert result["noise_multiplier"] == pytest.approx(noise_multiplier_for(0.8, 0.01, 1000, 4e-5))
-    _, text, _ = run_cli(capsys, "noise", "--target-epsilon", "0.8", "--sample-rate", "0.01", "--steps", "1000", "--delta", "4e-5")
+    _, text, _ = run_cli(capsys, "noise", "--target-epsilon", "0.8", "--sample-rate", "0.01", "--steps", "1000", "--delta", "4e-5",
+                         "--accountant", "rdp")
     assert "DP, δ = 4e-05, RDP" in text  # never a bare ε
 
 
@@ -141,14 +144,15 @@ def test_cli_rejects_bad_sample_rate(capsys: pytest.CaptureFixture) -> None:
     assert exc.value.code == 2 and "sample rate" in capsys.readouterr().err
 
 
-def test_accountant_import_skips_opacus_package_init():
+def test_accountant_import_skips_opacus_package_init():  # RDP and PLD come from dp-accounting (numpy/scipy only)
     """A deployed site imports the accountant in every ClientApp process: Opacus' package init
     (PrivacyEngine, optimizers, torch.distributed, ~2 s) must not come with it."""
     code = (
         "import sys, fedpose.privacy.accountant as a; "
         "assert 'opacus.privacy_engine' not in sys.modules, 'opacus package init ran'; "
         "assert 'torch' not in sys.modules, 'the accountant pulled in torch'; "
-        "print(a.epsilon_for(1.1, 0.01, 1000, 1e-5)[0])"
+        "print(a.epsilon_for(1.1, 0.01, 1000, 1e-5)[0], a.epsilon_for(1.1, 0.01, 1000, 1e-5, accountant='pld')[0]); "
+        "assert 'opacus.privacy_engine' not in sys.modules and 'torch' not in sys.modules"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert float(out.stdout.split()[0]) > 0

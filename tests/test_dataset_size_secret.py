@@ -61,5 +61,5 @@ def test_privacy_report_cli_states_randomness_adjacency_unit_and_what_leaves(tmp
     assert main(["privacy", "report", str(path)]) == 0
     text = capsys.readouterr().out
     for needle in ("randomness: AES-256-CTR", "unit protected: one record", "adjacency: add/remove one unit",
-                   "dataset size N: secret", "what leaves:", "(DP, δ = 1e-05, RDP)"):
+                   "dataset size N: secret", "what leaves:", "(DP, δ = 1e-05, PLD)"):
         assert needle in text, (needle, text)

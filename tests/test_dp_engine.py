@@ -266,8 +266,10 @@ def test_target_epsilon_calibration_never_overspends(model) -> None:
         engine.step(model, empty)
     report = engine.privacy_report()
     assert report["epsilon"] <= 0.8 and report["planned_epsilon"] == pytest.approx(report["epsilon"])
-    assert report["epsilon"] == pytest.approx(epsilon_for(engine.noise_multiplier, 0.2, 12, 4e-5)[0])
-    assert report["epsilon_text"].endswith("(DP, δ = 4e-05, RDP)")
+    # σ is calibrated and ε reported by the default accountant for DP: PLD
+    assert report["accountant"] == "pld"
+    assert report["epsilon"] == pytest.approx(epsilon_for(engine.noise_multiplier, 0.2, 12, 4e-5, accountant="pld")[0])
+    assert report["epsilon_text"].endswith("(DP, δ = 4e-05, PLD)")
     json.dumps(report, allow_nan=False)  # privacy.json is strict JSON
     assert report["accountant_state"]["history"] == [{"noise_multiplier": engine.noise_multiplier, "sample_rate": 0.2, "steps": 12}]
 

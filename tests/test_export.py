@@ -60,7 +60,7 @@ def test_export_writes_weights_and_an_allow_listed_report_only(central_run: Path
     assert _keys(report) <= ALLOWED_KEYS, _keys(report) - ALLOWED_KEYS
     assert not _keys(report) & FORBIDDEN, _keys(report) & FORBIDDEN
     assert report["model_selection"].startswith("last checkpoint")
-    assert "(DP, δ = 1e-05, RDP)" in report["epsilon_text"] and "randomness" in report
+    assert "(DP, δ = 1e-05, PLD)" in report["epsilon_text"] and "randomness" in report
 
     checkpoint = torch.load(out / "model.pt", weights_only=False)
     assert checkpoint["optimizer"] is None and checkpoint["rng"] is None and checkpoint["metrics"] is None

@@ -15,7 +15,8 @@ SIGMA, Q, STEPS, DELTA = 1.0, 0.01, 200, 1e-5
 
 
 def _eps_after(rounds: int) -> float:
-    return epsilon_for(SIGMA, Q, rounds * STEPS, DELTA)[0]
+    # a new budget enforces the relation's default accountant: PLD (fedpose.privacy.accountants)
+    return epsilon_for(SIGMA, Q, rounds * STEPS, DELTA, accountant="pld")[0]
 
 
 def _budget(tmp_path, eps_max: float) -> SiteBudget:

@@ -18,6 +18,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "evaluate",
     "pckh",
     "privacy",
+    "audit",
     "ldp",
     "dprp",
     "simulate",

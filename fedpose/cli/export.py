@@ -189,8 +189,8 @@ def _federation(coordinator_dir: Path) -> tuple[Any, dict[str, Any]]:
         )
     sites = [{
         "site_id": s["site_id"], "guarantee": s.get("guarantee"), "epsilon": s.get("epsilon"), "delta": s.get("delta"),
-        "accountant": "rdp", "rounds_joined": s.get("rounds_joined"),
-        "epsilon_text": epsilon_text(s.get("epsilon"), s.get("delta"), s.get("guarantee")),
+        "accountant": s.get("accountant") or "rdp", "rounds_joined": s.get("rounds_joined"),
+        "epsilon_text": epsilon_text(s.get("epsilon"), s.get("delta"), s.get("guarantee"), s.get("accountant") or "rdp"),
     } for s in summaries]
     report = {"source": "federation", "run_id": meta.get("run_id"), "sites": sites,
               "guarantee_statement": "each site's guarantee is about its own records, composed over every local step of every round it joined",

@@ -1,10 +1,13 @@
 """``fedpose privacy``: budget arithmetic for the Poisson-subsampled Gaussian mechanism.
 
-    fedpose privacy epsilon --sample-rate 0.01 --noise-multiplier 1.0 --steps 1000 --delta 1e-5
-    fedpose privacy noise --target-epsilon 0.8 --sample-rate 0.01 --steps 1000 --delta 4e-5
+    fedpose privacy epsilon --sample-rate 0.01 --noise-multiplier 1.0 --steps 1000 --delta 1e-5 [--accountant pld]
+    fedpose privacy noise --target-epsilon 0.8 --sample-rate 0.01 --steps 1000 --delta 4e-5 [--accountant rdp]
     fedpose privacy report runs/x/privacy.json
+    fedpose privacy budget STATE_DIR [--accountant pld [--apply]]
 
-Every ε is printed with its guarantee type, δ and accountant (never a bare ε).
+``--accountant`` defaults to the tightest accountant exact for the guarantee's neighbouring
+relation (``pld``). Every ε is printed with its guarantee type, δ, relation and accountant (never a
+bare ε).
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ import math
 from pathlib import Path
 
 from fedpose.cli.common import UserError, nonnegative_float, open_unit_interval, positive_float, positive_int, print_json
+
+#: the registry's names (fedpose.privacy.accountants.ACCOUNTANTS), listed here so `--help` needs no numerics import
+ACCOUNTANT_NAMES = ("rdp", "pld", "prv")
 
 
 def _rate(text: str) -> float:
@@ -32,7 +38,11 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--guarantee", choices=("DP", "FDP", "MaskDP"), default="DP",
         help="DP: add/remove-one record (dpsgd, pdp); FDP / MaskDP: replace-one with public membership "
-        "(fdp, fpdp, maskdp) — a different, larger RDP curve (default: DP)",
+        "(fdp, fpdp, maskdp) — a different, larger privacy loss (default: DP)",
+    )
+    parser.add_argument(
+        "--accountant", choices=ACCOUNTANT_NAMES, default=None,
+        help="rdp | pld | prv (default: the tightest exact for the guarantee's relation: pld; prv handles DP only)",
     )
 
 
@@ -42,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     sub = parser.add_subparsers(dest="privacy_command", metavar="ACTION", required=True)
 
-    eps = sub.add_parser("epsilon", help="ε of T Poisson-subsampled Gaussian steps (RDP accountant)")
+    eps = sub.add_parser("epsilon", help="ε of T Poisson-subsampled Gaussian steps (RDP, PLD or PRV accountant)")
     eps.add_argument("--noise-multiplier", type=nonnegative_float, required=True, help="σ (noise std / clip C)")
     _add_common(eps)
     eps.set_defaults(handler=_epsilon)
@@ -57,47 +67,73 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     rep.add_argument("--json", action="store_true")
     rep.set_defaults(handler=_report)
 
+    budget = sub.add_parser(
+        "budget", help="a site's spend recomputed from its persisted events, by every accountant; --apply switches its accountant"
+    )
+    budget.add_argument("state_dir", type=Path, help="the site's state_dir (holds budget.json)")
+    budget.add_argument("--accountant", choices=ACCOUNTANT_NAMES, default=None, help="the accountant to compare with or switch to")
+    budget.add_argument("--apply", action="store_true",
+                        help="switch the budget to --accountant (recorded in the budget with ε before and after)")
+    budget.add_argument("--json", action="store_true")
+    budget.set_defaults(handler=_budget)
+
+
+def _accounting(args: argparse.Namespace) -> tuple[str, str]:
+    """(relation, accountant) of the requested guarantee; a relation the accountant cannot handle is a user error."""
+    from fedpose.privacy.accountants import default_accountant, get_accountant
+    from fedpose.privacy.report import relation_of
+
+    relation = relation_of(args.guarantee)
+    accountant = args.accountant or default_accountant(relation)
+    if not get_accountant(accountant).supports(relation):
+        raise UserError(f"--accountant {accountant} does not handle the {args.guarantee} guarantee's relation ({relation}); "
+                        f"use {default_accountant(relation)}")
+    return relation, accountant
+
 
 def _epsilon(args: argparse.Namespace) -> int:
     from fedpose.privacy.accountant import epsilon_for
-    from fedpose.privacy.report import format_epsilon, relation_of
+    from fedpose.privacy.report import format_epsilon
 
-    relation = relation_of(args.guarantee)
-    epsilon, order = epsilon_for(args.noise_multiplier, args.sample_rate, args.steps, args.delta, relation=relation)
+    relation, accountant = _accounting(args)
+    epsilon, order = epsilon_for(args.noise_multiplier, args.sample_rate, args.steps, args.delta, relation=relation,
+                                 accountant=accountant)
     result = {
         "epsilon": epsilon if math.isfinite(epsilon) else None,
         "delta": args.delta,
-        "order": order if math.isfinite(order) else None,
-        "accountant": "rdp",
+        "order": order if math.isfinite(order) else None,  # the optimal RDP order (rdp only)
+        "accountant": accountant,
         "guarantee": args.guarantee,
         "neighbouring_relation": relation,
     }
     if args.json:
         print_json(result)
     else:
-        print(format_epsilon(epsilon, args.delta, args.guarantee))
-        print(f"  σ = {args.noise_multiplier:g}, q = {args.sample_rate:g}, T = {args.steps}, optimal RDP order α = {order:g}, "
-              f"relation: {relation}")
+        print(format_epsilon(epsilon, args.delta, args.guarantee, accountant))
+        order_text = f", optimal RDP order α = {order:g}" if math.isfinite(order) else ""
+        print(f"  σ = {args.noise_multiplier:g}, q = {args.sample_rate:g}, T = {args.steps}{order_text}, relation: {relation}")
     return 0
 
 
 def _noise(args: argparse.Namespace) -> int:
     from fedpose.privacy.accountant import epsilon_for, noise_multiplier_for
-    from fedpose.privacy.report import format_epsilon, relation_of
+    from fedpose.privacy.report import format_epsilon
 
-    relation = relation_of(args.guarantee)
+    relation, accountant = _accounting(args)
     try:
-        sigma = noise_multiplier_for(args.target_epsilon, args.sample_rate, args.steps, args.delta, relation=relation)
+        sigma = noise_multiplier_for(args.target_epsilon, args.sample_rate, args.steps, args.delta, relation=relation,
+                                     accountant=accountant)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    epsilon, order = epsilon_for(sigma, args.sample_rate, args.steps, args.delta, relation=relation)
-    result = {"noise_multiplier": sigma, "epsilon": epsilon, "delta": args.delta, "order": order, "accountant": "rdp",
-              "guarantee": args.guarantee}
+    epsilon, order = epsilon_for(sigma, args.sample_rate, args.steps, args.delta, relation=relation, accountant=accountant)
+    result = {"noise_multiplier": sigma, "epsilon": epsilon, "delta": args.delta,
+              "order": order if math.isfinite(order) else None, "accountant": accountant,
+              "guarantee": args.guarantee, "neighbouring_relation": relation}
     if args.json:
         print_json(result)
     else:
-        print(f"noise multiplier σ = {sigma:.4f} → {format_epsilon(epsilon, args.delta, args.guarantee)}")
-        print(f"  target ε = {args.target_epsilon:g}, q = {args.sample_rate:g}, T = {args.steps}")
+        print(f"noise multiplier σ = {sigma:.4f} → {format_epsilon(epsilon, args.delta, args.guarantee, accountant)}")
+        print(f"  target ε = {args.target_epsilon:g}, q = {args.sample_rate:g}, T = {args.steps}, relation: {relation}")
     return 0
 
 
@@ -117,4 +153,29 @@ def _report(args: argparse.Namespace) -> int:
             print(describe(report))
         except KeyError as exc:
             raise UserError(f"{args.path}: privacy.json lacks key {exc}") from None
+    return 0
+
+
+def _budget(args: argparse.Namespace) -> int:
+    from fedpose.federation.site_budget import BudgetError, recompute_budget
+    from fedpose.privacy.report import format_epsilon
+
+    if args.apply and args.accountant is None:
+        raise UserError("--apply needs --accountant (the accountant to switch the budget to)")
+    try:
+        result = recompute_budget(args.state_dir, args.accountant, apply=args.apply)
+    except BudgetError as exc:
+        raise UserError(str(exc)) from None
+    if args.json:
+        print_json(result)
+        return 0
+    guarantee, delta = result["guarantee"], result["delta"]
+    print(f"site '{result['site_id']}': {result['steps']} steps under the {result['neighbouring_relation']} relation")
+    print(f"  enforced: {format_epsilon(result['epsilon'], delta, guarantee, result['accountant'])}")
+    for name, epsilon in result["epsilon_by_accountant"].items():
+        print(f"  by {name}: {format_epsilon(epsilon, delta, guarantee, name)}")
+    if result["applied"]:
+        print(f"  switched to {result['accountant'].upper()} (recorded in {args.state_dir / 'budget.json'})")
+    elif args.accountant is not None and args.accountant != result["accountant"]:
+        print(f"  not switched: add --apply to enforce {args.accountant.upper()} from now on")
     return 0

@@ -4,8 +4,11 @@ The site is the authority on its own budget (:mod:`fedpose.federation.site_budge
 records what each site *reported* per round so the coordinator can stop selecting exhausted
 sites, survive its own restart, and export an audit trail. One row per (site id, round); writing
 the same (site, round) again replaces the row, so a resumed coordinator that re-records a round
-never double-counts it. ε values are the site's cumulative spend after that round (guarantee and
-δ stored alongside: FDP's ε is not comparable with DP's).
+never double-counts it. ε values are the site's cumulative spend after that round (guarantee, δ and
+the accountant that computed it stored alongside: FDP's ε is not comparable with DP's, and a PLD ε
+is lower than an RDP ε of the same steps). A site's summary ε is the largest reported by the
+accountant of its latest report: a site that deliberately switched to a tighter accountant is shown
+(and judged) by that accountant's ε, labelled with its name, never mixed with the older numbers.
 
 Status per (site, round):
   ``ok``        the site trained and its update was aggregated;
@@ -72,7 +75,7 @@ class LedgerEntry:
     epsilon: float | None = None  #: cumulative ε after this round, as reported by the site
     delta: float | None = None
     guarantee: str | None = None  #: "DP", "FDP", "MaskDP", ...
-    accountant: str | None = "rdp"
+    accountant: str | None = "rdp"  #: the accountant that computed epsilon ("rdp", "pld", "prv")
     steps: int = 0  #: local steps in this round
     rdp: tuple[float, ...] | None = None  #: cumulative RDP per order
     orders: tuple[float, ...] | None = None
@@ -113,6 +116,7 @@ class SiteSummary:
     epsilon: float | None  #: latest (= largest) reported cumulative ε
     delta: float | None
     guarantee: str | None
+    accountant: str | None  #: the accountant that computed epsilon ("rdp", "pld", "prv")
     rounds_joined: int  #: rounds in which the site trained (ok or rejected)
     rounds_refused: int
     rounds_missing: int
@@ -201,6 +205,9 @@ class BudgetLedger:
         summaries = []
         for site_id, rows in by_site.items():
             reported = [e for e in rows if e.epsilon is not None]
+            if reported:  # only numbers from the accountant the site reports with now (see the module docstring)
+                current = max(reported, key=lambda e: e.round).accountant
+                reported = [e for e in reported if e.accountant == current]
             latest = max(reported, key=lambda e: (e.epsilon, e.round)) if reported else None
             last = rows[-1]
             summaries.append(
@@ -209,6 +216,7 @@ class BudgetLedger:
                     epsilon=latest.epsilon if latest else None,
                     delta=latest.delta if latest else None,
                     guarantee=latest.guarantee if latest else None,
+                    accountant=latest.accountant if latest else None,
                     rounds_joined=sum(e.status in TRAINED_STATUSES for e in rows),
                     rounds_refused=sum(e.status == "refused" for e in rows),
                     rounds_missing=sum(e.status == "missing" for e in rows),

@@ -22,7 +22,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -56,7 +56,7 @@ def open_budget(site: SiteConfig) -> SiteBudget | None:
         # no budget, but the state still remembers that this site once trained without privacy
         ensure_site_state(site.state_dir, site.site_id, mechanism.guarantee.name, None)
         return None
-    return SiteBudget(site.state_dir, site.site_id, site.eps_max, site.delta, mechanism.guarantee.name)
+    return SiteBudget(site.state_dir, site.site_id, site.eps_max, site.delta, mechanism.guarantee.name, site.privacy.accountant)
 
 
 def declared_noise(site: SiteConfig, local_steps: int) -> tuple[float, float]:
@@ -79,7 +79,7 @@ def privacy_report(site: SiteConfig, budget: SiteBudget | None, next_round_affor
     state = budget.report()
     epsilon = float(state["epsilon"])
     return PrivacyReport(
-        guarantee=guarantee.name, unit=guarantee.unit, adjacency=guarantee.relation, accountant="rdp",
+        guarantee=guarantee.name, unit=guarantee.unit, adjacency=guarantee.relation, accountant=state["accountant"],
         epsilon=epsilon if math.isfinite(epsilon) else None, delta=budget.delta, eps_max=budget.eps_max,
         steps=int(state["steps"]), rounds_spent=int(state["rounds_spent"]),
         orders=[float(x) for x in state["orders"]], rdp=[float(x) for x in state["rdp"]],
@@ -148,8 +148,12 @@ def train_site_round(
     basis_version: int = -1,
     basis_message: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None,
     threads: int | None = None,
+    engine_hook: Callable[[Any], None] | None = None,
 ) -> SiteRoundResult:
     """Guard the budget, run ``local_steps`` private steps from the global weights, return Δ.
+
+    ``engine_hook`` (``fedpose audit`` only; never set by the ClientApp) receives the round's
+    gradient engine before the first step, to attach audit canaries.
 
     The budget decision comes first, from declared values only, before any data or basis work:
     a refused round (status "refused") spends nothing and touches no data. An affordable round
@@ -171,6 +175,10 @@ def train_site_round(
     if local_steps < 1:
         raise ValueError(f"site '{site.site_id}': asked for {local_steps} local steps")
     budget = open_budget(site)
+    if budget is not None and site.privacy.accountant is None:
+        # σ calibration and the engine's report use the accountant the budget enforces (an existing
+        # budget keeps its own, e.g. RDP), so a target ε means the same thing to both.
+        site = site.model_copy(update={"privacy": site.privacy.model_copy(update={"accountant": budget.accountant_name})})
 
     def reply(status: ReplyStatus, reason: ReasonCode | None, affordable: bool) -> SiteReply:
         return SiteReply(site_id=site.site_id, run_id=run_id, round=int(round_id), status=status, reason=reason,
@@ -235,6 +243,8 @@ def train_site_round(
         raise RuntimeError(f"engine noise (σ={engine.noise_multiplier}, q={engine.sample_rate}) differs from the authorized (σ={sigma}, q={rate})")
     if basis is not None:
         engine.set_basis(basis, version=basis_version)
+    if engine_hook is not None:
+        engine_hook(engine)
 
     optimizer = build_optimizer(model, site.optim)
     scheduler = build_scheduler(optimizer, site.optim, local_steps)

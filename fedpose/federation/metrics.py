@@ -5,7 +5,8 @@ prometheus-client's global default), so two in one process (tests, simulation) d
 Serve one with :func:`start_metrics_server`.
 
 ε is never exported bare: the per-site ε gauge carries the ``guarantee`` label (DP, FDP, MaskDP;
-not comparable across guarantees) and a δ gauge sits beside it; accounting is RDP.
+not comparable across guarantees) and the ``accountant`` label (rdp, pld, prv: which one computed it),
+and a δ gauge sits beside it.
 
 Sites under Flower deployment run a new ClientApp process per message, so a site's long-lived
 metrics server should read the persisted budget rather than in-process counters:
@@ -37,8 +38,8 @@ class CoordinatorMetrics:
         self.round = Gauge("fedpose_round", "Current federated round", registry=r)
         self.participating_sites = Gauge("fedpose_participating_sites", "Sites whose update was aggregated in the last round", registry=r)
         self.site_epsilon = Gauge(
-            "fedpose_site_epsilon", "Cumulative ε reported by each site (RDP accounting; see guarantee label and fedpose_site_delta)",
-            ["site", "guarantee"], registry=r,
+            "fedpose_site_epsilon", "Cumulative ε reported by each site (see the guarantee and accountant labels, and fedpose_site_delta)",
+            ["site", "guarantee", "accountant"], registry=r,
         )
         self.site_delta = Gauge("fedpose_site_delta", "δ of each site's reported ε", ["site"], registry=r)
         self.update_norm = Gauge("fedpose_update_norm", "L2 norm of each site's last update", ["site"], registry=r)
@@ -64,8 +65,8 @@ class CoordinatorMetrics:
             self._server.close()
             self._server = None
 
-    def observe_site_report(self, site_id: str, epsilon: float, delta: float, guarantee: str) -> None:
-        self.site_epsilon.labels(site=site_id, guarantee=guarantee).set(epsilon)
+    def observe_site_report(self, site_id: str, epsilon: float, delta: float, guarantee: str, accountant: str) -> None:
+        self.site_epsilon.labels(site=site_id, guarantee=guarantee, accountant=accountant).set(epsilon)
         self.site_delta.labels(site=site_id).set(delta)
 
     def observe_round(self, entry: dict[str, Any]) -> None:
@@ -76,7 +77,8 @@ class CoordinatorMetrics:
         for site_id, site in entry["sites"].items():
             status = site["status"]
             if site.get("epsilon") is not None and site.get("guarantee"):
-                self.observe_site_report(site_id, float(site["epsilon"]), float(site["delta"]), str(site["guarantee"]))
+                self.observe_site_report(site_id, float(site["epsilon"]), float(site["delta"]), str(site["guarantee"]),
+                                         str(site.get("accountant") or "rdp"))
             if site.get("update_norm") is not None:
                 self.update_norm.labels(site=site_id).set(site["update_norm"])
             if status == "rejected":
@@ -121,8 +123,8 @@ class _BudgetCollector(Collector):
 
         fresh = SiteBudget(self.budget.state_dir, self.budget.site_id, self.budget.eps_max, self.budget.delta, self.budget.guarantee)
         report = fresh.report()
-        labels = {"site": fresh.site_id, "guarantee": fresh.guarantee}
-        eps = GaugeMetricFamily("fedpose_site_epsilon_spent", "ε this site has spent (RDP; see guarantee label and fedpose_site_delta)", labels=list(labels))
+        labels = {"site": fresh.site_id, "guarantee": fresh.guarantee, "accountant": fresh.accountant_name}
+        eps = GaugeMetricFamily("fedpose_site_epsilon_spent", "ε this site has spent (see the guarantee and accountant labels, and fedpose_site_delta)", labels=list(labels))
         eps.add_metric(list(labels.values()), report["epsilon"])
         eps_max = GaugeMetricFamily("fedpose_site_epsilon_max", "ε budget of this site", labels=list(labels))
         eps_max.add_metric(list(labels.values()), fresh.eps_max)

@@ -86,7 +86,7 @@ class PrivacyReport(_Wire):
     guarantee: str  #: "DP", "FDP", "MaskDP" or "none": which statement ε belongs to
     unit: str  #: what one neighbouring dataset changes (the unit protected)
     adjacency: str  #: the accountant's neighbouring relation ("add_remove", ...)
-    accountant: Literal["rdp", "none"]
+    accountant: Literal["rdp", "pld", "prv", "none"]  #: the accountant that computed epsilon
     epsilon: float | None  #: cumulative ε at delta; None = no guarantee (non-private training)
     delta: float
     eps_max: float  #: the site's own budget (its config)

@@ -1,6 +1,15 @@
 """The site's own privacy budget: persisted, crash-safe, and the authority on whether a round runs.
 
-A site composes RDP over every local step of every round it joins (DESIGN.md, "Federation").
+A site composes every local step of every round it joins (DESIGN.md, "Federation"): it persists the
+accountant's input — the (σ, q, steps) events under its guarantee's neighbouring relation — and the
+name of the accountant (``rdp``, ``pld``, ``prv``; :mod:`fedpose.privacy.accountants`) whose ε it
+enforces. A new budget takes ``privacy.accountant`` or, by default, the tightest accountant exact
+for the relation (``pld``). An existing budget keeps the accountant it was written with — one
+written before accountants were selectable says ``rdp`` — and a config asking for another is refused:
+switching is a deliberate act (:func:`recompute_budget`, ``fedpose privacy budget --apply``) that
+is recorded in the state (``recomputations``: from, to, ε before and after, when), and every round
+entry names the accountant of its ``epsilon_after``. So a lower ε from a tighter accountant is never
+silent.
 Before it trains, :meth:`SiteBudget.authorize_round` computes the ε the planned steps would reach;
 past ``eps_max`` it refuses (:class:`BudgetExhausted`) and spends nothing. Otherwise it records the
 spend **durably before training starts** — a crash during training then counts the round as spent
@@ -11,7 +20,8 @@ State file ``<state_dir>/budget.json`` (written with :func:`fedpose.io.atomic_wr
 sees the old or the new file, never half of one)::
 
     {"payload": {"format": ..., "site_id": ..., "guarantee": ..., "delta": ...,
-                 "accountant": RDPAccountant.to_dict(), "entries": [RoundEntry, ...]},
+                 "accountant": PrivacyLedger.to_dict(), "entries": [RoundEntry, ...],
+                 "recomputations": [...] (only after a deliberate accountant switch)},
      "sha256": <digest of the canonical JSON of payload>}
 
 Rounds are keyed by ``(run_id, round)``: authorizing the same key again (a replayed or duplicated
@@ -51,7 +61,8 @@ from typing import Any, Literal
 import numpy as np
 
 from fedpose.io import atomic_write_text
-from fedpose.privacy.accountant import RDPAccountant
+from fedpose.privacy.accountant import PrivacyLedger, default_accountant
+from fedpose.privacy.accountants import get_accountant
 from fedpose.privacy.report import relation_of
 
 STATE_FILE = "budget.json"
@@ -72,17 +83,18 @@ class BudgetError(Exception):
 class BudgetExhausted(BudgetError):
     """The planned round would take the site past ``eps_max``: refused, nothing spent."""
 
-    def __init__(self, site_id: str, run_id: str, round_id: int, spent: float, planned: float, eps_max: float, delta: float, guarantee: str):
+    def __init__(self, site_id: str, run_id: str, round_id: int, spent: float, planned: float, eps_max: float, delta: float,
+                 guarantee: str, accountant: str = "rdp"):
         self.site_id, self.run_id, self.round_id = site_id, run_id, round_id
         self.spent, self.planned, self.eps_max = spent, planned, eps_max
-        self.delta, self.guarantee = delta, guarantee
+        self.delta, self.guarantee, self.accountant = delta, guarantee, accountant
         super().__init__(self.reason)
 
     @property
     def reason(self) -> str:
         return (
             f"site '{self.site_id}' refuses round {self.round_id} of run '{self.run_id}': its planned steps would "
-            f"reach ε = {self.planned:.4g} > ε_max = {self.eps_max:.4g} ({self.guarantee}, δ = {self.delta:.3g}, RDP); "
+            f"reach ε = {self.planned:.4g} > ε_max = {self.eps_max:.4g} ({self.guarantee}, δ = {self.delta:.3g}, {self.accountant.upper()}); "
             f"spent so far ε = {self.spent:.4g}"
         )
 
@@ -109,6 +121,7 @@ class RoundEntry:
     delta: float
     recorded_at: float  #: unix time
     reason: str = ""
+    accountant: str = "rdp"  #: the accountant that computed epsilon_after (entries from before the field: RDP)
 
     @property
     def key(self) -> tuple[str, int]:
@@ -131,14 +144,17 @@ class _State:
     site_id: str
     guarantee: str
     delta: float
-    accountant: RDPAccountant | None = None  #: None → a fresh ledger with the guarantee's relation
+    accountant: PrivacyLedger | None = None  #: None → a fresh ledger: the guarantee's relation, its default accountant
     entries: list[RoundEntry] = field(default_factory=list)
     #: creation time of the site's genesis marker; None only in budgets written before markers existed
     genesis_created_at: float | None = None
+    #: deliberate accountant switches: {"from", "to", "epsilon_before", "epsilon_after", "steps", "at"}
+    recomputations: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.accountant is None:
-            self.accountant = RDPAccountant(relation=relation_of(self.guarantee))
+            relation = relation_of(self.guarantee)
+            self.accountant = PrivacyLedger(relation=relation, accountant=default_accountant(relation))
 
     def to_payload(self) -> dict[str, Any]:
         return {
@@ -150,11 +166,12 @@ class _State:
             "entries": [asdict(e) for e in self.entries],
             # tells a lost marker apart from a budget that predates markers (only that one is adopted)
             **({"genesis_created_at": self.genesis_created_at} if self.genesis_created_at is not None else {}),
+            **({"recomputations": list(self.recomputations)} if self.recomputations else {}),
         }
 
     def copy(self) -> "_State":
-        return _State(self.site_id, self.guarantee, self.delta, RDPAccountant.from_dict(self.accountant.to_dict()),
-                      list(self.entries), self.genesis_created_at)
+        return _State(self.site_id, self.guarantee, self.delta, PrivacyLedger.from_dict(self.accountant.to_dict()),
+                      list(self.entries), self.genesis_created_at, list(self.recomputations))
 
 
 def _digest(payload: dict[str, Any]) -> str:
@@ -180,7 +197,8 @@ def _read_signed(path: Path, what: str) -> dict[str, Any]:
     return payload
 
 
-def ensure_site_state(state_dir: str | Path, site_id: str, guarantee: str, delta: float | None) -> bool:
+def ensure_site_state(state_dir: str | Path, site_id: str, guarantee: str, delta: float | None,
+                      accountant: str | None = None) -> bool:
     """Create a site's state once, or check it; returns True when it was created just now.
 
     Refuses (:class:`BudgetStateError`, naming the file) when the budget of an existing state is
@@ -237,10 +255,12 @@ def ensure_site_state(state_dir: str | Path, site_id: str, guarantee: str, delta
         # Another process (the metrics exporter, a second ClientApp) may have created the state since the
         # checks above; writing a fresh empty budget over a spend it already recorded would reset ε.
         if marker.exists() or budget.exists():
-            return ensure_site_state(state_dir, site_id, guarantee, delta)
+            return ensure_site_state(state_dir, site_id, guarantee, delta, accountant)
         created_at = time.time()
         if private:  # the empty budget first: a crash before the marker leaves an empty budget, adopted above
-            fresh = _State(site_id, guarantee, float(delta) if delta is not None else 0.0, genesis_created_at=created_at)
+            relation = relation_of(guarantee)
+            ledger = PrivacyLedger(relation=relation, accountant=accountant or default_accountant(relation))
+            fresh = _State(site_id, guarantee, float(delta) if delta is not None else 0.0, ledger, genesis_created_at=created_at)
             _write_signed(budget, fresh.to_payload())
         _write_signed(marker, {"format": GENESIS_FORMAT, "site_id": site_id, "guarantee": guarantee, "delta": delta,
                                "created_at": created_at})
@@ -267,8 +287,9 @@ def _guarantee_change_message(state_dir: Path, site_id: str, genesis: dict[str, 
     budget = state_dir / STATE_FILE
     if before != "none" and budget.exists():
         payload = _read_signed(budget, "site budget state")
-        accountant = RDPAccountant.from_dict(payload["accountant"])
-        spent = f" It has spent ε = {accountant.get_epsilon(payload['delta'])[0]:.4g} ({before}, δ = {payload['delta']:.3g}, RDP)."
+        accountant = PrivacyLedger.from_dict(payload["accountant"])
+        spent = (f" It has spent ε = {accountant.get_epsilon(payload['delta'])[0]:.4g} ({before}, δ = {payload['delta']:.3g}, "
+                 f"{accountant.accountant.upper()}).")
     released = "non-private updates" if before == "none" else f"releases under the {before} guarantee"
     return (
         f"site '{site_id}' was set up for the {before} guarantee ({state_dir / GENESIS_FILE}) and now asks for {guarantee}.{spent} "
@@ -279,14 +300,19 @@ def _guarantee_change_message(state_dir: Path, site_id: str, genesis: dict[str, 
 
 
 class SiteBudget:
-    """A site's persisted RDP budget for one guarantee (e.g. "DP", "FDP", "MaskDP").
+    """A site's persisted privacy budget for one guarantee (e.g. "DP", "FDP", "MaskDP").
+
+    ``accountant``: None keeps the budget's own accountant (a new budget gets the relation's
+    default, ``pld``); a name that differs from an existing budget's is refused
+    (:class:`BudgetStateError`): switch deliberately with :func:`recompute_budget`.
 
     >>> budget = SiteBudget("state/site-a", "site-a", eps_max=3.0, delta=1e-5, guarantee="DP")
     >>> auth = budget.authorize_round("run1", 1, noise_multiplier=1.0, sample_rate=0.01, steps=100)
     >>> # ... train, release the update; raises BudgetExhausted instead when ε_max would be passed.
     """
 
-    def __init__(self, state_dir: str | Path, site_id: str, eps_max: float, delta: float, guarantee: str = "DP"):
+    def __init__(self, state_dir: str | Path, site_id: str, eps_max: float, delta: float, guarantee: str = "DP",
+                 accountant: str | None = None):
         if not (eps_max > 0 and math.isfinite(eps_max)):
             raise ValueError(f"eps_max must be a finite number > 0, got {eps_max!r}")
         if not 0 < delta < 1:
@@ -296,8 +322,20 @@ class SiteBudget:
         self.eps_max = float(eps_max)
         self.delta = float(delta)
         self.guarantee = guarantee
-        ensure_site_state(self.state_dir, site_id, guarantee, self.delta)
+        if accountant is not None:
+            get_accountant(accountant)  # an unknown name fails here, naming the registry
+        ensure_site_state(self.state_dir, site_id, guarantee, self.delta, accountant)
         self._state = self._load()
+        kept = self._state.accountant.accountant
+        if accountant is not None and accountant != kept:
+            ledger = self._state.accountant
+            raise BudgetStateError(
+                f"site '{site_id}': budget {self.path} is accounted with {kept.upper()} (ε = {self.epsilon:.4g}, "
+                f"{guarantee}, δ = {self.delta:.3g}); the config asks for {accountant.upper()} (ε = "
+                f"{ledger.with_accountant(accountant).get_epsilon(self.delta)[0]:.4g} for the same events). A budget's "
+                f"accountant changes only deliberately: `fedpose privacy budget {self.state_dir} --accountant {accountant} "
+                f"--apply` records the switch; or remove privacy.accountant from the config to keep {kept.upper()}."
+            )
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -306,8 +344,17 @@ class SiteBudget:
 
     @property
     def epsilon(self) -> float:
-        """ε spent so far (this budget's guarantee, at ``delta``, RDP)."""
+        """ε spent so far (this budget's guarantee, at ``delta``, by :attr:`accountant_name`)."""
         return self._state.accountant.get_epsilon(self.delta)[0]
+
+    @property
+    def accountant_name(self) -> str:
+        """The accountant whose ε this budget enforces ("rdp", "pld", "prv")."""
+        return self._state.accountant.accountant
+
+    @property
+    def recomputations(self) -> list[dict[str, Any]]:
+        return list(self._state.recomputations)
 
     @property
     def entries(self) -> list[RoundEntry]:
@@ -317,9 +364,9 @@ class SiteBudget:
     def steps(self) -> int:
         return self._state.accountant.steps
 
-    def accountant(self) -> RDPAccountant:
-        """A copy of the persisted accountant (mutating it changes nothing on disk)."""
-        return RDPAccountant.from_dict(self._state.accountant.to_dict())
+    def accountant(self) -> PrivacyLedger:
+        """A copy of the persisted ledger (mutating it changes nothing on disk)."""
+        return PrivacyLedger.from_dict(self._state.accountant.to_dict())
 
     def planned_epsilon(self, noise_multiplier: float, sample_rate: float, steps: int) -> float:
         """ε the site would have spent after ``steps`` more steps at (σ, q)."""
@@ -332,19 +379,24 @@ class SiteBudget:
         return None
 
     def report(self) -> dict[str, Any]:
-        """What the site tells the coordinator (cumulative): ε, δ, guarantee, steps, RDP per order."""
+        """What the site tells the coordinator (cumulative): ε, δ, guarantee, accountant, steps, RDP per order.
+
+        The RDP curve is sent at the orders where it is finite: dp-accounting excludes (as ∞) the
+        fractional orders near 1 whose series does not converge, and JSON has no ∞."""
         acc = self._state.accountant
+        curve = acc.rdp()
+        finite = np.isfinite(curve)
         return {
             "site_id": self.site_id,
             "guarantee": self.guarantee,
-            "accountant": "rdp",
+            "accountant": acc.accountant,
             "epsilon": self.epsilon,
             "delta": self.delta,
             "eps_max": self.eps_max,
             "steps": acc.steps,
             "rounds_spent": sum(e.status == "spent" for e in self._state.entries),
-            "orders": list(acc.orders),
-            "rdp": [float(x) for x in acc.rdp()],
+            "orders": [float(a) for a, ok in zip(acc.orders, finite) if ok],
+            "rdp": [float(x) for x in curve[finite]],
         }
 
     # -- the guard -------------------------------------------------------------------------------
@@ -376,17 +428,18 @@ class SiteBudget:
             new_state = self._state.copy()
             new_state.entries = [e for e in new_state.entries if e.key != (run_id, round_id)]  # drop an old refusal
             if not planned <= self.eps_max:  # also refuses NaN / ∞ (e.g. σ = 0)
-                refusal = BudgetExhausted(self.site_id, run_id, round_id, spent, planned, self.eps_max, self.delta, self.guarantee)
+                refusal = BudgetExhausted(self.site_id, run_id, round_id, spent, planned, self.eps_max, self.delta,
+                                          self.guarantee, self.accountant_name)
                 new_state.entries.append(
                     RoundEntry(run_id, round_id, "refused", int(steps), float(noise_multiplier), float(sample_rate),
-                               spent, self.delta, time.time(), refusal.reason)
+                               spent, self.delta, time.time(), refusal.reason, self.accountant_name)
                 )
                 self._persist(new_state)
                 raise refusal
 
             new_state.accountant.step(noise_multiplier, sample_rate, steps)
             entry = RoundEntry(run_id, round_id, "spent", int(steps), float(noise_multiplier), float(sample_rate),
-                               planned, self.delta, time.time())
+                               planned, self.delta, time.time(), accountant=self.accountant_name)
             new_state.entries.append(entry)
             self._persist(new_state)
             return RoundAuthorization(entry, replayed=False)
@@ -402,34 +455,86 @@ class SiteBudget:
     def _load(self) -> _State:
         if not self.path.exists():  # ensure_site_state wrote it at genesis: it was lost since
             raise BudgetStateError(f"site '{self.site_id}': budget file {self.path} is missing; refusing to restart from zero")
-        where = f"site budget state {self.path}"
         payload = _read_signed(self.path, "site budget state")
-        if payload.get("format") != STATE_FORMAT:
-            raise BudgetStateError(f"{where}: unknown format {payload.get('format')!r} (expected {STATE_FORMAT})")
-        if payload["site_id"] != self.site_id:
-            raise BudgetStateError(f"{where} belongs to site '{payload['site_id']}', not '{self.site_id}'")
-        if payload["guarantee"] != self.guarantee:
+        where = f"site budget state {self.path}"
+        if payload.get("site_id") != self.site_id:
+            raise BudgetStateError(f"{where} belongs to site '{payload.get('site_id')}', not '{self.site_id}'")
+        if payload.get("guarantee") != self.guarantee:
             raise BudgetStateError(_guarantee_change_message(self.state_dir, self.site_id, {"guarantee": payload["guarantee"]}, self.guarantee))
-        if payload["delta"] != self.delta:
-            raise BudgetStateError(f"{where} was kept at δ = {payload['delta']}, config says δ = {self.delta}")
-        try:
-            accountant = RDPAccountant.from_dict(payload["accountant"])
-            entries = [RoundEntry(**e) for e in payload["entries"]]
-        except (ValueError, TypeError, KeyError) as exc:
-            raise BudgetStateError(f"{where}: malformed content ({exc})") from None
-        if accountant.relation != relation_of(self.guarantee):
-            raise BudgetStateError(
-                f"{where}: accounted under the '{accountant.relation}' relation, but {self.guarantee} needs "
-                f"'{relation_of(self.guarantee)}'"
-            )
-        # The accountant must be exactly the composition of the spent rounds.
-        replay = RDPAccountant(orders=accountant.orders, relation=accountant.relation)
-        for e in entries:
-            if e.status == "spent":
-                replay.step(e.noise_multiplier, e.sample_rate, e.steps)
-        if replay.steps != accountant.steps or not np.allclose(replay.rdp(), accountant.rdp(), rtol=1e-12, atol=0):
-            raise BudgetStateError(f"{where}: accountant history does not match the recorded rounds")
-        created_at = payload.get("genesis_created_at")
-        if created_at is None:  # a budget that predates markers, adopted by ensure_site_state: stamp it from now on
-            created_at = _read_signed(self.state_dir / GENESIS_FILE, "site state marker")["created_at"]
-        return _State(self.site_id, self.guarantee, self.delta, accountant, entries, float(created_at))
+        if payload.get("delta") != self.delta:
+            raise BudgetStateError(f"{where} was kept at δ = {payload.get('delta')}, config says δ = {self.delta}")
+        return _parse_state(payload, self.path)
+
+
+def _parse_state(payload: dict[str, Any], path: Path) -> _State:
+    """The verified state of a budget payload: format, relation, and ledger == composition of spent rounds."""
+    where = f"site budget state {path}"
+    if payload.get("format") != STATE_FORMAT:
+        raise BudgetStateError(f"{where}: unknown format {payload.get('format')!r} (expected {STATE_FORMAT})")
+    try:
+        site_id, guarantee, delta = str(payload["site_id"]), str(payload["guarantee"]), float(payload["delta"])
+        accountant = PrivacyLedger.from_dict(payload["accountant"])
+        entries = [RoundEntry(**e) for e in payload["entries"]]
+        recomputations = list(payload.get("recomputations", []))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise BudgetStateError(f"{where}: malformed content ({exc})") from None
+    if accountant.relation != relation_of(guarantee):
+        raise BudgetStateError(
+            f"{where}: accounted under the '{accountant.relation}' relation, but {guarantee} needs "
+            f"'{relation_of(guarantee)}'"
+        )
+    # The ledger must be exactly the composition of the spent rounds (the events, not a derived curve).
+    replay = PrivacyLedger(orders=accountant.orders, relation=accountant.relation, accountant=accountant.accountant)
+    for e in entries:
+        if e.status == "spent":
+            replay.step(e.noise_multiplier, e.sample_rate, e.steps)
+    if replay.history != accountant.history and (
+        replay.steps != accountant.steps or not np.allclose(replay.rdp(), accountant.rdp(), rtol=1e-12, atol=0)
+    ):
+        raise BudgetStateError(f"{where}: accountant history does not match the recorded rounds")
+    created_at = payload.get("genesis_created_at")
+    if created_at is None:  # a budget that predates markers, adopted by ensure_site_state: stamp it from now on
+        created_at = _read_signed(path.parent / GENESIS_FILE, "site state marker")["created_at"]
+    return _State(site_id, guarantee, delta, accountant, entries, float(created_at), recomputations)
+
+
+def recompute_budget(state_dir: str | Path, accountant: str | None = None, apply: bool = False) -> dict[str, Any]:
+    """ε of a site's persisted events under ``accountant`` (and under every accountant that handles
+    its relation); with ``apply``, switch the budget to ``accountant`` and record the switch.
+    ``accountant`` None: the budget's own.
+
+    The events are the accountant's whole input, so the switch is exact bookkeeping, not an
+    estimate. It is recorded in ``recomputations`` (from, to, ε before and after, steps, time);
+    earlier round entries keep the ε and accountant they were written with.
+    """
+    if accountant is not None:
+        get_accountant(accountant)
+    state_dir = Path(state_dir)
+    path = state_dir / STATE_FILE
+    if not path.exists():
+        raise BudgetStateError(f"no site budget at {path}")
+    with _state_lock(state_dir):
+        state = _parse_state(_read_signed(path, "site budget state"), path)
+        ledger = state.accountant
+        accountant = accountant or ledger.accountant
+        if not get_accountant(accountant).supports(ledger.relation):
+            raise BudgetStateError(f"the {accountant} accountant does not handle this budget's '{ledger.relation}' relation")
+        before = ledger.get_epsilon(state.delta)[0]
+        after = ledger.with_accountant(accountant).get_epsilon(state.delta)[0]
+        result: dict[str, Any] = {
+            "site_id": state.site_id, "guarantee": state.guarantee, "delta": state.delta,
+            "neighbouring_relation": ledger.relation, "steps": ledger.steps,
+            "events": ledger.to_dict()["history"],
+            "accountant": ledger.accountant, "epsilon": before,
+            "requested_accountant": accountant, "requested_epsilon": after,
+            "epsilon_by_accountant": ledger.epsilon_by(state.delta),
+            "applied": False,
+        }
+        if apply and accountant != ledger.accountant:
+            new_state = state.copy()
+            new_state.accountant = ledger.with_accountant(accountant)
+            new_state.recomputations.append({"from": ledger.accountant, "to": accountant, "epsilon_before": before,
+                                             "epsilon_after": after, "steps": ledger.steps, "at": time.time()})
+            _write_signed(path, new_state.to_payload())
+            result.update(applied=True, accountant=accountant, epsilon=after)
+        return result

@@ -25,7 +25,8 @@ DP mechanisms (see :mod:`fedpose.privacy.mechanisms` for the table):
   as x (one concatenated batch); the plain mean gradient of l(ψ(x), y) is added without noise.
   FDP/FP-DP read ψ(x) from ``batch["public_image"]``, which the dataset computed once per record
   from the original image before augmentation and then augmented exactly like ``image``.
-* **Accounting** — every DP step records (σ, q) in an :class:`RDPAccountant`.
+* **Accounting** — every DP step records (σ, q) in a :class:`PrivacyLedger`, whose ε comes from
+  ``privacy.accountant`` (default: the tightest accountant exact for the mechanism's relation).
 * **σ** — ``privacy.noise_multiplier``, or calibrated so that ``planned_steps`` steps reach at
   most ``privacy.target_epsilon`` at ``privacy.delta``.
 """
@@ -34,7 +35,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -43,7 +44,7 @@ from torch.utils.data import Dataset, default_collate
 
 from fedpose.config import PrivacyConfig
 from fedpose.privacy import projection
-from fedpose.privacy.accountant import RDPAccountant, noise_multiplier_for
+from fedpose.privacy.accountant import PrivacyLedger, default_accountant, noise_multiplier_for
 from fedpose.privacy.mechanisms import Mechanism, get_mechanism
 from fedpose.privacy.public_views import public_view_kind, public_view_report
 from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
@@ -72,15 +73,23 @@ def collate(samples: Sequence[dict], template: dict | None = None) -> dict:
     return {key: value[:0] if isinstance(value, Tensor) else [] for key, value in template.items()}
 
 
+def resolve_accountant(privacy: PrivacyConfig) -> str:
+    """``privacy.accountant``, or the tightest accountant exact for the mechanism's relation."""
+    relation = get_mechanism(privacy.mechanism).guarantee.relation
+    return privacy.accountant if privacy.accountant is not None else default_accountant(relation)
+
+
 def resolve_noise_multiplier(privacy: PrivacyConfig, sample_rate: float, planned_steps: int) -> float:
     """σ: ``privacy.noise_multiplier``, or the smallest σ whose ``planned_steps`` steps at rate q
-    stay within ``privacy.target_epsilon`` (the mechanism's relation, at ``privacy.delta``)."""
+    stay within ``privacy.target_epsilon`` (the mechanism's relation, at ``privacy.delta``, by the
+    resolved accountant)."""
     if privacy.noise_multiplier is not None:
         return float(privacy.noise_multiplier)
     if privacy.target_epsilon is None:  # PrivacyConfig's validator already forbids this
         raise ValueError(f"privacy: mechanism '{privacy.mechanism}' needs privacy.noise_multiplier or privacy.target_epsilon")
     relation = get_mechanism(privacy.mechanism).guarantee.relation
-    return noise_multiplier_for(privacy.target_epsilon, sample_rate, planned_steps, privacy.delta, relation=relation)
+    return noise_multiplier_for(privacy.target_epsilon, sample_rate, planned_steps, privacy.delta, relation=relation,
+                                accountant=resolve_accountant(privacy))
 
 
 class GradientEngine:
@@ -114,6 +123,9 @@ class GradientEngine:
         self.seed = int(seed)
         self.chunk_size = int(chunk_size)
         self.steps_done = 0
+        #: AUDIT ONLY (``fedpose audit``): step index → the clipped gradients of audit canaries, added to the
+        #: clipped sum before the noise as records of the dataset would be (:mod:`fedpose.privacy.canaries`)
+        self.canary_gradients: Callable[[int], Tensor] | None = None
         self._batches_drawn = 0
         self._empty_template: dict | None = None
         self._shuffle = torch.Generator().manual_seed(self.seed + 1)
@@ -129,7 +141,7 @@ class GradientEngine:
             self.dataset_size_public = True
             self.sample_rate = min(1.0, self.batch_size / self.dataset_size)
             self.noise_multiplier = 0.0
-            self.accountant: RDPAccountant | None = None
+            self.accountant: PrivacyLedger | None = None
             self.noise = None
             return
         # A declared q keeps N secret: under add/remove adjacency neighbouring datasets differ in
@@ -144,9 +156,10 @@ class GradientEngine:
             )
         else:
             self.sample_rate = self.batch_size / self.dataset_size
+        # The guarantee's neighbouring relation decides the analysis (FDP family: replace-one, see accountant);
+        # a relation the configured accountant cannot handle fails here, before any step.
+        self.accountant = PrivacyLedger(relation=mechanism.guarantee.relation, accountant=resolve_accountant(privacy))
         self.noise_multiplier = resolve_noise_multiplier(privacy, self.sample_rate, self.planned_steps)
-        # The guarantee's neighbouring relation decides the RDP curve (FDP family: replace-one, see accountant).
-        self.accountant = RDPAccountant(relation=mechanism.guarantee.relation)
         # The CSPRNG unless a test asks for seeded noise, which voids the guarantee (see privacy_report).
         self.noise = make_noise(self.seed if privacy.insecure_seeded_noise else None)
         if mechanism.projects and privacy.basis.k < 1:
@@ -304,6 +317,8 @@ class GradientEngine:
                 public_gradient, public_losses = mean_gradient(model, features[size:], batch["joints"], batch["weight"])
                 metrics["public_loss"] = float(public_losses.mean())
 
+        if self.canary_gradients is not None:
+            clipped_sum = clipped_sum + self.canary_gradients(self.steps_done)
         noise_std = self.noise_multiplier * clip
         self.noise.reseed(_NOISE_STREAM, self.steps_done)
         gradient = (clipped_sum + self.noise.normal(num_params, noise_std)) / self.expected_batch_size
@@ -348,9 +363,9 @@ class GradientEngine:
             return report
         assert self.noise is not None  # every noisy mechanism has both a ledger and a noise source
         epsilon, order = self.accountant.get_epsilon(self.privacy.delta)
-        epsilon_text = format_epsilon(epsilon, self.privacy.delta, guarantee)
+        epsilon_text = format_epsilon(epsilon, self.privacy.delta, guarantee, self.accountant.accountant)
         rdp = self.accountant.rdp()
-        planned = RDPAccountant(relation=self.accountant.relation)
+        planned = PrivacyLedger(relation=self.accountant.relation, accountant=self.accountant.accountant)
         planned.step(self.noise_multiplier, self.sample_rate, self.planned_steps)
         report.update({
             "epsilon": _finite_or_none(epsilon),
@@ -360,7 +375,7 @@ class GradientEngine:
             "guarantee_void": not self.noise.secure,
             "planned_epsilon": _finite_or_none(planned.get_epsilon(self.privacy.delta)[0]),
             "target_epsilon": self.privacy.target_epsilon,
-            "accountant": "rdp",
+            "accountant": self.accountant.accountant,
             "neighbouring_relation": self.accountant.relation,
             "noise_multiplier": self.noise_multiplier,
             "max_grad_norm": self.privacy.max_grad_norm,

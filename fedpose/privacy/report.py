@@ -35,7 +35,7 @@ NO_PRIVACY = Guarantee(
 )
 RECORD_DP = Guarantee(
     name="DP",
-    statement="(ε, δ)-differential privacy, Poisson sampling, RDP accounting",
+    statement="(ε, δ)-differential privacy, Poisson sampling",
     unit="one record (image + keypoints) of the training set",
     public="nothing",
 )

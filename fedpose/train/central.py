@@ -206,7 +206,13 @@ def run_training(
         calibrate_batch_norm(model, calibration_set)
     model.train_mode()
     stream = _ReplayableDataset(train_set)
-    engine = build_engine(cfg.privacy, model, len(train_set), cfg.train.batch_size, total_steps, public_set, stream_seed)
+    privacy_cfg = cfg.privacy
+    saved_ledger = ((checkpoint.get("extra") or {}).get("accountant") if checkpoint is not None else None)
+    if saved_ledger is not None and privacy_cfg.accountant is None:
+        # A resumed run keeps the accountant it started with (a checkpoint from before accountants were
+        # selectable: RDP), so neither σ nor the reported ε changes silently mid-run.
+        privacy_cfg = privacy_cfg.model_copy(update={"accountant": saved_ledger.get("accountant", "rdp")})
+    engine = build_engine(privacy_cfg, model, len(train_set), cfg.train.batch_size, total_steps, public_set, stream_seed)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     state = RunState()
@@ -219,9 +225,10 @@ def run_training(
                          saved.get("best_val_mean") if saved.get("best_val_mean") is not None else -math.inf)
         extra = checkpoint.get("extra") or {}
         if engine.accountant is not None and extra.get("accountant") is not None:
-            from fedpose.privacy.accountant import RDPAccountant
+            from fedpose.privacy.accountant import PrivacyLedger
 
-            engine.accountant = RDPAccountant.from_dict(extra["accountant"])
+            # the checkpoint's events, accounted by the engine's accountant (the same one unless the config names another)
+            engine.accountant = PrivacyLedger.from_dict(extra["accountant"]).with_accountant(engine.accountant.accountant)
         engine.steps_done = start_step
         if not noisy:  # exact replay of the shuffled order and augmentation draws
             stream.replaying = True
