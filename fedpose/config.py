@@ -138,6 +138,18 @@ class PrivacyConfig(Strict):
         description="TESTS ONLY: draw DP noise and Poisson sampling from train.seed (reproducible). NOT PRIVATE: "
         "anyone who knows the seed removes the noise; sites refuse to federate with it",
     )
+    unit: Literal["auto", "record", "image", "patient"] = Field(
+        "auto",
+        description="protection unit: what one neighbouring dataset adds or removes — 'record' (one person-crop), "
+        "'image' (every person in one image) or 'patient' (every record with one patient_id). Sampling is Poisson over "
+        "units and each unit's summed gradient is clipped to C as one. 'auto': the coarsest unit the training "
+        "annotations support (patient if every record has patient_id, else image), decided when the data is loaded",
+    )
+    max_records_per_unit: int | None = Field(
+        None, ge=1,
+        description="cap on records of one sampled unit used in one step (uniformly chosen with the CSPRNG); bounds "
+        "memory for patients with many images. A fixed number, never derived from the data; None = all records",
+    )
     basis: BasisConfig = BasisConfig()
     public_view: PublicViewConfig = PublicViewConfig()
     mask: MaskConfig = MaskConfig()

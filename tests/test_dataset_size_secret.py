@@ -60,6 +60,6 @@ def test_privacy_report_cli_states_randomness_adjacency_unit_and_what_leaves(tmp
     path.write_text(json.dumps(report))
     assert main(["privacy", "report", str(path)]) == 0
     text = capsys.readouterr().out
-    for needle in ("randomness: AES-256-CTR", "unit protected: one record", "adjacency: add/remove one unit",
+    for needle in ("randomness: AES-256-CTR", "unit protected: one record", "adjacency: add/remove one record",
                    "dataset size N: secret", "what leaves:", "(DP, δ = 1e-05, PLD)"):
         assert needle in text, (needle, text)

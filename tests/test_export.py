@@ -89,7 +89,7 @@ def test_a_federated_model_is_exported_with_every_site_s_guarantee(tmp_path: Pat
         {"site_id": "site-1", "epsilon": 2.5, "delta": 1e-5, "guarantee": "DP", "rounds_joined": 3}]}))
     assert main(["export", str(coordinator), "--out", str(tmp_path / "release")]) == 0
     report = json.loads((tmp_path / "release" / "privacy_report.json").read_text())
-    assert report["sites"][0]["epsilon_text"] == "ε = 2.5 (DP, δ = 1e-05, RDP)"
+    assert report["sites"][0]["epsilon_text"] == "ε = 2.5 (DP, δ = 1e-05, RDP) per record"  # report.json from before units
     assert "site-1: ε = 2.5 (DP" in (tmp_path / "release" / "PRIVACY.txt").read_text()
 
 
@@ -178,7 +178,8 @@ def test_a_federated_export_takes_each_site_s_spend_from_the_ledger(tmp_path: Pa
     report = json.loads((out / "privacy_report.json").read_text())
     assert _keys(report) <= ALLOWED_KEYS, _keys(report) - ALLOWED_KEYS
     assert report["sites"] == [{"site_id": "site-1", "guarantee": "DP", "epsilon": 1.7, "delta": 1e-5, "accountant": "rdp",
-                                "rounds_joined": 2, "epsilon_text": "ε = 1.7 (DP, δ = 1e-05, RDP)"}]
+                                "rounds_joined": 2, "protection_unit": "record",  # ledger rows without a unit
+                                "epsilon_text": "ε = 1.7 (DP, δ = 1e-05, RDP) per record"}]
     assert "after round 2" in report["model_selection"]
     assert main(["export", str(coordinator), "--out", str(tmp_path / "b"), "--checkpoint", "best"]) != 0  # no 'best' here
 

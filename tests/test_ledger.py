@@ -120,3 +120,39 @@ def test_cli_entry_point_exports_json(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "fedpose.cli", "ledger", "export", "--db", str(db), "--format", "json"],
                           capture_output=True, text=True, check=True)
     assert len(json.loads(proc.stdout)["entries"]) == 6
+
+
+_SCHEMA_BEFORE_UNITS = """
+CREATE TABLE site_rounds (
+    site_id TEXT NOT NULL, round INTEGER NOT NULL, status TEXT NOT NULL, epsilon REAL, delta REAL, guarantee TEXT,
+    accountant TEXT, steps INTEGER NOT NULL DEFAULT 0, rdp_json TEXT, orders_json TEXT, reason TEXT NOT NULL DEFAULT '',
+    recorded_at REAL NOT NULL, PRIMARY KEY (site_id, round));
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+INSERT INTO meta VALUES ('schema_version', '1');
+INSERT INTO site_rounds VALUES ('a', 1, 'ok', 0.5, 1e-5, 'DP', 'rdp', 10, NULL, NULL, '', 1.0);
+"""
+
+
+def test_rows_name_the_unit_and_ledgers_from_before_units_are_record_level(tmp_path, capsys):
+    db = tmp_path / "old.sqlite"
+    with sqlite3.connect(db) as con:
+        con.executescript(_SCHEMA_BEFORE_UNITS)
+    with BudgetLedger(db, read_only=True) as ledger:  # read-only: no migration, unit unknown = record
+        assert ledger.entries()[0].unit is None and ledger.site_summaries()[0].unit == "record"
+    with BudgetLedger(db) as ledger:  # writable: the column is added, old rows keep NULL
+        ledger.record(LedgerEntry("b", 1, "ok", epsilon=0.4, delta=1e-5, guarantee="DP", steps=10, unit="patient"))
+        units = {s.site_id: s.unit for s in ledger.site_summaries()}
+    assert units == {"a": "record", "b": "patient"}
+    assert cli_main(["ledger", "show", "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "a: ε = 0.5 (DP, δ = 1e-05, RDP) per record" in out and "b: ε = 0.4 (DP, δ = 1e-05, RDP) per patient" in out
+
+
+def test_an_entry_from_a_reply_carries_the_sites_unit():
+    from fedpose.federation.protocol import PrivacyReport, SiteReply
+
+    privacy = PrivacyReport(guarantee="DP", unit="one patient", protection_unit="patient", adjacency="add_remove",
+                            accountant="rdp", epsilon=0.3, delta=1e-5, eps_max=1.0, steps=5, rounds_spent=1,
+                            orders=[2.0], rdp=[0.1], next_round_affordable=True)
+    reply = SiteReply(site_id="s", run_id="r", round=1, status="ok", privacy=privacy, local_steps=5)
+    assert LedgerEntry.from_reply(1, reply, "ok").unit == "patient"

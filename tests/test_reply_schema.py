@@ -32,6 +32,7 @@ SITE_REPLY_FIELDS = {
 PRIVACY_REPORT_FIELDS = {
     "guarantee", "unit", "adjacency", "accountant", "epsilon", "delta", "eps_max", "steps", "rounds_spent",
     "orders", "rdp", "next_round_affordable",
+    "protection_unit",  # record / image / patient: the site's declared unit (config, or pinned in its budget state)
 }
 
 

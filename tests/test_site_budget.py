@@ -259,3 +259,41 @@ def test_a_site_created_concurrently_keeps_the_spend_recorded_first(tmp_path, mo
     second = SiteBudget(state, "site-a", 10.0, DELTA, "DP")
     assert second.epsilon == pytest.approx(_eps_after(1))
     assert SiteBudget(state, "site-a", 10.0, DELTA, "DP").steps == STEPS
+
+
+def test_the_protection_unit_is_part_of_the_guarantee(tmp_path):
+    """ε per patient and ε per record are different statements: a site cannot switch between them."""
+    state = tmp_path / "site-p"
+    per_patient = SiteBudget(state, "site-p", eps_max=10.0, delta=DELTA, guarantee="DP", unit="patient")
+    per_patient.authorize_round("run", 1, SIGMA, Q, STEPS)
+    assert per_patient.report()["unit"] == "patient" and sb.stored_unit(state) == "patient"
+    with pytest.raises(BudgetStateError, match=r"accounted per patient, and it now asks to train per record"):
+        SiteBudget(state, "site-p", eps_max=10.0, delta=DELTA, guarantee="DP", unit="record")
+    # the budget file itself carries the unit too: a marker edited to another unit does not pass
+    marker = json.loads((state / sb.GENESIS_FILE).read_text())["payload"]
+    sb._write_signed(state / sb.GENESIS_FILE, {**marker, "unit": "image"})
+    with pytest.raises(BudgetStateError, match=r"budget\.json\) is accounted per patient"):
+        SiteBudget(state, "site-p", eps_max=10.0, delta=DELTA, guarantee="DP", unit="image")
+    sb._write_signed(state / sb.GENESIS_FILE, marker)
+    assert SiteBudget(state, "site-p", eps_max=10.0, delta=DELTA, guarantee="DP", unit="patient").epsilon == pytest.approx(_eps_after(1))
+
+
+def test_a_state_from_before_units_is_record_level(tmp_path):
+    budget = _budget(tmp_path, eps_max=10.0)
+    budget.authorize_round("run", 1, SIGMA, Q, STEPS)
+    for path in (budget.path, budget.state_dir / sb.GENESIS_FILE):  # as written before protection units existed
+        payload = json.loads(path.read_text())["payload"]
+        payload.pop("unit", None)
+        sb._write_signed(path, payload)
+    assert sb.stored_unit(budget.state_dir) == "record"
+    assert _budget(tmp_path, eps_max=10.0).epsilon == pytest.approx(_eps_after(1))  # unit defaults to record
+    with pytest.raises(BudgetStateError, match="accounted per record, and it now asks to train per patient"):
+        SiteBudget(tmp_path / "site-a", "site-a", eps_max=10.0, delta=DELTA, guarantee="DP", unit="patient")
+    assert sb.stored_unit(tmp_path / "nowhere") is None
+
+
+def test_a_reader_without_a_unit_sees_the_states_own_unit(tmp_path):
+    SiteBudget(tmp_path / "s", "s", eps_max=10.0, delta=DELTA, guarantee="DP", unit="image").authorize_round("r", 1, SIGMA, Q, STEPS)
+    reader = SiteBudget(tmp_path / "s", "s", eps_max=10.0, delta=DELTA, guarantee="DP")
+    assert reader.unit == "image" and reader.epsilon == pytest.approx(_eps_after(1))
+    assert SiteBudget(tmp_path / "new", "n", eps_max=10.0, delta=DELTA, guarantee="DP").unit == "record"

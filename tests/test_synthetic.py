@@ -17,7 +17,7 @@ from fedpose.data.synthetic import (
     render_example, site_profile,
 )
 from fedpose.data.synthetic import body
-from fedpose.data.synthetic.generate import PROGRESS_FILE
+from fedpose.data.synthetic.generate import IMAGES_PER_PATIENT, PROGRESS_FILE
 from fedpose.data.synthetic.render import RADII, person_mask, render_scene, sample_scene
 from fedpose.joints import JOINT_INDEX, NUM_JOINTS
 
@@ -209,7 +209,9 @@ def test_sites_differ_in_pose_distribution():
 def test_sites_differ_in_image_statistics():
     def mean_colours(site: int) -> np.ndarray:
         spec = SplitSpec(f"site-{site}", 0, "site", site)
-        return np.stack([render_example(0, spec, i, (64, 48), 3)[0].reshape(-1, 3).mean(0) for i in range(20)])
+        # one image per patient: a patient's images share skin and clothing, so only patients are independent draws
+        return np.stack([render_example(0, spec, i, (64, 48), 3)[0].reshape(-1, 3).mean(0)
+                         for i in range(0, 40 * IMAGES_PER_PATIENT, IMAGES_PER_PATIENT)])
 
     a, b = mean_colours(1), mean_colours(3)
     diff = np.abs(a.mean(0) - b.mean(0))
@@ -326,3 +328,44 @@ def test_cli_generates_and_refuses_non_empty_dir(tmp_path, capsys):
     before = (out / "manifest.json").read_text()
     assert cli_main(args + ["--overwrite"]) == 0
     assert (out / "manifest.json").read_text() == before  # same seed → same dataset
+
+
+# --- patients: several images per person, for patient-level DP -----------------------------------
+
+def test_site_patients_have_several_images_with_one_identity_and_different_scenes():
+    from fedpose.data.synthetic.generate import patient_of
+    from fedpose.data.synthetic.render import sample_scene as scene_of
+    from fedpose.data.synthetic.generate import example_rng, patient_identity, profile_for
+
+    count = 3 * IMAGES_PER_PATIENT
+    fields = [render_example(0, SITE1, i, SMALL, 3)[1] for i in range(count)]
+    ids = [f["patient_id"] for f in fields]
+    assert len(set(ids)) == 3 and all(ids.count(pid) == IMAGES_PER_PATIENT for pid in set(ids))
+    assert ids == sorted(ids) and ids[0] == "site-1-patient-00000"
+    profile = profile_for("site", 1)
+    scenes = []
+    for i in range(count):
+        patient = patient_of(SITE1, i)
+        scenes.append(scene_of(example_rng(0, SITE1, i), profile, SMALL, identity=patient_identity(0, SITE1, patient, profile)))
+    for p in range(3):
+        same = scenes[p * IMAGES_PER_PATIENT: (p + 1) * IMAGES_PER_PATIENT]
+        first = same[0].identity
+        for scene in same[1:]:  # skin, face, hair, clothing colours and fabric seed: one person
+            assert all(np.array_equal(getattr(scene.identity, k), getattr(first, k)) for k in vars(first))
+        # ... in different poses and places
+        assert len({tuple(np.round(s.joints.ravel(), 1)) for s in same}) == IMAGES_PER_PATIENT
+    others = [scenes[p * IMAGES_PER_PATIENT].identity for p in range(3)]
+    assert len({o.texture_seed for o in others}) == 3 and not np.array_equal(others[0].shirt, others[1].shirt)
+
+
+def test_site_records_carry_patient_ids_so_the_default_unit_is_the_patient(tmp_path):
+    from fedpose.data.loaders import load_records
+    from fedpose.data.units import resolve_unit
+
+    manifest = generate_dataset(tmp_path / "d", sites=1, per_site=6, public=2, test=2, size=SMALL, workers=1, progress=False)
+    records, _ = load_records(tmp_path / "d" / "site-1")
+    assert [r.patient_id for r in records] == ["site-1-patient-00000"] * 4 + ["site-1-patient-00001"] * 2
+    assert resolve_unit("auto", records, "site-1").unit == "patient"
+    public, _ = load_records(tmp_path / "d" / "public")
+    assert all(r.patient_id is None for r in public)  # a new person per public image
+    assert manifest["params"]["images_per_patient"] == IMAGES_PER_PATIENT

@@ -58,7 +58,8 @@ PUBLISHABLE_SECTION_KEYS: dict[str, frozenset[str]] = {
     }),
 }
 #: Keys of a federated export's per-site entries.
-SITE_KEYS = frozenset({"site_id", "guarantee", "epsilon", "delta", "accountant", "epsilon_text", "rounds_joined"})
+SITE_KEYS = frozenset({"site_id", "guarantee", "protection_unit", "epsilon", "delta", "accountant", "epsilon_text",
+                       "rounds_joined"})
 #: Keys this command adds around the engine report.
 EXPORT_KEYS = frozenset({"source", "model_selection", "run_id", "sites"})
 
@@ -190,10 +191,12 @@ def _federation(coordinator_dir: Path) -> tuple[Any, dict[str, Any]]:
     sites = [{
         "site_id": s["site_id"], "guarantee": s.get("guarantee"), "epsilon": s.get("epsilon"), "delta": s.get("delta"),
         "accountant": s.get("accountant") or "rdp", "rounds_joined": s.get("rounds_joined"),
-        "epsilon_text": epsilon_text(s.get("epsilon"), s.get("delta"), s.get("guarantee"), s.get("accountant") or "rdp"),
+        "protection_unit": s.get("unit") or "record",  # summaries from before units: record-level
+        "epsilon_text": epsilon_text(s.get("epsilon"), s.get("delta"), s.get("guarantee"), s.get("accountant") or "rdp",
+                                     s.get("unit")),
     } for s in summaries]
     report = {"source": "federation", "run_id": meta.get("run_id"), "sites": sites,
-              "guarantee_statement": "each site's guarantee is about its own records, composed over every local step of every round it joined",
+              "guarantee_statement": "each site's guarantee is about its own protection units (protection_unit: record, image or patient), composed over every local step of every round it joined",
               "model_selection": f"global model after round {model_round} (no selection on data)"}
     return model, report
 

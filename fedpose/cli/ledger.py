@@ -44,7 +44,8 @@ def _show(args: argparse.Namespace) -> int:
         print(f"{args.db}: no entries yet")
         return 0
     for s in summaries:
-        eps = "ε not reported" if s.epsilon is None else format_epsilon(s.epsilon, s.delta or 0.0, s.guarantee or "?", s.accountant or "rdp")
+        eps = "ε not reported" if s.epsilon is None else format_epsilon(s.epsilon, s.delta or 0.0, s.guarantee or "?",
+                                                                         s.accountant or "rdp", s.unit)
         flag = "  EXHAUSTED" if s.site_id in exhausted else ""
         print(
             f"{s.site_id}: {eps}; rounds joined {s.rounds_joined}, refused {s.rounds_refused}, "

@@ -6,8 +6,8 @@
     fedpose privacy budget STATE_DIR [--accountant pld [--apply]]
 
 ``--accountant`` defaults to the tightest accountant exact for the guarantee's neighbouring
-relation (``pld``). Every ε is printed with its guarantee type, δ, relation and accountant (never a
-bare ε).
+relation (``pld``). Every ε is printed with its guarantee type, δ, relation, accountant and
+protection unit (``--unit``; never a bare ε).
 """
 
 from __future__ import annotations
@@ -37,12 +37,17 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object only")
     parser.add_argument(
         "--guarantee", choices=("DP", "FDP", "MaskDP"), default="DP",
-        help="DP: add/remove-one record (dpsgd, pdp); FDP / MaskDP: replace-one with public membership "
+        help="DP: add/remove-one unit (dpsgd, pdp); FDP / MaskDP: replace-one with public membership "
         "(fdp, fpdp, maskdp) — a different, larger privacy loss (default: DP)",
     )
     parser.add_argument(
         "--accountant", choices=ACCOUNTANT_NAMES, default=None,
         help="rdp | pld | prv (default: the tightest exact for the guarantee's relation: pld; prv handles DP only)",
+    )
+    parser.add_argument(
+        "--unit", choices=("record", "image", "patient"), default="record",
+        help="protection unit the guarantee is about; q is then the rate at which units are sampled "
+        "(expected units per batch / units at the site) (default: record)",
     )
 
 
@@ -93,7 +98,7 @@ def _accounting(args: argparse.Namespace) -> tuple[str, str]:
 
 def _epsilon(args: argparse.Namespace) -> int:
     from fedpose.privacy.accountant import epsilon_for
-    from fedpose.privacy.report import format_epsilon
+    from fedpose.privacy.report import format_epsilon, guarantee_sentence
 
     relation, accountant = _accounting(args)
     epsilon, order = epsilon_for(args.noise_multiplier, args.sample_rate, args.steps, args.delta, relation=relation,
@@ -104,12 +109,16 @@ def _epsilon(args: argparse.Namespace) -> int:
         "order": order if math.isfinite(order) else None,  # the optimal RDP order (rdp only)
         "accountant": accountant,
         "guarantee": args.guarantee,
+        "protection_unit": args.unit,
         "neighbouring_relation": relation,
+        "guarantee_sentence": guarantee_sentence(epsilon if math.isfinite(epsilon) else None, args.delta,
+                                                 args.guarantee, args.unit, relation, accountant),
     }
     if args.json:
         print_json(result)
     else:
-        print(format_epsilon(epsilon, args.delta, args.guarantee, accountant))
+        print(format_epsilon(epsilon, args.delta, args.guarantee, accountant, unit=args.unit))
+        print(f"  {result['guarantee_sentence']}")
         order_text = f", optimal RDP order α = {order:g}" if math.isfinite(order) else ""
         print(f"  σ = {args.noise_multiplier:g}, q = {args.sample_rate:g}, T = {args.steps}{order_text}, relation: {relation}")
     return 0
@@ -128,11 +137,11 @@ def _noise(args: argparse.Namespace) -> int:
     epsilon, order = epsilon_for(sigma, args.sample_rate, args.steps, args.delta, relation=relation, accountant=accountant)
     result = {"noise_multiplier": sigma, "epsilon": epsilon, "delta": args.delta,
               "order": order if math.isfinite(order) else None, "accountant": accountant,
-              "guarantee": args.guarantee, "neighbouring_relation": relation}
+              "guarantee": args.guarantee, "protection_unit": args.unit, "neighbouring_relation": relation}
     if args.json:
         print_json(result)
     else:
-        print(f"noise multiplier σ = {sigma:.4f} → {format_epsilon(epsilon, args.delta, args.guarantee, accountant)}")
+        print(f"noise multiplier σ = {sigma:.4f} → {format_epsilon(epsilon, args.delta, args.guarantee, accountant, unit=args.unit)}")
         print(f"  target ε = {args.target_epsilon:g}, q = {args.sample_rate:g}, T = {args.steps}, relation: {relation}")
     return 0
 

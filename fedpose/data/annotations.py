@@ -4,9 +4,12 @@ A dataset directory holds ``annotations.json`` (a list of records) and the image
 relative to the directory (or to ``images/`` inside it). One record per person:
 
     {"image": "000001.png", "joints": 16×[x, y], "joints_vis": 16×{0,1},
-     "center": [x, y], "scale": s, "headbox": [[x1, y1], [x2, y2]]}
+     "center": [x, y], "scale": s, "headbox": [[x1, y1], [x2, y2]], "patient_id": "p-017"}
 
 ``scale`` follows the MPII convention: the person box is ``200·scale`` pixels tall.
+``patient_id`` is optional: who is in the image, when the site knows it. It makes patient-level
+privacy possible (the protection unit, :mod:`fedpose.data.units`); records of one patient may span
+many images. The image file name identifies the image.
 Synthetic data, MPII and COCO (after joint mapping) all load into :class:`PoseRecord`.
 """
 
@@ -38,6 +41,7 @@ class PoseRecord:
     scale: float
     headbox: np.ndarray | None = None  # (2, 2) float32 [[x1, y1], [x2, y2]]
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. synthetic "site", "face_box"
+    patient_id: str | None = None  # who this person is, when annotated (protection unit "patient")
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -49,6 +53,8 @@ class PoseRecord:
         }
         if self.headbox is not None:
             out["headbox"] = np.round(self.headbox.astype(float), 4).tolist()
+        if self.patient_id is not None:
+            out["patient_id"] = self.patient_id
         out.update(self.extra)
         return out
 
@@ -79,9 +85,23 @@ class PoseRecord:
             raise AnnotationError(f"{where}: 'headbox' must be [[x1, y1], [x2, y2]], got shape {headbox.shape}")
         if not np.isfinite(joints).all():
             raise AnnotationError(f"{where}: 'joints' contains NaN or Inf")
-        known = {"image", "joints", "joints_vis", "center", "scale", "headbox"}
+        patient_id = parse_patient_id(raw.get("patient_id"), where)
+        known = {"image", "joints", "joints_vis", "center", "scale", "headbox", "patient_id"}
         extra = {k: v for k, v in raw.items() if k not in known}
-        return cls(str(need("image")), joints, (vis > 0).astype(np.float32), center, scale, headbox, extra)
+        return cls(str(need("image")), joints, (vis > 0).astype(np.float32), center, scale, headbox, extra, patient_id)
+
+
+def parse_patient_id(value: Any, where: str) -> str | None:
+    """An annotated patient id as a non-empty string (ints are accepted: registries often number
+    patients); None when absent. Anything else is an error naming the record."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise AnnotationError(f"{where}: 'patient_id' must be a string or an integer, got {type(value).__name__}")
+    text = str(value).strip()
+    if not text:
+        raise AnnotationError(f"{where}: 'patient_id' is empty (omit the field when the patient is unknown)")
+    return text
 
 
 def read_annotations(path: str | Path) -> list[PoseRecord]:

@@ -63,7 +63,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fedpose.data.annotations import AnnotationError, PoseRecord
+from fedpose.data.annotations import AnnotationError, PoseRecord, parse_patient_id
 from fedpose.joints import JOINT_INDEX, NUM_JOINTS
 
 COCO_KEYPOINTS: tuple[str, ...] = (
@@ -183,9 +183,11 @@ def records_from_coco(
 ) -> list[PoseRecord]:
     """One record per non-crowd person annotation with ≥ ``min_keypoints`` labelled keypoints."""
     images = {}
+    image_patients: dict[Any, str | None] = {}  # a clinical export may tag each image with its patient
     for i, img in enumerate(raw["images"]):
         try:
             images[img["id"]] = (str(img["file_name"]), float(img["width"]), float(img["height"]))
+            image_patients[img["id"]] = parse_patient_id(img.get("patient_id"), f"{where}: images[{i}]")
         except (KeyError, TypeError, ValueError) as exc:
             raise AnnotationError(f"{where}: images[{i}] needs id, file_name, width, height ({exc!r})") from exc
     person_ids = {c["id"] for c in raw.get("categories", []) if c.get("name") == "person"} or {1}
@@ -218,6 +220,8 @@ def records_from_coco(
             headbox=headbox_from_face(keypoints),
             extra={"coco_annotation_id": ann.get("id"), "coco_image_id": image_id,
                    "image_head_boxes": head_boxes.get(image_id, [])},
+            # the person's own tag wins over the image's (an image may show several patients)
+            patient_id=parse_patient_id(ann.get("patient_id"), at) or image_patients[image_id],
         ))
     return records
 

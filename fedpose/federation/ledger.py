@@ -49,6 +49,7 @@ CREATE TABLE IF NOT EXISTS site_rounds (
     epsilon     REAL,
     delta       REAL,
     guarantee   TEXT,
+    unit        TEXT,
     accountant  TEXT,
     steps       INTEGER NOT NULL DEFAULT 0,
     rdp_json    TEXT,
@@ -81,6 +82,9 @@ class LedgerEntry:
     orders: tuple[float, ...] | None = None
     reason: str = ""
     recorded_at: float = 0.0  #: unix time; 0 = now
+    #: protection unit the ε is about ("record", "image", "patient"); None: not reported (or a row
+    #: written before units existed — those sites were record-level)
+    unit: str | None = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -102,6 +106,7 @@ class LedgerEntry:
             epsilon=privacy.epsilon if privacy is not None else None,
             delta=privacy.delta if privacy is not None and privacy.accountant != "none" else None,
             guarantee=privacy.guarantee if privacy is not None else None,
+            unit=privacy.protection_unit if privacy is not None and privacy.accountant != "none" else None,
             accountant=privacy.accountant if privacy is not None else None,
             steps=int(reply.local_steps) if trained else 0,
             rdp=tuple(privacy.rdp) if privacy is not None and privacy.rdp else None,
@@ -122,6 +127,7 @@ class SiteSummary:
     rounds_missing: int
     last_round: int
     last_status: str
+    unit: str | None = None  #: protection unit of the latest reported ε
 
 
 class BudgetLedger:
@@ -148,6 +154,13 @@ class BudgetLedger:
         if row is None or int(row[0]) != SCHEMA_VERSION:
             self._db.close()
             raise LedgerError(f"{self.path}: unknown ledger schema version {row[0] if row else None!r}")
+        columns = {r[1] for r in self._db.execute("PRAGMA table_info(site_rounds)").fetchall()}
+        if "unit" not in columns and not read_only:
+            # ledgers from before protection units: add the column; their rows stay NULL (= record-level)
+            with self._db:
+                self._db.execute("ALTER TABLE site_rounds ADD COLUMN unit TEXT")
+            columns.add("unit")
+        self._unit_column = "unit" if "unit" in columns else "NULL"
 
     def close(self) -> None:
         self._db.close()
@@ -167,7 +180,7 @@ class BudgetLedger:
         now = time.time()
         rows = [
             (
-                e.site_id, int(e.round), e.status, e.epsilon, e.delta, e.guarantee, e.accountant, int(e.steps),
+                e.site_id, int(e.round), e.status, e.epsilon, e.delta, e.guarantee, e.unit, e.accountant, int(e.steps),
                 json.dumps(list(e.rdp)) if e.rdp is not None else None,
                 json.dumps(list(e.orders)) if e.orders is not None else None,
                 e.reason, e.recorded_at or now,
@@ -176,14 +189,15 @@ class BudgetLedger:
         ]
         with self._db:
             self._db.executemany(
-                "INSERT OR REPLACE INTO site_rounds (site_id, round, status, epsilon, delta, guarantee, accountant, "
-                "steps, rdp_json, orders_json, reason, recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO site_rounds (site_id, round, status, epsilon, delta, guarantee, unit, accountant, "
+                "steps, rdp_json, orders_json, reason, recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
 
     # -- reading ---------------------------------------------------------------------------------
     def entries(self, site_id: str | None = None) -> list[LedgerEntry]:
-        query = "SELECT site_id, round, status, epsilon, delta, guarantee, accountant, steps, rdp_json, orders_json, reason, recorded_at FROM site_rounds"
+        query = ("SELECT site_id, round, status, epsilon, delta, guarantee, accountant, steps, rdp_json, orders_json, reason, "
+                 f"recorded_at, {self._unit_column} FROM site_rounds")
         args: tuple = ()
         if site_id is not None:
             query += " WHERE site_id = ?"
@@ -193,7 +207,7 @@ class BudgetLedger:
             LedgerEntry(
                 site_id=r[0], round=r[1], status=r[2], epsilon=r[3], delta=r[4], guarantee=r[5], accountant=r[6],
                 steps=r[7], rdp=tuple(json.loads(r[8])) if r[8] else None, orders=tuple(json.loads(r[9])) if r[9] else None,
-                reason=r[10], recorded_at=r[11],
+                reason=r[10], recorded_at=r[11], unit=r[12],
             )
             for r in rows
         ]
@@ -222,6 +236,7 @@ class BudgetLedger:
                     rounds_missing=sum(e.status == "missing" for e in rows),
                     last_round=last.round,
                     last_status=last.status,
+                    unit=(latest.unit or "record") if latest else None,  # NULL: a row from before units
                 )
             )
         return summaries

@@ -47,6 +47,28 @@ class SiteRoundResult:
     update: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+def site_protection_unit(site: SiteConfig) -> str:
+    """The site's protection unit: ``privacy.unit``; for "auto", the unit its budget state was
+    created with, or — for a new site — the coarsest unit its training annotations support
+    (read from annotations.json only: no image is opened). Decided once: the budget state pins it,
+    so a later change of the data cannot silently change the guarantee."""
+    from fedpose.federation.site_budget import stored_unit
+
+    if site.privacy.unit != "auto":
+        return site.privacy.unit
+    pinned = stored_unit(site.state_dir)
+    if pinned is not None:
+        return pinned
+    from fedpose.data.loaders import load_records
+    from fedpose.data.units import resolve_unit
+
+    assert site.data.train is not None  # SiteConfig validates it
+    records, _ = load_records(site.data.train)
+    choice = resolve_unit("auto", records, f"site '{site.site_id}' data.train ({site.data.train})")
+    log.info("site %s: protection unit %s (%s)", site.site_id, choice.unit, choice.reason)
+    return choice.unit
+
+
 def open_budget(site: SiteConfig) -> SiteBudget | None:
     """The site's persisted budget (None for non-private training, which has nothing to guard)."""
     mechanism = get_mechanism(site.privacy.mechanism)
@@ -56,7 +78,8 @@ def open_budget(site: SiteConfig) -> SiteBudget | None:
         # no budget, but the state still remembers that this site once trained without privacy
         ensure_site_state(site.state_dir, site.site_id, mechanism.guarantee.name, None)
         return None
-    return SiteBudget(site.state_dir, site.site_id, site.eps_max, site.delta, mechanism.guarantee.name, site.privacy.accountant)
+    return SiteBudget(site.state_dir, site.site_id, site.eps_max, site.delta, mechanism.guarantee.name,
+                      site.privacy.accountant, site_protection_unit(site))
 
 
 def declared_noise(site: SiteConfig, local_steps: int) -> tuple[float, float]:
@@ -71,6 +94,8 @@ def declared_noise(site: SiteConfig, local_steps: int) -> tuple[float, float]:
 
 def privacy_report(site: SiteConfig, budget: SiteBudget | None, next_round_affordable: bool = True) -> PrivacyReport:
     """The site's cumulative privacy state, as it goes on the wire."""
+    from fedpose.privacy.report import protected_unit_text
+
     guarantee = get_mechanism(site.privacy.mechanism).guarantee
     if budget is None:
         return PrivacyReport(guarantee=guarantee.name, unit=guarantee.unit, adjacency="none", accountant="none",
@@ -79,7 +104,8 @@ def privacy_report(site: SiteConfig, budget: SiteBudget | None, next_round_affor
     state = budget.report()
     epsilon = float(state["epsilon"])
     return PrivacyReport(
-        guarantee=guarantee.name, unit=guarantee.unit, adjacency=guarantee.relation, accountant=state["accountant"],
+        guarantee=guarantee.name, unit=protected_unit_text(guarantee, budget.unit), protection_unit=budget.unit,
+        adjacency=guarantee.relation, accountant=state["accountant"],
         epsilon=epsilon if math.isfinite(epsilon) else None, delta=budget.delta, eps_max=budget.eps_max,
         steps=int(state["steps"]), rounds_spent=int(state["rounds_spent"]),
         orders=[float(x) for x in state["orders"]], rdp=[float(x) for x in state["rdp"]],
@@ -116,6 +142,15 @@ def _site_basis(site: SiteConfig, model: Any, version: int, message: tuple[dict,
 
 
 # -- the round ---------------------------------------------------------------------------------------
+def site_units(site: SiteConfig, dataset: Any, unit: str) -> Any:
+    """The :class:`~fedpose.data.units.UnitIndex` of the site's training records at its protection
+    unit; a clear error naming the site and its data when the records do not support that unit
+    (e.g. the budget is per patient but some records have no patient_id)."""
+    from fedpose.data.units import UnitIndex
+
+    return UnitIndex.from_records(dataset.records, unit, f"site '{site.site_id}' data.train ({site.data.train})")  # type: ignore[arg-type]
+
+
 def load_site_dataset(site: SiteConfig, input_size: tuple[int, int]) -> Any:
     """The site's training set (after input privacy, if configured) at the global model's input size."""
     from fedpose.data.dataset import PoseDataset, load_records
@@ -234,10 +269,12 @@ def train_site_round(
 
         public_records, public_root = load_records(site.public_data)
         public_dataset = PoseDataset(public_records, public_root, input_size=tuple(model_spec["input_size"]), train=False)
+    units = site_units(site, dataset, budget.unit) if budget is not None else None
     engine = build_engine(
         site.privacy, model, dataset_size=len(dataset), batch_size=site.train.batch_size,
         planned_steps=local_steps, public_dataset=public_dataset,
         seed=site.train.seed * 1_000_003 + int(round_id),  # public choices only (S_pub samples); DP noise is CSPRNG
+        units=units,
     )
     if budget is not None and (engine.noise_multiplier, engine.sample_rate) != (sigma, rate):
         raise RuntimeError(f"engine noise (σ={engine.noise_multiplier}, q={engine.sample_rate}) differs from the authorized (σ={sigma}, q={rate})")

@@ -121,7 +121,8 @@ class _BudgetCollector(Collector):
     def collect(self) -> Iterator[Any]:
         from fedpose.federation.site_budget import SiteBudget
 
-        fresh = SiteBudget(self.budget.state_dir, self.budget.site_id, self.budget.eps_max, self.budget.delta, self.budget.guarantee)
+        fresh = SiteBudget(self.budget.state_dir, self.budget.site_id, self.budget.eps_max, self.budget.delta, self.budget.guarantee,
+                           unit=self.budget.unit)
         report = fresh.report()
         labels = {"site": fresh.site_id, "guarantee": fresh.guarantee, "accountant": fresh.accountant_name}
         eps = GaugeMetricFamily("fedpose_site_epsilon_spent", "ε this site has spent (see the guarantee and accountant labels, and fedpose_site_delta)", labels=list(labels))

@@ -84,7 +84,10 @@ class PrivacyReport(_Wire):
     steps it ran — public values — never from its data."""
 
     guarantee: str  #: "DP", "FDP", "MaskDP" or "none": which statement ε belongs to
-    unit: str  #: what one neighbouring dataset changes (the unit protected)
+    unit: str  #: what one neighbouring dataset changes (the unit protected), in words
+    #: the site's protection unit (its config, or the coarsest its annotation schema supports, pinned
+    #: in its budget state); "record" is what sites from before units sent
+    protection_unit: Literal["record", "image", "patient"] = "record"
     adjacency: str  #: the accountant's neighbouring relation ("add_remove", ...)
     accountant: Literal["rdp", "pld", "prv", "none"]  #: the accountant that computed epsilon
     epsilon: float | None  #: cumulative ε at delta; None = no guarantee (non-private training)

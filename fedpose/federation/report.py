@@ -43,12 +43,16 @@ def save_history(directory: str | Path, rounds: list[dict[str, Any]]) -> None:
     atomic_write_json(Path(directory) / HISTORY_FILE, {"rounds": _finite(rounds)})
 
 
-def epsilon_text(epsilon: float | None, delta: float | None, guarantee: str | None, accountant: str | None = "rdp") -> str:
+def epsilon_text(epsilon: float | None, delta: float | None, guarantee: str | None, accountant: str | None = "rdp",
+                 unit: str | None = None) -> str:
+    """The site's ε with guarantee, δ, accountant and protection unit (``unit`` None: a record
+    written before units, which were all record-level)."""
     from fedpose.privacy.report import format_epsilon
 
     if guarantee in (None, "", "none"):
         return format_epsilon(math.inf, 0.0, "none")
-    return format_epsilon(math.inf if epsilon is None else float(epsilon), float(delta or 0.0), guarantee, accountant or "rdp")
+    return format_epsilon(math.inf if epsilon is None else float(epsilon), float(delta or 0.0), guarantee, accountant or "rdp",
+                          unit or "record")
 
 
 #: per-site round statuses that mean the site failed the round (ok / refused / replayed are not failures)
@@ -92,7 +96,8 @@ def round_line(entry: dict[str, Any]) -> str:
         if site.get("guarantee") is None:  # no privacy report this round (its spend shows in its next one)
             parts.append(f"{site_id}: {site['status']}{reason or ' (no report)'}")
         else:
-            eps = epsilon_text(site.get("epsilon"), site.get("delta"), site.get("guarantee"), site.get("accountant"))
+            eps = epsilon_text(site.get("epsilon"), site.get("delta"), site.get("guarantee"), site.get("accountant"),
+                               site.get("unit"))
             parts.append(f"{site_id}: {site['status']}{reason}, {eps}")
     for node in entry.get("unidentified_missing_nodes", []):
         parts.append(f"node {node}: missing (failed before naming its site)")
@@ -148,7 +153,8 @@ def save_federation_curves(path: str | Path, rounds: list[dict[str, Any]], initi
         if not points:
             continue
         last = points[-1][1]
-        label = f"{site_id} ({last.get('guarantee')}, δ={last.get('delta'):.0e}, {str(last.get('accountant')).upper()})"
+        label = (f"{site_id} ({last.get('guarantee')} per {last.get('unit') or 'record'}, δ={last.get('delta'):.0e}, "
+                 f"{str(last.get('accountant')).upper()})")
         ax_eps.plot([x for x, _ in points], [s["epsilon"] for _, s in points], marker="o", label=label)
     ax_eps.set(title="cumulative ε per site (as reported)", xlabel="round", ylabel="ε")
     from matplotlib.ticker import MaxNLocator

@@ -19,7 +19,7 @@ from disk; a missing-but-expected or corrupt state file is an error, never a sil
 State file ``<state_dir>/budget.json`` (written with :func:`fedpose.io.atomic_write`, so a reader
 sees the old or the new file, never half of one)::
 
-    {"payload": {"format": ..., "site_id": ..., "guarantee": ..., "delta": ...,
+    {"payload": {"format": ..., "site_id": ..., "guarantee": ..., "unit": ..., "delta": ...,
                  "accountant": PrivacyLedger.to_dict(), "entries": [RoundEntry, ...],
                  "recomputations": [...] (only after a deliberate accountant switch)},
      "sha256": <digest of the canonical JSON of payload>}
@@ -43,6 +43,12 @@ the state: earlier releases still apply to the same patients, so a site cannot s
 guarantee its past releases void (after noise-free FDP public-view releases, or non-private
 training, a record-level DP claim about the same records says nothing). Mechanisms that share a
 guarantee (dpsgd/pdp, fdp/fpdp) share one budget.
+
+The protection unit (record / image / patient, :mod:`fedpose.data.units`) is part of the
+guarantee's identity: ε per record and ε per patient are different statements, and a ledger
+accounted per record cannot be continued per patient. A state created before units existed has
+no ``unit`` field and was accounted per record. The unit is fixed with the state, like the
+guarantee; a site whose config says ``privacy.unit = "auto"`` keeps the unit its state records.
 """
 
 from __future__ import annotations
@@ -139,6 +145,10 @@ class RoundAuthorization:
     replayed: bool
 
 
+#: the unit of a state written before protection units existed (those sites clipped per record)
+LEGACY_UNIT = "record"
+
+
 @dataclass
 class _State:
     site_id: str
@@ -150,6 +160,7 @@ class _State:
     genesis_created_at: float | None = None
     #: deliberate accountant switches: {"from", "to", "epsilon_before", "epsilon_after", "steps", "at"}
     recomputations: list[dict[str, Any]] = field(default_factory=list)
+    unit: str = LEGACY_UNIT  #: protection unit the ledger is accounted in
 
     def __post_init__(self) -> None:
         if self.accountant is None:
@@ -161,6 +172,7 @@ class _State:
             "format": STATE_FORMAT,
             "site_id": self.site_id,
             "guarantee": self.guarantee,
+            "unit": self.unit,
             "delta": self.delta,
             "accountant": self.accountant.to_dict(),
             "entries": [asdict(e) for e in self.entries],
@@ -171,7 +183,7 @@ class _State:
 
     def copy(self) -> "_State":
         return _State(self.site_id, self.guarantee, self.delta, PrivacyLedger.from_dict(self.accountant.to_dict()),
-                      list(self.entries), self.genesis_created_at, list(self.recomputations))
+                      list(self.entries), self.genesis_created_at, list(self.recomputations), self.unit)
 
 
 def _digest(payload: dict[str, Any]) -> str:
@@ -197,14 +209,25 @@ def _read_signed(path: Path, what: str) -> dict[str, Any]:
     return payload
 
 
+def stored_unit(state_dir: str | Path) -> str | None:
+    """The protection unit a site's existing state was created for ("record" for states from before
+    units); None when the site has no state yet. Lets ``privacy.unit = "auto"`` keep the pinned unit."""
+    marker = Path(state_dir) / GENESIS_FILE
+    budget = Path(state_dir) / STATE_FILE
+    for path, what in ((marker, "site state marker"), (budget, "site budget state")):
+        if path.exists():
+            return str(_read_signed(path, what).get("unit", LEGACY_UNIT))
+    return None
+
+
 def ensure_site_state(state_dir: str | Path, site_id: str, guarantee: str, delta: float | None,
-                      accountant: str | None = None) -> bool:
+                      accountant: str | None = None, unit: str = LEGACY_UNIT) -> bool:
     """Create a site's state once, or check it; returns True when it was created just now.
 
     Refuses (:class:`BudgetStateError`, naming the file) when the budget of an existing state is
     missing, when state files exist without a genesis marker, when the marker belongs to another
-    site, or when the site now trains under another guarantee than the one its state was created
-    for. Nothing on disk changes when it refuses.
+    site, or when the site now trains under another guarantee or protection unit than the one its
+    state was created for. Nothing on disk changes when it refuses.
     """
     state_dir = Path(state_dir)
     marker, budget = state_dir / GENESIS_FILE, state_dir / STATE_FILE
@@ -217,6 +240,8 @@ def ensure_site_state(state_dir: str | Path, site_id: str, guarantee: str, delta
             raise BudgetStateError(f"site state {state_dir} belongs to site '{genesis['site_id']}', not '{site_id}'")
         if genesis["guarantee"] != guarantee:
             raise BudgetStateError(_guarantee_change_message(state_dir, site_id, genesis, guarantee))
+        if private and genesis.get("unit", LEGACY_UNIT) != unit:
+            raise BudgetStateError(_unit_change_message(marker, site_id, genesis.get("unit", LEGACY_UNIT), unit))
         if private and not budget.exists():
             raise BudgetStateError(
                 f"site '{site_id}': budget file {budget} is missing, but this site's state was created on "
@@ -236,12 +261,15 @@ def ensure_site_state(state_dir: str | Path, site_id: str, guarantee: str, delta
         # A budget from before genesis markers, or one whose creation stopped before its marker was written
         # (nothing recorded yet): adopt it if the budget file itself is sound (nothing is lost).
         genesis = {"format": GENESIS_FORMAT, "site_id": payload.get("site_id"), "guarantee": payload.get("guarantee"),
+                   "unit": payload.get("unit", LEGACY_UNIT),
                    "delta": payload.get("delta"), "created_at": created_at if created_at is not None else time.time(),
                    "adopted_from": STATE_FILE}
         if genesis["site_id"] != site_id:
             raise BudgetStateError(f"site budget state {budget} belongs to site '{genesis['site_id']}', not '{site_id}'")
         if genesis["guarantee"] != guarantee:
             raise BudgetStateError(_guarantee_change_message(state_dir, site_id, genesis, guarantee))
+        if private and genesis["unit"] != unit:
+            raise BudgetStateError(_unit_change_message(budget, site_id, genesis["unit"], unit))
         _write_signed(marker, genesis)
         return False
     leftovers = [name for name in OTHER_STATE if (state_dir / name).exists()]
@@ -255,15 +283,16 @@ def ensure_site_state(state_dir: str | Path, site_id: str, guarantee: str, delta
         # Another process (the metrics exporter, a second ClientApp) may have created the state since the
         # checks above; writing a fresh empty budget over a spend it already recorded would reset ε.
         if marker.exists() or budget.exists():
-            return ensure_site_state(state_dir, site_id, guarantee, delta, accountant)
+            return ensure_site_state(state_dir, site_id, guarantee, delta, accountant, unit)
         created_at = time.time()
         if private:  # the empty budget first: a crash before the marker leaves an empty budget, adopted above
             relation = relation_of(guarantee)
             ledger = PrivacyLedger(relation=relation, accountant=accountant or default_accountant(relation))
-            fresh = _State(site_id, guarantee, float(delta) if delta is not None else 0.0, ledger, genesis_created_at=created_at)
+            fresh = _State(site_id, guarantee, float(delta) if delta is not None else 0.0, ledger, genesis_created_at=created_at,
+                           unit=unit)
             _write_signed(budget, fresh.to_payload())
         _write_signed(marker, {"format": GENESIS_FORMAT, "site_id": site_id, "guarantee": guarantee, "delta": delta,
-                               "created_at": created_at})
+                               "created_at": created_at, **({"unit": unit} if private else {})})
     return True
 
 
@@ -276,6 +305,15 @@ def _state_lock(state_dir: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _unit_change_message(path: Path, site_id: str, before: str, unit: str) -> str:
+    return (
+        f"site '{site_id}': its privacy budget ({path}) is accounted per {before}, and it now asks to train per {unit}. "
+        f"The protection unit is part of the guarantee: ε per {before} already spent cannot be continued as ε per "
+        f"{unit}. Set privacy.unit = \"{before}\" for this site (or \"auto\", which keeps the recorded unit), or "
+        "start a new site state for the new guarantee."
+    )
 
 
 def _guarantee_change_message(state_dir: Path, site_id: str, genesis: dict[str, Any], guarantee: str) -> str:
@@ -312,7 +350,10 @@ class SiteBudget:
     """
 
     def __init__(self, state_dir: str | Path, site_id: str, eps_max: float, delta: float, guarantee: str = "DP",
-                 accountant: str | None = None):
+                 accountant: str | None = None, unit: str | None = None):
+        """``accountant``: None keeps the state's own (a different one is refused: switches are deliberate).
+        ``unit``: the protection unit the caller trains at (a change from the state's is refused);
+        None keeps the state's own unit (readers such as the metrics exporter), "record" for a new state."""
         if not (eps_max > 0 and math.isfinite(eps_max)):
             raise ValueError(f"eps_max must be a finite number > 0, got {eps_max!r}")
         if not 0 < delta < 1:
@@ -324,7 +365,10 @@ class SiteBudget:
         self.guarantee = guarantee
         if accountant is not None:
             get_accountant(accountant)  # an unknown name fails here, naming the registry
-        ensure_site_state(self.state_dir, site_id, guarantee, self.delta, accountant)
+        if unit is None:
+            unit = stored_unit(self.state_dir) or LEGACY_UNIT
+        self.unit = unit  #: protection unit (record / image / patient): part of the guarantee's identity
+        ensure_site_state(self.state_dir, site_id, guarantee, self.delta, accountant, unit)
         self._state = self._load()
         kept = self._state.accountant.accountant
         if accountant is not None and accountant != kept:
@@ -389,6 +433,7 @@ class SiteBudget:
         return {
             "site_id": self.site_id,
             "guarantee": self.guarantee,
+            "unit": self.unit,
             "accountant": acc.accountant,
             "epsilon": self.epsilon,
             "delta": self.delta,
@@ -461,6 +506,8 @@ class SiteBudget:
             raise BudgetStateError(f"{where} belongs to site '{payload.get('site_id')}', not '{self.site_id}'")
         if payload.get("guarantee") != self.guarantee:
             raise BudgetStateError(_guarantee_change_message(self.state_dir, self.site_id, {"guarantee": payload["guarantee"]}, self.guarantee))
+        if payload.get("unit", LEGACY_UNIT) != self.unit:
+            raise BudgetStateError(_unit_change_message(self.path, self.site_id, payload.get("unit", LEGACY_UNIT), self.unit))
         if payload.get("delta") != self.delta:
             raise BudgetStateError(f"{where} was kept at δ = {payload.get('delta')}, config says δ = {self.delta}")
         return _parse_state(payload, self.path)
@@ -495,7 +542,8 @@ def _parse_state(payload: dict[str, Any], path: Path) -> _State:
     created_at = payload.get("genesis_created_at")
     if created_at is None:  # a budget that predates markers, adopted by ensure_site_state: stamp it from now on
         created_at = _read_signed(path.parent / GENESIS_FILE, "site state marker")["created_at"]
-    return _State(site_id, guarantee, delta, accountant, entries, float(created_at), recomputations)
+    return _State(site_id, guarantee, delta, accountant, entries, float(created_at), recomputations,
+                  str(payload.get("unit", LEGACY_UNIT)))
 
 
 def recompute_budget(state_dir: str | Path, accountant: str | None = None, apply: bool = False) -> dict[str, Any]:

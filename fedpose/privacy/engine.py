@@ -11,13 +11,20 @@ returns a :class:`GradientEngine`; the training loop asks it for batches and gra
 
 DP mechanisms (see :mod:`fedpose.privacy.mechanisms` for the table):
 
-* **Sampling** — Poisson: each record joins each step's batch independently with probability
-  q = B/N (the sampling the RDP analysis assumes). Batches vary in size and may be empty (the
-  step then releases noise only, and is still accounted).
+* **Protection unit** — ``units`` (:class:`~fedpose.data.units.UnitIndex`) groups the records
+  into the units the guarantee is about: records, images or patients (``privacy.unit``). Without
+  it every record is its own unit. N, B and q below count units, not records.
+* **Sampling** — Poisson over units: each unit joins each step's batch independently with
+  probability q = B/N (the sampling the RDP analysis assumes), and then *all* its records do
+  (at most ``privacy.max_records_per_unit`` of them, chosen uniformly with the same CSPRNG: a
+  fixed cap, so which records stand in for the unit never depends on other units). Batches vary
+  in size and may be empty (the step then releases noise only, and is still accounted). Each
+  row's unit travels in the batch as ``unit_index``.
 * **Private gradient** — per-sample gradients of the trainable parameters with ``torch.func``
-  (:mod:`fedpose.privacy.per_sample` explains why not Opacus hooks), each clipped to flat L2
-  norm C, summed, plus N(0, σ²C²I), divided by the *expected* batch size qN (dividing by the
-  realised size would make the scale data-dependent).
+  (:mod:`fedpose.privacy.per_sample` explains why not Opacus hooks), summed per unit, each
+  unit's sum clipped to flat L2 norm C as one, summed, plus N(0, σ²C²I), divided by the
+  *expected* number of units per batch B (dividing by the realised size would make the scale
+  data-dependent). One unit therefore moves the noisy sum by at most C whatever its size.
 * **Projection** (pdp, fpdp) — the noisy private gradient is replaced by V Vᵀ g with V from
   public data only (:mod:`fedpose.privacy.projection`), refreshed every
   ``privacy.basis.refresh_every`` steps or supplied by the coordinator (``set_basis``).
@@ -43,6 +50,7 @@ from torch import Tensor
 from torch.utils.data import Dataset, default_collate
 
 from fedpose.config import PrivacyConfig
+from fedpose.data.units import UnitIndex
 from fedpose.privacy import projection
 from fedpose.privacy.accountant import PrivacyLedger, default_accountant, noise_multiplier_for
 from fedpose.privacy.mechanisms import Mechanism, get_mechanism
@@ -53,11 +61,12 @@ from fedpose.privacy.per_sample import (
     DEFAULT_CHUNK_SIZE,
     TrainableModel,
     clipped_gradient_sum,
+    clipped_unit_gradient_sum,
     frozen_features,
     mean_gradient,
     unflatten,
 )
-from fedpose.privacy.report import format_epsilon, public_view_statement
+from fedpose.privacy.report import format_epsilon, guarantee_sentence, protected_unit_text, public_view_statement
 
 
 #: keys separating the seeded (test-only) random streams, with the step index; see InsecureSeededNoise.reseed
@@ -105,6 +114,7 @@ class GradientEngine:
         public_dataset: Dataset | None = None,
         seed: int = 0,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
+        units: UnitIndex | None = None,
     ) -> None:
         if dataset_size < 1:
             raise ValueError(f"the training set is empty (dataset_size = {dataset_size})")
@@ -114,9 +124,17 @@ class GradientEngine:
             raise ValueError(f"planned steps must be >= 1, got {planned_steps}")
         if chunk_size < 1:
             raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
+        self.units = units if units is not None else UnitIndex.per_record(dataset_size)
+        if self.units.num_records != dataset_size:
+            raise ValueError(
+                f"the unit index covers {self.units.num_records} records, the training set has {dataset_size}"
+            )
         self.privacy = privacy
         self.mechanism = mechanism
-        self.dataset_size = int(dataset_size)
+        #: records in the training set (the batches' row source)
+        self.num_records = int(dataset_size)
+        #: N of the guarantee: the number of protection units (= records for unit "record")
+        self.dataset_size = self.units.num_units
         self.batch_size = int(batch_size)
         self.planned_steps = int(planned_steps)
         self.public_dataset = public_dataset
@@ -151,8 +169,8 @@ class GradientEngine:
             self.sample_rate = float(privacy.sample_rate)
         elif self.batch_size > self.dataset_size:
             raise ValueError(
-                f"expected batch size {batch_size} exceeds the training set ({dataset_size} records): "
-                "the sampling rate q = B/N must be <= 1"
+                f"expected batch size {batch_size} exceeds the training set ({self.dataset_size} "
+                f"{self.units.unit}s): the sampling rate q = B/N over units must be <= 1"
             )
         else:
             self.sample_rate = self.batch_size / self.dataset_size
@@ -168,8 +186,8 @@ class GradientEngine:
     # -- sampling -------------------------------------------------------------------------------
     @property
     def expected_batch_size(self) -> float:
-        """B, the declared batch size the noisy sum is divided by. Dividing by the realised size
-        (or by q·N) would make the scale depend on the data."""
+        """B, the declared batch size (expected units per batch) the noisy sum is divided by.
+        Dividing by the realised size (or by q·N) would make the scale depend on the data."""
         return float(self.batch_size)
 
     def batches(self, dataset: Dataset) -> Iterator[dict]:
@@ -179,8 +197,8 @@ class GradientEngine:
         batch can be empty (every tensor has 0 rows); pass it to :meth:`step` anyway.
         """
         size = len(dataset)  # type: ignore[arg-type]
-        if size != self.dataset_size:
-            raise ValueError(f"engine was built for {self.dataset_size} records, the dataset has {size}")
+        if size != self.num_records:
+            raise ValueError(f"engine was built for {self.num_records} records, the dataset has {size}")
         if self.mechanism.noisy:
             yield from self._poisson_batches(dataset)
         else:
@@ -196,14 +214,35 @@ class GradientEngine:
             draw = max(self._batches_drawn, self.steps_done)
             self._batches_drawn = draw + 1
             self.noise.reseed(_SAMPLING_STREAM, draw)
-            chosen = torch.nonzero(self.noise.uniform(self.dataset_size) < self.sample_rate).flatten().tolist()
-            yield collate([dataset[i] for i in chosen], self._empty_template)
+            rows, unit_of_row = self.sample_units()
+            batch = collate([dataset[i] for i in rows], self._empty_template)
+            batch["unit_index"] = torch.as_tensor(unit_of_row, dtype=torch.long)
+            yield batch
+
+    def sample_units(self) -> tuple[list[int], list[int]]:
+        """One step's Poisson draw over units: (record indices, position of each row's unit among
+        the sampled units). Every record of a sampled unit is in (up to the fixed cap), none of an
+        unsampled one. Coins come from the engine's noise source (the CSPRNG unless seeded for tests)."""
+        assert self.noise is not None
+        chosen = torch.nonzero(self.noise.uniform(self.dataset_size) < self.sample_rate).flatten().tolist()
+        cap = self.privacy.max_records_per_unit
+        rows: list[int] = []
+        unit_of_row: list[int] = []
+        for position, unit in enumerate(chosen):
+            members = self.units.members[unit]
+            if cap is not None and len(members) > cap:
+                # uniform subset of size cap: the cap smallest of i.i.d. CSPRNG uniforms
+                keep = torch.argsort(self.noise.uniform(len(members)))[:cap].sort().values.tolist()
+                members = tuple(members[k] for k in keep)
+            rows.extend(members)
+            unit_of_row.extend([position] * len(members))
+        return rows, unit_of_row
 
     def _shuffled_batches(self, dataset: Dataset) -> Iterator[dict]:
-        batch = min(self.batch_size, self.dataset_size)
+        batch = min(self.batch_size, self.num_records)
         while True:
-            order = torch.randperm(self.dataset_size, generator=self._shuffle).tolist()
-            for start in range(0, self.dataset_size - batch + 1, batch):
+            order = torch.randperm(self.num_records, generator=self._shuffle).tolist()
+            for start in range(0, self.num_records - batch + 1, batch):
                 yield collate([dataset[i] for i in order[start: start + batch]])
 
     # -- projection basis -------------------------------------------------------------------------
@@ -305,14 +344,27 @@ class GradientEngine:
         if size:
             inputs = batch["image"] if public_images is None else torch.cat([batch["image"], public_images])
             features = frozen_features(model, inputs)
-            clipped_sum, norms, losses = clipped_gradient_sum(
-                model, features[:size], batch["joints"], batch["weight"], clip, self.chunk_size
-            )
+            unit_index = batch.get("unit_index")
+            if unit_index is None:  # a batch built by the caller: every row is its own unit
+                unit_index = torch.arange(size)
+            if len(unit_index) != size:
+                raise ValueError(f"batch has {size} rows but {len(unit_index)} unit_index entries")
+            if int(torch.unique(unit_index).numel()) == size:  # one record per unit: the per-sample path
+                clipped_sum, norms, losses = clipped_gradient_sum(
+                    model, features[:size], batch["joints"], batch["weight"], clip, self.chunk_size
+                )
+                sample_nonfinite = ~torch.isfinite(norms)
+            else:
+                clipped_sum, norms, losses, sample_nonfinite = clipped_unit_gradient_sum(
+                    model, features[:size], batch["joints"], batch["weight"], unit_index, clip, self.chunk_size
+                )
             finite = torch.isfinite(norms)
-            metrics["nonfinite_samples"] = float((~finite).sum())  # zeroed before clipping; site-local
-            metrics["loss"] = float(losses[finite].mean()) if bool(finite.any()) else float("nan")
+            metrics["batch_units"] = float(norms.numel())
+            metrics["nonfinite_samples"] = float(sample_nonfinite.sum())  # zeroed before clipping; site-local
+            sample_finite = ~sample_nonfinite
+            metrics["loss"] = float(losses[sample_finite].mean()) if bool(sample_finite.any()) else float("nan")
             metrics["grad_norm_median"] = float(norms[finite].median()) if bool(finite.any()) else float("nan")
-            metrics["clipped_fraction"] = float((norms > clip).float().mean())
+            metrics["clipped_fraction"] = float((norms > clip).float().mean())  # over units
             if public_images is not None:
                 public_gradient, public_losses = mean_gradient(model, features[size:], batch["joints"], batch["weight"])
                 metrics["public_loss"] = float(public_losses.mean())
@@ -347,7 +399,9 @@ class GradientEngine:
             "mechanism": mechanism.name,
             "guarantee": guarantee.name,
             "guarantee_statement": guarantee.statement,
-            "unit_protected": guarantee.unit,
+            "protection_unit": self.units.unit,
+            "unit_protected": protected_unit_text(guarantee, self.units.unit),
+            "max_records_per_unit": self.privacy.max_records_per_unit,
             "public": guarantee.public,
             "steps": self.steps_done,
             "planned_steps": self.planned_steps,
@@ -355,7 +409,7 @@ class GradientEngine:
         if mechanism.uses_dataset_public_view:
             view = public_view_kind(self.privacy.public_view)
             report["guarantee_statement"], report["unit_protected"] = public_view_statement(
-                guarantee, view.name, view.many_to_one, view.protects(self.privacy.public_view))
+                guarantee, view.name, view.many_to_one, view.protects(self.privacy.public_view), self.units.unit)
         if self.dataset_size_public:
             report["dataset_size"] = self.dataset_size
         if self.accountant is None:
@@ -363,7 +417,8 @@ class GradientEngine:
             return report
         assert self.noise is not None  # every noisy mechanism has both a ledger and a noise source
         epsilon, order = self.accountant.get_epsilon(self.privacy.delta)
-        epsilon_text = format_epsilon(epsilon, self.privacy.delta, guarantee, self.accountant.accountant)
+        unit = self.units.unit
+        epsilon_text = format_epsilon(epsilon, self.privacy.delta, guarantee, self.accountant.accountant, unit=unit)
         rdp = self.accountant.rdp()
         planned = PrivacyLedger(relation=self.accountant.relation, accountant=self.accountant.accountant)
         planned.step(self.noise_multiplier, self.sample_rate, self.planned_steps)
@@ -372,6 +427,10 @@ class GradientEngine:
             "delta": self.privacy.delta,
             "optimal_order": _finite_or_none(order),
             "epsilon_text": epsilon_text if self.noise.secure else f"{SEEDED_NO_GUARANTEE}: {epsilon_text}",
+            "guarantee_sentence": guarantee_sentence(
+                _finite_or_none(epsilon), self.privacy.delta, guarantee.name, unit, self.accountant.relation,
+                self.accountant.accountant,
+            ),
             "guarantee_void": not self.noise.secure,
             "planned_epsilon": _finite_or_none(planned.get_epsilon(self.privacy.delta)[0]),
             "target_epsilon": self.privacy.target_epsilon,
@@ -381,10 +440,12 @@ class GradientEngine:
             "max_grad_norm": self.privacy.max_grad_norm,
             "sample_rate": self.sample_rate,
             "expected_batch_size": self.expected_batch_size,
-            "sampling": "poisson",
-            "normalisation": "declared batch size B (train.batch_size)",
+            "sampling": f"poisson over {unit}s (every record of a sampled {unit} is in the batch"
+            + (f", at most {self.privacy.max_records_per_unit}, chosen uniformly)" if self.privacy.max_records_per_unit else ")"),
+            "normalisation": f"declared batch size B (train.batch_size, expected {unit}s per batch)",
+            "clipping": f"the summed gradient of each {unit}'s records clipped to C as one",
             "dataset_size_public": self.dataset_size_public,
-            "adjacency": _adjacency_text(self.accountant.relation, self.dataset_size_public),
+            "adjacency": _adjacency_text(self.accountant.relation, self.dataset_size_public, unit),
             "randomness": self.noise.description,
             "reproducible_noise": not self.noise.secure,
             "accountant_state": self.accountant.to_dict(),
@@ -410,12 +471,12 @@ class GradientEngine:
         return report
 
 
-def _adjacency_text(relation: str, dataset_size_public: bool) -> str:
-    """The neighbouring relation in words, and whether N is part of what is released."""
+def _adjacency_text(relation: str, dataset_size_public: bool, unit: str) -> str:
+    """The neighbouring relation in words, and whether N (counted in units) is part of what is released."""
     if relation == "add_remove":
-        base = "add/remove one unit"
-        return base + (" (dataset size N treated as public: q = B/N)" if dataset_size_public else " (N secret: q declared)")
-    return "replace one unit's protected part (public parts and batch membership shared)"
+        base = f"add/remove one {unit}"
+        return base + (f" (number of {unit}s N treated as public: q = B/N)" if dataset_size_public else " (N secret: q declared)")
+    return f"replace one {unit}'s protected part (public parts and batch membership shared)"
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -431,14 +492,16 @@ def build_engine(
     public_dataset: Dataset | None = None,
     seed: int = 0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    units: UnitIndex | None = None,
 ) -> GradientEngine:
     """The engine for ``privacy_cfg.mechanism`` (see the module docstring).
 
     Gradients are taken on the model passed to :meth:`GradientEngine.step`; ``model`` here is
     only checked. Projecting mechanisms need ``public_dataset`` or a basis via ``set_basis``
-    before the first step (a federated site gets it from the coordinator).
+    before the first step (a federated site gets it from the coordinator). ``units`` groups the
+    ``dataset_size`` records into protection units (None: every record is one unit).
     """
     mechanism = get_mechanism(privacy_cfg.mechanism)
     if not model.trainable_parameters():
         raise ValueError("the model has no trainable parameters (check model.scenario)")
-    return GradientEngine(privacy_cfg, mechanism, dataset_size, batch_size, planned_steps, public_dataset, seed, chunk_size)
+    return GradientEngine(privacy_cfg, mechanism, dataset_size, batch_size, planned_steps, public_dataset, seed, chunk_size, units)

@@ -244,6 +244,85 @@ def clipped_gradient_sum(
     return total, torch.cat(norms), torch.cat(losses)
 
 
+def clipped_unit_gradient_sum(
+    model: TrainableModel,
+    features: Tensor,
+    joints: Tensor,
+    weight: Tensor,
+    unit_index: Tensor,
+    max_grad_norm: float,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Σ_u clip(Σ_{i ∈ u} ∇ l(x_i), C): per-sample gradients summed per protection unit, each
+    unit's sum clipped to flat L2 norm C as one, so adding or removing a whole unit (a patient
+    with any number of records) moves the sum by at most C.
+
+    ``unit_index`` (B,) gives each row's unit (any integer labels; rows of a unit need not be
+    adjacent). Returns the flat sum (p,), the units' pre-clip norms (U,) in ascending label order,
+    per-sample losses (B,) and a (B,) mask of samples whose own gradient was non-finite.
+
+    Conventions of :func:`clipped_gradient_sum`: a non-finite per-sample gradient is zeroed
+    before it enters its unit's sum (one record cannot poison its unit or decide the release),
+    and a unit whose summed norm is not finite (overflow) is zeroed too; zero is a valid clipped
+    value, so the sensitivity stays C. Memory: rows are processed ``chunk_size`` at a time and
+    the per-unit sums of one chunk take at most ``chunk_size × p`` floats, like the per-sample
+    gradients themselves; a unit spanning chunks carries one partial sum (p,) forward.
+    """
+    if max_grad_norm <= 0:
+        raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+    rows = features.shape[0]
+    if unit_index.shape != (rows,):
+        raise ValueError(f"unit_index must have one entry per row ({rows}), got shape {tuple(unit_index.shape)}")
+    params = model.trainable_parameters()
+    num_params = sum(p.numel() for p in params.values())
+    total = torch.zeros(num_params, dtype=torch.float32)
+    if rows == 0:
+        return total, torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool)
+    # Rows of one unit made adjacent, so each unit is finished after at most a few chunks.
+    order = torch.argsort(unit_index.long(), stable=True)
+    labels = unit_index.long()[order]
+    features, joints, weight = features[order], joints[order], weight[order]
+    unit_norms: list[Tensor] = []
+    losses_sorted, nonfinite_sorted = [], []
+    carry: Tensor | None = None  # partial sum of the unit whose rows continue into the next chunk
+    for start in range(0, rows, chunk_size):
+        stop = min(rows, start + chunk_size)
+        grads, chunk_losses = per_sample_gradients(model, features[start:stop], joints[start:stop], weight[start:stop])
+        nonfinite = ~torch.isfinite(per_sample_norms(grads))
+        if bool(nonfinite.any()):
+            for g in grads.values():
+                g[nonfinite] = 0.0
+        chunk_units, local = torch.unique_consecutive(labels[start:stop], return_inverse=True)
+        sums = torch.zeros(len(chunk_units), num_params, dtype=torch.float32)
+        offset = 0
+        for g in grads.values():  # segment-sum per parameter, straight into the flat per-unit rows
+            size = g[0].numel()
+            sums.narrow(1, offset, size).index_add_(0, local, g.reshape(g.shape[0], -1).float())
+            offset += size
+        del grads
+        if carry is not None:  # sorted labels: the carried unit is this chunk's first
+            sums[0] += carry
+            carry = None
+        finished = len(chunk_units)
+        if stop < rows and int(labels[stop]) == int(chunk_units[-1]):
+            carry = sums[-1].clone()
+            finished -= 1
+        if finished:
+            done = sums[:finished]
+            norms = torch.linalg.vector_norm(done, dim=1)
+            finite = torch.isfinite(norms)
+            factors = torch.where(finite, clip_factors(norms, max_grad_norm), torch.zeros_like(norms))
+            if not bool(finite.all()):  # 0 · Inf = NaN: zero the overflowing units' rows outright
+                done = torch.where(finite[:, None], done, torch.zeros_like(done))
+            total.addmv_(done.T, factors)
+            unit_norms.append(norms)
+        losses_sorted.append(chunk_losses)
+        nonfinite_sorted.append(nonfinite)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(rows)
+    return total, torch.cat(unit_norms), torch.cat(losses_sorted)[inverse], torch.cat(nonfinite_sorted)[inverse]
+
+
 def buffer_view(buffer: Tensor, shape: tuple[int, int], what: str) -> Tensor:
     """The first rows·cols elements of a reused float32 ``buffer`` as a ``shape`` matrix."""
     size = shape[0] * shape[1]

@@ -66,17 +66,23 @@ FEATURE_PROJECTED_DP = Guarantee(
 )
 
 
-def public_view_statement(guarantee: Guarantee, view_name: str, many_to_one: bool, protects: str) -> tuple[str, str]:
-    """(statement, unit) of an FDP guarantee with its ψ filled in, in words a clinician can check."""
+def public_view_statement(
+    guarantee: Guarantee, view_name: str, many_to_one: bool, protects: str, unit: str
+) -> tuple[str, str]:
+    """(statement, unit protected) of an FDP guarantee with its ψ and protection unit filled in,
+    in words a clinician can check."""
+    from fedpose.data.units import UNIT_MEANING
+
+    whole = UNIT_MEANING[unit]
     if not many_to_one:
         return (
             f"{guarantee.statement} — WARNING: ψ = {view_name} is invertible, so this neighbour relation is degenerate "
             f"(records with the same ψ(x) are essentially the same image): it protects {protects}",
-            "almost nothing of one record (ψ is invertible)",
+            f"almost nothing (ψ is invertible), in every record of {whole}",
         )
     return (
         f"{guarantee.statement}; ψ = {view_name} is many-to-one, so what is protected is {protects}",
-        f"what ψ discards of one record: {protects}",
+        f"what ψ discards ({protects}), in every record of {whole}",
     )
 
 
@@ -92,13 +98,59 @@ MASK_DP = Guarantee(
 )
 
 
-def format_epsilon(epsilon: float, delta: float, guarantee: str | Guarantee, accountant: str = "rdp") -> str:
-    """``ε = 0.800 (DP, δ = 4e-05, RDP)`` — the only way fedpose prints an ε."""
+def format_epsilon(
+    epsilon: float, delta: float, guarantee: str | Guarantee, accountant: str = "rdp", unit: str | None = None
+) -> str:
+    """``ε = 0.800 (DP, δ = 4e-05, RDP) per patient`` — the only way fedpose prints an ε.
+
+    ``unit``: the protection unit (record / image / patient) the ε is about; every report passes
+    it. None only where no unit was recorded (callers outside a run, e.g. the accountant CLI's
+    unit-free arithmetic)."""
     tag = guarantee.name if isinstance(guarantee, Guarantee) else str(guarantee)
     if tag == "none":
         return "ε = ∞ (no privacy: non-private training)"
     eps_text = "∞" if not math.isfinite(epsilon) else f"{epsilon:.4g}"
-    return f"ε = {eps_text} ({tag}, δ = {delta:.3g}, {accountant.upper()})"
+    return f"ε = {eps_text} ({tag}, δ = {delta:.3g}, {accountant.upper()})" + (f" per {unit}" if unit else "")
+
+
+#: what of one unit each guarantee protects (the rest is public under that guarantee)
+_PROTECTED_PART = {
+    "DP": "everything",
+    "FDP": "what the public view ψ discards",
+    "MaskDP": "the masked private region",
+}
+
+
+def protected_unit_text(guarantee: Guarantee, unit: str) -> str:
+    """What one neighbouring dataset changes, naming the protection unit:
+    e.g. "one patient: every annotated crop of them, over all their images at this site"."""
+    from fedpose.data.units import UNIT_MEANING
+
+    if guarantee.name == "none":
+        return guarantee.unit
+    if unit not in UNIT_MEANING:
+        raise ValueError(f"unknown protection unit {unit!r}; known: {sorted(UNIT_MEANING)}")
+    part = _PROTECTED_PART.get(guarantee.name, guarantee.unit)
+    whole = UNIT_MEANING[unit]
+    return whole if part == "everything" else f"{part}, in every record of {whole}"
+
+
+def adjacency_words(relation: str, unit: str) -> str:
+    """"add/remove-one-patient adjacency" — the neighbouring relation in words, per unit."""
+    if relation == "add_remove":
+        return f"add/remove-one-{unit} adjacency"
+    return f"replace-one-{unit}'s-protected-part adjacency"
+
+
+def guarantee_sentence(
+    epsilon: float | None, delta: float | None, guarantee: str, unit: str, relation: str, accountant: str = "rdp"
+) -> str:
+    """"(ε = 1.2, δ = 1e-05)-DP per patient, add/remove-one-patient adjacency, RDP accountant"."""
+    if guarantee == "none" or epsilon is None and delta is None:
+        return "no privacy guarantee (non-private training)"
+    eps = "∞" if epsilon is None or not math.isfinite(epsilon) else f"{epsilon:.4g}"
+    return (f"(ε = {eps}, δ = {float(delta or 0.0):.3g})-{guarantee} per {unit}, "
+            f"{adjacency_words(relation, unit)}, {accountant.upper()} accountant")
 
 
 def describe(report: Mapping[str, Any]) -> str:
@@ -108,12 +160,19 @@ def describe(report: Mapping[str, Any]) -> str:
         lines.append(format_epsilon(math.inf, 0.0, "none"))
         lines.append("randomness: none drawn (no noise)")
         return "\n".join(lines)
-    epsilon_line = format_epsilon(report["epsilon"], report["delta"], report["guarantee"], report["accountant"])
+    # privacy.json files from before protection units were record-level
+    unit = report.get("protection_unit", "record")
+    epsilon_line = format_epsilon(report["epsilon"], report["delta"], report["guarantee"], report["accountant"], unit)
     # Seeded test noise can be regenerated and subtracted: the ε above then promises nothing.
     lines.append(f"{SEEDED_NO_GUARANTEE}: {epsilon_line}" if report.get("guarantee_void") else epsilon_line)
     lines.append(f"randomness: {report.get('randomness', 'not recorded (privacy.json predates this field)')}")
     lines.append(f"guarantee: {report['guarantee_statement']}")
+    choice = report.get("protection_unit_choice") or (
+        "as configured" if "protection_unit" in report else "privacy.json from before protection units: record-level")
+    lines.append(f"protection unit: {unit} ({choice})")
     lines.append(f"unit protected: {report['unit_protected']}")
+    if report.get("guarantee_sentence"):
+        lines.append(f"statement: {report['guarantee_sentence']}")
     lines.append(f"adjacency: {report.get('adjacency', report.get('neighbouring_relation', 'not recorded'))}")
     if report.get("dataset_size_public", True):
         lines.append(f"dataset size N: public (q = B/N; N = {report.get('dataset_size', 'not recorded')})")
@@ -150,7 +209,8 @@ def relation_of(guarantee_name: str) -> str:
 #: was computed from declared values. Never the dataset size, losses, gradient norms, batch
 #: sizes, seeds or RNG state (privacy.json of a central run is site-internal and may hold N).
 PUBLISHABLE_KEYS = frozenset({
-    "mechanism", "guarantee", "guarantee_statement", "unit_protected", "public", "epsilon", "delta",
+    "mechanism", "guarantee", "guarantee_statement", "unit_protected", "protection_unit", "guarantee_sentence",
+    "max_records_per_unit", "public", "epsilon", "delta",
     "epsilon_text", "accountant", "neighbouring_relation", "adjacency", "dataset_size_public", "noise_multiplier",
     "max_grad_norm", "sample_rate", "steps", "randomness", "guarantee_void", "input_privacy", "basis", "public_view",
 })

@@ -139,6 +139,31 @@ def _load_dataset(path: Path, cfg: RunConfig, train: bool, seed: int, with_publi
                        public_view=dataset_public_view(cfg.privacy) if with_public_view else None)
 
 
+def resolve_protection_unit(
+    cfg: RunConfig, records: list[Any], train_dir: Path, checkpoint: dict[str, Any] | None
+) -> tuple[Any, Any]:
+    """(UnitResolution, UnitIndex) of a DP run's training set — decided once, here, when the data is
+    loaded; (None, None) for non-private training. A resumed run must keep the unit its ledger was
+    accounted in: a different unit is a different guarantee, so continuing would mix two."""
+    from fedpose.data.units import UnitError, UnitIndex, resolve_unit
+
+    if cfg.privacy.mechanism == "none":
+        return None, None
+    where = f"data.train ({train_dir})"
+    try:
+        choice = resolve_unit(cfg.privacy.unit, records, where)
+    except UnitError as exc:
+        raise ConfigError(f"privacy.unit: {exc}") from None
+    if checkpoint is not None:
+        before = (checkpoint.get("extra") or {}).get("protection_unit") or "record"  # older checkpoints: per record
+        if before != choice.unit:
+            raise ConfigError(
+                f"privacy.unit: the checkpoint's privacy ledger is per {before}, but this run resolves to {choice.unit} "
+                f"({choice.reason}); set privacy.unit = \"{before}\" to continue it, or start a new run"
+            )
+    return choice, UnitIndex.from_records(records, choice.unit, where)
+
+
 def _curve_rows(state: RunState) -> list[dict[str, Any]]:
     rows = [{"step": r["step"], "loss": r["loss"]} for r in state.train if "loss" in r]
     rows += [{"step": v["step"], "val PCKh@0.5 Mean": v["Mean"]} for v in state.val]
@@ -212,7 +237,9 @@ def run_training(
         # A resumed run keeps the accountant it started with (a checkpoint from before accountants were
         # selectable: RDP), so neither σ nor the reported ε changes silently mid-run.
         privacy_cfg = privacy_cfg.model_copy(update={"accountant": saved_ledger.get("accountant", "rdp")})
-    engine = build_engine(privacy_cfg, model, len(train_set), cfg.train.batch_size, total_steps, public_set, stream_seed)
+    unit_choice, units = resolve_protection_unit(cfg, train_set.records, Path(train_dir), checkpoint)
+    engine = build_engine(privacy_cfg, model, len(train_set), cfg.train.batch_size, total_steps, public_set, stream_seed,
+                          units=units)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     state = RunState()
@@ -249,14 +276,20 @@ def run_training(
     if engine.noise is not None and not engine.noise.secure:
         log(f"{SEEDED_NO_GUARANTEE}: privacy.insecure_seeded_noise draws the noise from train.seed = {seed}; "
             "anyone who knows the seed can remove it (tests only)")
+    if unit_choice is not None:
+        log(f"protection unit: {unit_choice.unit} ({unit_choice.reason}); {engine.dataset_size} {unit_choice.unit}s, "
+            f"Poisson-sampled at q = {engine.sample_rate:.4g}, each {unit_choice.unit}'s gradient clipped to C as one")
 
     def privacy_report() -> dict[str, Any]:
         report = engine.privacy_report()
         report["input_privacy"] = input_guarantee
+        if unit_choice is not None:
+            report["protection_unit_choice"] = unit_choice.reason
         return report
 
     def save(step: int) -> None:
-        extra = {"accountant": engine.accountant.to_dict() if engine.accountant is not None else None}
+        extra = {"accountant": engine.accountant.to_dict() if engine.accountant is not None else None,
+                 "protection_unit": unit_choice.unit if unit_choice is not None else None}
         path = save_checkpoint(run_dir / CHECKPOINT_DIR / LAST, model, optimizer, cfg, state.metrics(), step, scheduler, extra)
         if state.val and state.val[-1]["step"] == step and state.val[-1]["Mean"] >= state.best:
             state.best = state.val[-1]["Mean"]

@@ -4,6 +4,14 @@ Each split directory holds ``images/NNNNNN.png`` and ``annotations.json`` (MPII/
 :mod:`fedpose.data.annotations`). Every image is a pure function of ``(seed, split, index)``
 (a ``numpy.random.SeedSequence``), so the output is byte-identical for any worker count.
 
+Site splits hold *patients*: images ``k·P … k·P + P − 1`` (P = :data:`IMAGES_PER_PATIENT`) show
+patient k, whose identity — skin tone, face (eyes, hair, beard, glasses), clothing colours and
+fabric patterns — comes from ``(seed, split, patient)`` and is the same in all their images, while
+pose, view, placement, background and lighting differ per image. Body proportions are the
+generator's one adult body model, shared by everyone. Each site record carries ``patient_id``
+(e.g. ``site-2-patient-00017``), so the default protection unit of a synthetic site is the
+patient. The public and test splits show a new person in every image and carry no patient_id.
+
 Crash safety: images and annotation files are written atomically; a split's
 ``annotations.json`` is written only after all its images, and ``manifest.json`` only after all
 splits, previews and demos. A directory without a manifest is an incomplete run: ``resume=True``
@@ -12,6 +20,7 @@ splits, previews and demos. A directory without a manifest is an incomplete run:
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import functools
 import json
@@ -27,11 +36,13 @@ import numpy as np
 from fedpose.data.annotations import ANNOTATIONS_FILE, PoseRecord, read_annotations, write_annotations
 from fedpose.data.synthetic.preview import save_public_view_demo, save_preview
 from fedpose.data.synthetic.profiles import SiteProfile, public_profile, site_profile
-from fedpose.data.synthetic.render import annotation_fields, render_scene, sample_scene
+from fedpose.data.synthetic.render import Identity, annotation_fields, render_scene, sample_identity, sample_scene
 from fedpose.io import atomic_write_json
 from fedpose.viz import save_png
 
-GENERATOR_VERSION: Final = 1
+GENERATOR_VERSION: Final = 2  # 2: site splits show patients (several images each, patient_id)
+#: images per synthetic patient at a site (the last patient of a split may have fewer)
+IMAGES_PER_PATIENT: Final = 4
 MANIFEST_FILE: Final = "manifest.json"
 PROGRESS_FILE: Final = ".synth-params.json"  # present while a run is incomplete
 SPLIT_CODES: Final = {"public": 0, "site": 1, "test": 2}
@@ -81,7 +92,7 @@ def dataset_params(sites: int, per_site: int, public: int, test: int, size: tupl
         raise SyntheticDataError(f"seed must be a non-negative integer, got {seed!r}")
     h, w = validate_size(size)
     return {
-        "generator_version": GENERATOR_VERSION, "seed": int(seed), "size": [h, w],
+        "generator_version": GENERATOR_VERSION, "seed": int(seed), "size": [h, w], "images_per_patient": IMAGES_PER_PATIENT,
         "sites": int(sites), "per_site": int(per_site), "public": int(public), "test": int(test),
     }
 
@@ -102,6 +113,23 @@ def example_rng(seed: int, spec: SplitSpec, index: int) -> np.random.Generator:
     return np.random.default_rng(np.random.SeedSequence([seed, SPLIT_CODES[spec.kind], spec.site_index, index]))
 
 
+def patient_of(spec: SplitSpec, index: int) -> int | None:
+    """The patient number shown in image ``index`` of a site split; None outside site splits."""
+    return index // IMAGES_PER_PATIENT if spec.kind == "site" else None
+
+
+def patient_id(spec: SplitSpec, patient: int) -> str:
+    return f"{spec.name}-patient-{patient:05d}"
+
+
+def patient_identity(seed: int, spec: SplitSpec, patient: int, profile: SiteProfile) -> Identity:
+    """A site patient's appearance: a pure function of (seed, split, patient), shared by their images.
+    Its stream (five SeedSequence words) never coincides with an image's (four words)."""
+    rng = np.random.default_rng(np.random.SeedSequence([seed, SPLIT_CODES[spec.kind], spec.site_index, patient, 1]))
+    identity = sample_identity(rng, profile)
+    return dataclasses.replace(identity, texture_seed=int(rng.integers(2**63)))
+
+
 def render_example(seed: int, spec: SplitSpec, index: int, size: tuple[int, int], n_sites: int) -> tuple[np.ndarray, dict[str, Any]]:
     """One image (uint8 H×W×3) and its record fields — a pure function of its arguments."""
     rng = example_rng(seed, spec, index)
@@ -110,11 +138,15 @@ def render_example(seed: int, spec: SplitSpec, index: int, size: tuple[int, int]
         site_index = int(rng.integers(1, n_sites + 1))
     kind = "public" if spec.kind == "public" else "site"
     profile = profile_for(kind, site_index)
-    scene = sample_scene(rng, profile, size)
+    patient = patient_of(spec, index)
+    identity = patient_identity(seed, spec, patient, profile) if patient is not None else None
+    scene = sample_scene(rng, profile, size, identity=identity)
     image = render_scene(scene, rng, profile)
     fields = annotation_fields(scene, profile.name)
     if spec.kind == "test":
         fields["extra"]["split"] = "test"
+    if patient is not None:
+        fields["patient_id"] = patient_id(spec, patient)
     return image, fields
 
 
@@ -252,6 +284,8 @@ def generate_dataset(
             "occluded": "occluded joints keep joints_vis 1 (MPII convention); extra.occluded flags them",
             "scale": "max(person box height, width·H/W) / 200",
             "face_box": "extra.face_box = [x1, y1, x2, y2] of the visible face (head box when facing away)",
+            "patient_id": f"site records: the patient shown; {IMAGES_PER_PATIENT} consecutive images per patient with "
+                          "the same identity (skin, face, clothing), different poses and scenes",
         },
     }
     manifest = json.loads(json.dumps(manifest))  # plain JSON types: what a later reader will see
@@ -265,7 +299,8 @@ def _describe(spec: SplitSpec, params: dict[str, Any]) -> str:
         return f"test: {spec.count} images drawn from a uniform mixture of the {params['sites']} site distributions"
     if spec.kind == "public":
         return "public: " + public_profile().describe().split(": ", 1)[1]
-    return site_profile(spec.site_index).describe()
+    patients = -(-spec.count // IMAGES_PER_PATIENT)
+    return f"{site_profile(spec.site_index).describe()}; {patients} patients, up to {IMAGES_PER_PATIENT} images each"
 
 
 def ensure_dataset(

@@ -62,6 +62,10 @@ class Identity:
     long_pants: bool
     beard: bool
     glasses: bool
+    #: seed of the skin, hair and clothing textures (pattern, period, grain). None: drawn from the
+    #: image's own stream (a one-off person); set for a synthetic patient, so every image of them
+    #: wears the same fabric patterns, not just the same colours
+    texture_seed: int | None = None
 
 
 @dataclass
@@ -149,12 +153,20 @@ def _ellipse_points(c: np.ndarray, up: np.ndarray, half_length: float, half_widt
     return c + np.outer(np.cos(t) * half_length, up) + np.outer(np.sin(t) * half_width, right)
 
 
-def sample_scene(rng: np.random.Generator, profile: SiteProfile, size: tuple[int, int], family: str | None = None) -> Scene:
-    """All geometry and the annotation of one example (no pixels)."""
+def sample_scene(
+    rng: np.random.Generator, profile: SiteProfile, size: tuple[int, int], family: str | None = None,
+    identity: Identity | None = None,
+) -> Scene:
+    """All geometry and the annotation of one example (no pixels).
+
+    ``identity``: the person to show (a synthetic patient seen in several images); None draws a
+    new one. The image's own identity is drawn either way, so pose, view and placement are the
+    same random function of ``rng`` with or without a patient."""
     h, w = size
     family = family or _weighted_choice(rng, profile.pose_weights)
     skel = body.sample_pose(family, rng)
-    identity = sample_identity(rng, profile)
+    own_identity = sample_identity(rng, profile)
+    identity = identity if identity is not None else own_identity
     if rng.random() < profile.back_facing_probability:
         yaw = 180.0 + float(np.clip(rng.normal(0, 25), -60, 60))
     else:
@@ -455,15 +467,17 @@ def _paint_person(scene: Scene, parts: list[_Part], canvas: Image.Image, rng: np
     """Paint body parts back-to-front (painter's algorithm) and the head onto ``canvas``."""
     h, w = scene.size
     ident = scene.identity
+    # a patient's textures come from their own seed: the same fabric in every image of them
+    texture_rng = rng if ident.texture_seed is None else np.random.default_rng(ident.texture_seed)
     textures = {
-        "skin": skin_texture(rng, h, w, ident.skin),
-        "hair": hair_texture(rng, h, w, ident.hair, pixel_scale),
-        "shirt": clothing_texture(rng, h, w, ident.shirt, pixel_scale),
-        "pants": clothing_texture(rng, h, w, ident.pants, pixel_scale),
-        "shoes": clothing_texture(rng, h, w, ident.shoes, pixel_scale),
+        "skin": skin_texture(texture_rng, h, w, ident.skin),
+        "hair": hair_texture(texture_rng, h, w, ident.hair, pixel_scale),
+        "shirt": clothing_texture(texture_rng, h, w, ident.shirt, pixel_scale),
+        "pants": clothing_texture(texture_rng, h, w, ident.pants, pixel_scale),
+        "shoes": clothing_texture(texture_rng, h, w, ident.shoes, pixel_scale),
     }
     if ident.hair_style == "cap":
-        textures["cap"] = clothing_texture(rng, h, w, rng.uniform(0.1, 0.9, 3).astype(np.float32), pixel_scale)
+        textures["cap"] = clothing_texture(texture_rng, h, w, texture_rng.uniform(0.1, 0.9, 3).astype(np.float32), pixel_scale)
     images = {k: _to_image(v) for k, v in textures.items()}
     # Parts farther away than the torso are slightly darker: separates overlapping limbs.
     shaded: dict[str, Image.Image] = {}

@@ -324,7 +324,9 @@ class RoundRunner:
             privacy = site_reply.privacy
             info = {"status": site_reply.status, "epsilon": privacy.epsilon if privacy else None,
                     "delta": privacy.delta if privacy else None, "guarantee": privacy.guarantee if privacy else None,
-                    "accountant": privacy.accountant if privacy else None, "reason": site_reply.describe() if site_reply.reason else "",
+                    "accountant": privacy.accountant if privacy else None,
+                    "unit": privacy.protection_unit if privacy else None,
+                    "reason": site_reply.describe() if site_reply.reason else "",
                     "local_steps": site_reply.local_steps, "bytes_down": bytes_down.get(node, 0), "bytes_up": 0}
             sites[site_id] = info
             regression = self._epsilon_regression(site_reply)

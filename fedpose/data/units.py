@@ -1,0 +1,130 @@
+"""Protection units: what one neighbouring dataset adds or removes (torch-free).
+
+A site's DP guarantee is about one *unit* of its data (DESIGN.md, "Privacy semantics"):
+
+* ``record``  — one person-crop (one annotation row). The finest unit: a guarantee per record
+  says little about an image showing several people, or a patient with many images.
+* ``image``   — every record of one image file (MPII: up to 4 people per image).
+* ``patient`` — every record of one patient, over all their images (needs ``patient_id`` on
+  every record).
+
+Sampling is Poisson over units and a unit's gradient (the sum over all its records) is clipped to
+C as one (:mod:`fedpose.privacy.engine`), so (ε, δ) holds per unit without group privacy.
+
+The default (``privacy.unit = "auto"``) is the coarsest unit the annotations support: patient
+when every record has a ``patient_id``, else image when every record names its image, else
+record. It is decided once, when the data is loaded (:func:`resolve_unit`), and stated in every
+report; a federation site pins it in its budget state, where changing it is a guarantee change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from fedpose.data.annotations import AnnotationError, PoseRecord
+
+ProtectionUnit = Literal["record", "image", "patient"]
+#: the config value that asks for the coarsest unit the annotations support
+AUTO_UNIT = "auto"
+#: finest first: a coarser unit's guarantee implies the finer ones'
+UNITS_FINEST_FIRST: tuple[ProtectionUnit, ...] = get_args(ProtectionUnit)
+#: what one unit is, in words a clinician reads
+UNIT_MEANING: dict[str, str] = {
+    "record": "one record (one person-crop: one annotated person in one image, with its keypoints)",
+    "image": "one image (every annotated person in it, with their keypoints)",
+    "patient": "one patient (every annotated crop of them, over all their images at this site)",
+}
+
+
+class UnitError(AnnotationError):
+    """The requested protection unit is not supported by the annotations (names where)."""
+
+
+@dataclass(frozen=True)
+class UnitResolution:
+    """Which unit a site's data is protected at, and why (stated in the run's log and reports)."""
+
+    unit: ProtectionUnit
+    requested: str  #: "auto" or the configured unit
+    reason: str
+
+
+def _missing(records: Sequence[PoseRecord], unit: ProtectionUnit) -> list[int]:
+    """Indices of records that lack what ``unit`` needs."""
+    if unit == "patient":
+        return [i for i, r in enumerate(records) if not r.patient_id]
+    if unit == "image":
+        return [i for i, r in enumerate(records) if not r.image]
+    return []
+
+
+def supported_units(records: Sequence[PoseRecord]) -> tuple[ProtectionUnit, ...]:
+    """Units every record supports, finest first ("record" always)."""
+    return tuple(u for u in UNITS_FINEST_FIRST if not _missing(records, u))
+
+
+def resolve_unit(requested: str, records: Sequence[PoseRecord], where: str) -> UnitResolution:
+    """The protection unit for these records: ``requested``, or the coarsest supported for "auto".
+
+    Raises :class:`UnitError` naming ``where`` and the first offending record when the requested
+    unit needs a field some records lack (e.g. "patient" without ``patient_id``).
+    """
+    if requested == AUTO_UNIT:
+        unit = supported_units(records)[-1]
+        why = {"patient": "every record has a patient_id",
+               "image": "not every record has a patient_id, but every record names its image",
+               "record": "records name neither a patient nor an image"}[unit]
+        return UnitResolution(unit, AUTO_UNIT, f"default: the coarsest unit the annotations support ({why})")
+    if requested not in UNITS_FINEST_FIRST:
+        raise UnitError(f"{where}: unknown protection unit {requested!r}; choose one of {', '.join(UNITS_FINEST_FIRST)} or auto")
+    missing = _missing(records, requested)  # type: ignore[arg-type]
+    if missing:
+        field = "patient_id" if requested == "patient" else "image"
+        first = records[missing[0]]
+        raise UnitError(
+            f"{where}: privacy.unit = {requested!r} needs '{field}' on every record, but {len(missing)} of "
+            f"{len(records)} records lack it (first: record {missing[0]}, image {first.image!r}). Annotate them, "
+            f"or choose a finer unit (supported here: {', '.join(supported_units(records))})"
+        )
+    return UnitResolution(requested, requested, "configured (privacy.unit)")  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class UnitIndex:
+    """The records of each unit: ``members[u]`` = record indices of unit u, ascending.
+
+    Units are ordered by their first record, so the grouping is a function of the annotations
+    only (no randomness, nothing released)."""
+
+    unit: ProtectionUnit
+    members: tuple[tuple[int, ...], ...]
+
+    @property
+    def num_units(self) -> int:
+        return len(self.members)
+
+    @property
+    def num_records(self) -> int:
+        return sum(len(m) for m in self.members)
+
+    @property
+    def max_records_per_unit(self) -> int:
+        return max((len(m) for m in self.members), default=0)
+
+    @classmethod
+    def per_record(cls, num_records: int) -> "UnitIndex":
+        """Every record its own unit (the record-level guarantee)."""
+        return cls("record", tuple((i,) for i in range(int(num_records))))
+
+    @classmethod
+    def from_records(cls, records: Sequence[PoseRecord], unit: ProtectionUnit, where: str = "dataset") -> "UnitIndex":
+        if unit == "record":
+            return cls.per_record(len(records))
+        resolve_unit(unit, records, where)  # raises, naming where, when a record lacks the key
+        groups: dict[str, list[int]] = {}
+        for i, record in enumerate(records):
+            key = record.patient_id if unit == "patient" else record.image
+            groups.setdefault(str(key), []).append(i)
+        return cls(unit, tuple(tuple(g) for g in groups.values()))
