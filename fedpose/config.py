@@ -12,6 +12,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fedpose.privacy.mechanisms import MECHANISM_NAMES, MECHANISMS, get_mechanism
+
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -115,8 +117,9 @@ class MaskConfig(Strict):
 
 
 class PrivacyConfig(Strict):
-    mechanism: Literal["none", "dpsgd", "pdp", "fdp", "fpdp", "maskdp"] = Field(
-        "none", description="gradient mechanism; guarantee: DP (dpsgd, pdp), FDP (fdp, fpdp), MaskDP (maskdp)"
+    mechanism: Literal[MECHANISM_NAMES] = Field(  # type: ignore[valid-type]
+        "none", description="gradient mechanism; guarantee: "
+        + ", ".join(f"{name} → {m.guarantee.name}" for name, m in MECHANISMS.items() if m.noisy)
     )
     target_epsilon: float | None = Field(None, gt=0, description="calibrate σ so the planned steps reach this ε (at privacy.delta, privacy.accountant)")
     accountant: Literal["rdp", "pld", "prv"] | None = Field(
@@ -156,7 +159,7 @@ class PrivacyConfig(Strict):
 
     @model_validator(mode="after")
     def _noise(self) -> "PrivacyConfig":
-        if self.mechanism != "none":
+        if get_mechanism(self.mechanism).noisy:
             if (self.target_epsilon is None) == (self.noise_multiplier is None):
                 raise ValueError(
                     f"privacy: mechanism '{self.mechanism}' needs exactly one of "
@@ -197,7 +200,7 @@ class RunConfig(Strict):
     @model_validator(mode="after")
     def _public_view_fits_the_input(self) -> "RunConfig":
         view = self.privacy.public_view
-        if self.privacy.mechanism in ("fdp", "fpdp") and view.kind == "downsample_quantize":
+        if get_mechanism(self.privacy.mechanism).uses_dataset_public_view and view.kind == "downsample_quantize":
             if any(side % view.factor for side in self.data.input_size):
                 raise ValueError(
                     f"privacy.public_view.factor {view.factor} must divide data.input_size {self.data.input_size} "

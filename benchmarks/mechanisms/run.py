@@ -35,6 +35,7 @@ from fedpose.data.loaders import load_records
 from fedpose.io import atomic_write_json, atomic_write_text
 from fedpose.model import build_model
 from fedpose.privacy.engine import build_engine
+from fedpose.privacy.mechanisms import NOISY_MECHANISM_NAMES
 from fedpose.privacy.public_views import ImagePublicView
 from fedpose.privacy.report import format_epsilon
 from fedpose.runtime import configure_cpu
@@ -43,7 +44,7 @@ from fedpose.train.loop import TrainingDiverged, calibrate_batch_norm, train_ste
 from fedpose.train.optim import build_optimizer, build_scheduler
 
 HERE = Path(__file__).resolve().parent
-DP_MECHANISMS = ("dpsgd", "pdp", "fdp", "fpdp", "maskdp")
+DP_MECHANISMS = NOISY_MECHANISM_NAMES
 
 
 def ensure_data(args: argparse.Namespace) -> Path:

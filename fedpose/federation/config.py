@@ -26,6 +26,7 @@ from fedpose.config import (
     Strict,
     TrainConfig,
 )
+from fedpose.privacy.mechanisms import get_mechanism
 
 # A site id is used as a file name, a Prometheus label and a SQLite key: keep it boring.
 SITE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
@@ -98,7 +99,7 @@ class SiteConfig(Strict):
     @model_validator(mode="after")
     def _private_at_the_boundary(self) -> "SiteConfig":
         """What a site must declare so that nothing it sends depends on its data beyond the guarantee."""
-        if self.privacy.mechanism == "none":
+        if not get_mechanism(self.privacy.mechanism).noisy:
             return self
         if self.privacy.sample_rate is None:
             raise ValueError(

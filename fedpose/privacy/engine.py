@@ -54,7 +54,7 @@ from fedpose.data.units import UnitIndex
 from fedpose.privacy import projection
 from fedpose.privacy.accountant import PrivacyLedger, default_accountant, noise_multiplier_for
 from fedpose.privacy.mechanisms import Mechanism, get_mechanism
-from fedpose.privacy.public_views import public_view_kind, public_view_report
+from fedpose.privacy.public_views import PUBLIC_VIEW_FUNCTIONS, public_view_kind, public_view_report
 from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
 from fedpose.privacy.noise import make_noise
 from fedpose.privacy.per_sample import (
@@ -338,7 +338,8 @@ class GradientEngine:
         if mechanism.projects and self._basis_due():
             metrics["basis_seconds"] = self.refresh_basis(model)
 
-        public_images = mechanism.public_view(batch, self.privacy) if mechanism.public_view is not None and size else None
+        public_images = (PUBLIC_VIEW_FUNCTIONS[mechanism.public_view](batch, self.privacy)
+                         if mechanism.public_view is not None and size else None)
         clipped_sum = torch.zeros(num_params)
         public_gradient = None
         if size:

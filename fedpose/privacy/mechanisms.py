@@ -28,15 +28,15 @@ the augmented crop, with the annotated head boxes mapped through the same augmen
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Literal
 
-from torch import Tensor
-
-from fedpose.config import PrivacyConfig
 from fedpose.privacy import report
-from fedpose.privacy.public_views import mask_view, precomputed_view
 
-PublicView = Callable[[dict, PrivacyConfig], Tensor]
+#: where a mechanism's noise-free public input comes from: the dataset's ψ(x) (computed once per
+#: record, before augmentation) or the augmented crop with every head masked out. The functions
+#: live in :mod:`fedpose.privacy.public_views` (this module stays free of torch and of the config,
+#: so the config can take its list of mechanism names from here).
+PublicViewSource = Literal["dataset", "mask"]
 
 
 @dataclass(frozen=True)
@@ -45,9 +45,12 @@ class Mechanism:
     guarantee: report.Guarantee
     noisy: bool  #: clip + Gaussian noise on the private gradient (False only for "none")
     projects: bool  #: project the noisy private gradient onto the public basis V
-    public_view: PublicView | None = None  #: ψ whose gradient is added without noise
-    #: ψ comes from the dataset (``public_image``, computed before augmentation; privacy.public_view)
-    uses_dataset_public_view: bool = False
+    public_view: PublicViewSource | None = None  #: ψ whose gradient is added without noise
+
+    @property
+    def uses_dataset_public_view(self) -> bool:
+        """ψ comes from the dataset (``public_image``, computed before augmentation; privacy.public_view)."""
+        return self.public_view == "dataset"
 
 
 MECHANISMS: dict[str, Mechanism] = {
@@ -56,11 +59,15 @@ MECHANISMS: dict[str, Mechanism] = {
         Mechanism("none", report.NO_PRIVACY, noisy=False, projects=False),
         Mechanism("dpsgd", report.RECORD_DP, noisy=True, projects=False),
         Mechanism("pdp", report.PROJECTED_DP, noisy=True, projects=True),
-        Mechanism("fdp", report.FEATURE_DP, noisy=True, projects=False, public_view=precomputed_view, uses_dataset_public_view=True),
-        Mechanism("fpdp", report.FEATURE_PROJECTED_DP, noisy=True, projects=True, public_view=precomputed_view, uses_dataset_public_view=True),
-        Mechanism("maskdp", report.MASK_DP, noisy=True, projects=False, public_view=mask_view),
+        Mechanism("fdp", report.FEATURE_DP, noisy=True, projects=False, public_view="dataset"),
+        Mechanism("fpdp", report.FEATURE_PROJECTED_DP, noisy=True, projects=True, public_view="dataset"),
+        Mechanism("maskdp", report.MASK_DP, noisy=True, projects=False, public_view="mask"),
     )
 }
+#: the mechanism names, in registry order (the config's ``privacy.mechanism`` Literal derives from it)
+MECHANISM_NAMES: tuple[str, ...] = tuple(MECHANISMS)
+#: the mechanisms that add noise (every one that makes a privacy claim)
+NOISY_MECHANISM_NAMES: tuple[str, ...] = tuple(name for name, m in MECHANISMS.items() if m.noisy)
 
 
 def get_mechanism(name: str) -> Mechanism:
@@ -68,7 +75,3 @@ def get_mechanism(name: str) -> Mechanism:
         return MECHANISMS[name]
     except KeyError:
         raise ValueError(f"privacy.mechanism: unknown mechanism {name!r}; available: {', '.join(MECHANISMS)}") from None
-
-
-def guarantee_for(name: str) -> report.Guarantee:
-    return get_mechanism(name).guarantee

@@ -298,7 +298,7 @@ class ImagePublicView:
 
 def dataset_public_view(privacy: PrivacyConfig) -> ImagePublicView | None:
     """The ψ a training dataset must compute for ``privacy.mechanism`` (None if it uses none)."""
-    from fedpose.privacy.mechanisms import get_mechanism  # mechanisms imports this module
+    from fedpose.privacy.mechanisms import get_mechanism
 
     if not get_mechanism(privacy.mechanism).uses_dataset_public_view:
         return None
@@ -359,3 +359,10 @@ def mask_view(batch: dict, privacy: PrivacyConfig) -> Tensor:
     """MaskDP's ψ: every person's private region (``privacy.mask``) masked out."""
     boxes, counts = private_region_boxes(batch, privacy.mask.region)
     return mask_boxes(batch["image"], boxes, privacy.mask.margin, privacy.mask.fill, counts)
+
+
+#: the noise-free public input of each :data:`fedpose.privacy.mechanisms.PublicViewSource`
+PUBLIC_VIEW_FUNCTIONS: dict[str, Callable[[dict, PrivacyConfig], Tensor]] = {
+    "dataset": precomputed_view,
+    "mask": mask_view,
+}

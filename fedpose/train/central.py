@@ -37,6 +37,7 @@ from fedpose.io import atomic_write_json, atomic_write_text
 from fedpose.model import build_model, load_checkpoint, save_checkpoint
 from fedpose.model.checkpoint import restore_rng_state
 from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
+from fedpose.privacy.mechanisms import get_mechanism
 from fedpose.runtime import configure_cpu
 from fedpose.train.evaluate import evaluate
 from fedpose.train.loop import calibrate_batch_norm, train_steps
@@ -147,7 +148,7 @@ def resolve_protection_unit(
     accounted in: a different unit is a different guarantee, so continuing would mix two."""
     from fedpose.data.units import UnitError, UnitIndex, resolve_unit
 
-    if cfg.privacy.mechanism == "none":
+    if not get_mechanism(cfg.privacy.mechanism).noisy:
         return None, None
     where = f"data.train ({train_dir})"
     try:
@@ -205,7 +206,8 @@ def run_training(
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
-    noisy = cfg.privacy.mechanism != "none"
+    mechanism = get_mechanism(cfg.privacy.mechanism)
+    noisy = mechanism.noisy
     # Resumed DP runs draw fresh streams (never replay spent noise); see the module docstring.
     stream_seed = seed + STREAM_STRIDE * start_step if (noisy and start_step) else seed
 
@@ -216,7 +218,7 @@ def run_training(
     val_dir = prepare_site_dataset(cfg.data.val, cfg.input_privacy)[0] if cfg.data.val else None
     val_set = _load_dataset(Path(val_dir), cfg, train=False, seed=seed) if val_dir is not None else None
     public_set = None
-    if cfg.privacy.mechanism in ("pdp", "fpdp"):
+    if mechanism.projects:
         if cfg.privacy.basis.public_data is None:
             raise ConfigError(f"privacy.basis.public_data: required for mechanism '{cfg.privacy.mechanism}' in fedpose train")
         public_set = _load_dataset(Path(cfg.privacy.basis.public_data), cfg, train=False, seed=seed)
@@ -227,7 +229,7 @@ def run_training(
         model.load_state_dict(checkpoint["model"])
     elif cfg.model.scenario == "scratch" and cfg.model.init_checkpoint is None:
         # Non-augmented view: calibration must not consume the training stream's augmentation draws.
-        calibration_set = _load_dataset(Path(train_dir), cfg, train=False, seed=seed) if cfg.privacy.mechanism == "none" else public_set
+        calibration_set = _load_dataset(Path(train_dir), cfg, train=False, seed=seed) if not noisy else public_set
         calibrate_batch_norm(model, calibration_set)
     model.train_mode()
     stream = _ReplayableDataset(train_set)
