@@ -142,7 +142,6 @@ class CoordinatorConfig(Strict):
     public_data: Path | None = Field(None, description="S_pub for the basis (pdp / fpdp)")
     aggregation: AggregationConfig = AggregationConfig()
     update_norm_bound: float | None = Field(None, gt=0, description="reject updates with ‖Δ‖₂ above this (None = no bound)")
-    eps_max: float | None = Field(None, gt=0, description="stop selecting sites whose reported ε reaches this (mirror of the site bound)")
     basis: BasisTransportConfig = BasisTransportConfig()
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus port (None = no server)")
     checkpoint_dir: Path = Field(Path("runs/federation/coordinator"), description="global model, server-optimizer state, ledger")

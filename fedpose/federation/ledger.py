@@ -1,8 +1,10 @@
 """The coordinator's budget ledger: a persisted SQLite mirror of what each site reported.
 
 The site is the authority on its own budget (:mod:`fedpose.federation.site_budget`); this ledger
-records what each site *reported* per round so the coordinator can stop selecting exhausted
-sites, survive its own restart, and export an audit trail. One row per (site id, round); writing
+records what each site *reported* per round — its cumulative ε, its own ε_max and whether one more
+round would still fit — so the coordinator can stop selecting exhausted sites (judged by the
+site's own numbers, never a second copy of its budget), survive its own restart, and export an
+audit trail. One row per (site id, round); writing
 the same (site, round) again replaces the row, so a resumed coordinator that re-records a round
 never double-counts it. ε values are the site's cumulative spend after that round (guarantee, δ and
 the accountant that computed it stored alongside: FDP's ε is not comparable with DP's, and a PLD ε
@@ -51,6 +53,8 @@ CREATE TABLE IF NOT EXISTS site_rounds (
     guarantee   TEXT,
     unit        TEXT,
     accountant  TEXT,
+    eps_max     REAL,
+    next_round_affordable INTEGER,
     steps       INTEGER NOT NULL DEFAULT 0,
     rdp_json    TEXT,
     orders_json TEXT,
@@ -60,6 +64,8 @@ CREATE TABLE IF NOT EXISTS site_rounds (
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+#: columns added after schema version 1 shipped (added in place to older ledgers, NULL in old rows)
+_ADDED_COLUMNS = (("unit", "TEXT"), ("eps_max", "REAL"), ("next_round_affordable", "INTEGER"))
 
 
 class LedgerError(Exception):
@@ -85,6 +91,9 @@ class LedgerEntry:
     #: protection unit the ε is about ("record", "image", "patient"); None: not reported (or a row
     #: written before units existed — those sites were record-level)
     unit: str | None = None
+    eps_max: float | None = None  #: the site's own budget, as it reported it (None: no report)
+    #: the site's answer to "would one more identical round fit ε_max" (None: no report)
+    next_round_affordable: bool | None = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -108,6 +117,8 @@ class LedgerEntry:
             guarantee=privacy.guarantee if privacy is not None else None,
             unit=privacy.protection_unit if privacy is not None and privacy.accountant != "none" else None,
             accountant=privacy.accountant if privacy is not None else None,
+            eps_max=privacy.eps_max if privacy is not None else None,
+            next_round_affordable=privacy.next_round_affordable if privacy is not None else None,
             steps=int(reply.local_steps) if trained else 0,
             rdp=tuple(privacy.rdp) if privacy is not None and privacy.rdp else None,
             orders=tuple(privacy.orders) if privacy is not None and privacy.rdp else None,
@@ -128,6 +139,18 @@ class SiteSummary:
     last_round: int
     last_status: str
     unit: str | None = None  #: protection unit of the latest reported ε
+    eps_max: float | None = None  #: the site's own ε_max from its latest report
+    next_round_affordable: bool | None = None  #: from its latest report (None: no report)
+
+    @property
+    def exhausted(self) -> bool:
+        """The site's guard said no (a refusal), or its reported ε has reached its own ε_max.
+
+        A report that only says the *next* round would not fit does not exclude the site: it is asked
+        again and refuses visibly (nothing spent) — the operator sees the guard act in a round line."""
+        if self.last_status == "refused":
+            return True
+        return self.eps_max is not None and self.epsilon is not None and self.epsilon >= self.eps_max
 
 
 class BudgetLedger:
@@ -155,12 +178,14 @@ class BudgetLedger:
             self._db.close()
             raise LedgerError(f"{self.path}: unknown ledger schema version {row[0] if row else None!r}")
         columns = {r[1] for r in self._db.execute("PRAGMA table_info(site_rounds)").fetchall()}
-        if "unit" not in columns and not read_only:
-            # ledgers from before protection units: add the column; their rows stay NULL (= record-level)
+        missing = [(name, kind) for name, kind in _ADDED_COLUMNS if name not in columns]
+        if missing and not read_only:
+            # ledgers from before these columns: add them; their rows stay NULL (unit NULL = record-level)
             with self._db:
-                self._db.execute("ALTER TABLE site_rounds ADD COLUMN unit TEXT")
-            columns.add("unit")
-        self._unit_column = "unit" if "unit" in columns else "NULL"
+                for name, kind in missing:
+                    self._db.execute(f"ALTER TABLE site_rounds ADD COLUMN {name} {kind}")
+            columns.update(name for name, _ in missing)
+        self._select = ", ".join(name if name in columns else "NULL" for name, _ in _ADDED_COLUMNS)
 
     def close(self) -> None:
         self._db.close()
@@ -183,21 +208,23 @@ class BudgetLedger:
                 e.site_id, int(e.round), e.status, e.epsilon, e.delta, e.guarantee, e.unit, e.accountant, int(e.steps),
                 json.dumps(list(e.rdp)) if e.rdp is not None else None,
                 json.dumps(list(e.orders)) if e.orders is not None else None,
-                e.reason, e.recorded_at or now,
+                e.reason, e.recorded_at or now, e.eps_max,
+                None if e.next_round_affordable is None else int(e.next_round_affordable),
             )
             for e in entries
         ]
         with self._db:
             self._db.executemany(
                 "INSERT OR REPLACE INTO site_rounds (site_id, round, status, epsilon, delta, guarantee, unit, accountant, "
-                "steps, rdp_json, orders_json, reason, recorded_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "steps, rdp_json, orders_json, reason, recorded_at, eps_max, next_round_affordable) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
 
     # -- reading ---------------------------------------------------------------------------------
     def entries(self, site_id: str | None = None) -> list[LedgerEntry]:
         query = ("SELECT site_id, round, status, epsilon, delta, guarantee, accountant, steps, rdp_json, orders_json, reason, "
-                 f"recorded_at, {self._unit_column} FROM site_rounds")
+                 f"recorded_at, {self._select} FROM site_rounds")
         args: tuple = ()
         if site_id is not None:
             query += " WHERE site_id = ?"
@@ -207,7 +234,8 @@ class BudgetLedger:
             LedgerEntry(
                 site_id=r[0], round=r[1], status=r[2], epsilon=r[3], delta=r[4], guarantee=r[5], accountant=r[6],
                 steps=r[7], rdp=tuple(json.loads(r[8])) if r[8] else None, orders=tuple(json.loads(r[9])) if r[9] else None,
-                reason=r[10], recorded_at=r[11], unit=r[12],
+                reason=r[10], recorded_at=r[11], unit=r[12], eps_max=r[13],
+                next_round_affordable=None if r[14] is None else bool(r[14]),
             )
             for r in rows
         ]
@@ -224,6 +252,7 @@ class BudgetLedger:
                 reported = [e for e in reported if e.accountant == current]
             latest = max(reported, key=lambda e: (e.epsilon, e.round)) if reported else None
             last = rows[-1]
+            reporting = [e for e in rows if e.eps_max is not None]  # rows that carried the site's privacy report
             summaries.append(
                 SiteSummary(
                     site_id=site_id,
@@ -237,6 +266,8 @@ class BudgetLedger:
                     last_round=last.round,
                     last_status=last.status,
                     unit=(latest.unit or "record") if latest else None,  # NULL: a row from before units
+                    eps_max=reporting[-1].eps_max if reporting else None,
+                    next_round_affordable=reporting[-1].next_round_affordable if reporting else None,
                 )
             )
         return summaries
@@ -247,19 +278,14 @@ class BudgetLedger:
                                (site_id, guarantee)).fetchone()
         return None if row[0] is None else float(row[0])
 
-    def exhausted_sites(self, eps_max: float | Mapping[str, float] | None) -> set[str]:
-        """Sites the coordinator should stop selecting.
-
-        A site is exhausted when its reported ε has reached its ``eps_max`` (one value for all, or
-        per site id; sites absent from a mapping are judged by refusals only), or when its latest
-        reply was a refusal — the site's own guard is the authority.
-        """
+    def exhausted_sites(self, eps_max: float | Mapping[str, float] | None = None) -> set[str]:
+        """Sites the coordinator should stop selecting, judged by what each site reported (the site's
+        own guard is the authority): a refusal, or a reported ε at its reported ε_max. ``eps_max`` (one bound, or per site id) adds an
+        operator's own bound, e.g. ``fedpose ledger show --eps-max``."""
         exhausted = set()
         for s in self.site_summaries():
             bound = eps_max.get(s.site_id) if isinstance(eps_max, Mapping) else eps_max
-            if s.last_status == "refused":
-                exhausted.add(s.site_id)
-            elif bound is not None and s.epsilon is not None and s.epsilon >= bound:
+            if s.exhausted or (bound is not None and s.epsilon is not None and s.epsilon >= bound):
                 exhausted.add(s.site_id)
         return exhausted
 

@@ -116,10 +116,13 @@ def write_report(directory: str | Path, run_info: dict[str, Any], rounds: list[d
         "final_pckh": final.get("pckh"),
         "sites": ledger_summary.get("sites", []),
         "privacy_note": (
-            "Each site's ε is its cumulative spend reported by the site itself (the authority on its "
-            "budget), composed with RDP over every local step of every round it joined, at the δ shown; "
-            "'DP' protects one record, 'FDP' what the public view ψ discards of one record (ψ(x) — by default "
-            "f×f block averages at b bits — and keypoints public; see each site's privacy report) — the two ε are not comparable. Site selection is not secret: no amplification claimed."
+            "Each site's ε is its cumulative spend reported by the site itself (the authority on its budget), "
+            "composed over every local step of every round it joined by the accountant named with it (PLD unless "
+            "the site chose another), at the δ shown, per the site's protection unit (record, image or patient). "
+            "'DP' protects the whole unit; 'FDP' only what the public view ψ discards of it (ψ(x) — by default "
+            "f×f block averages at b bits — and keypoints are public; see each site's privacy report); 'MaskDP' "
+            "the masked head regions. ε of different guarantees or units are not comparable. Site selection is "
+            "not secret: no amplification claimed."
         ),
         "rounds": rounds,
     }

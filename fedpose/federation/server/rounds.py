@@ -94,13 +94,12 @@ class CoordinatorState:
     model_spec: dict[str, Any] = field(default_factory=dict)
     node_sites: dict[str, str] = field(default_factory=dict)  #: transport node id → site id (learned from replies)
     basis: dict[str, Any] = field(default_factory=dict)  #: BasisService.state_dict()
-    unaffordable: list[str] = field(default_factory=list)  #: sites that said one more round would pass ε_max
     stopped_reason: str = ""
     initial_pckh: float | None = None  #: PCKh@0.5 Mean of the initial global model (before any site data)
 
     def to_meta(self) -> dict[str, Any]:
         return {"round": self.round, "model_spec": self.model_spec, "node_sites": self.node_sites, "basis": self.basis,
-                "unaffordable": sorted(set(self.unaffordable)), "stopped_reason": self.stopped_reason,
+                "stopped_reason": self.stopped_reason,
                 "initial_pckh": self.initial_pckh}
 
     @classmethod
@@ -108,7 +107,7 @@ class CoordinatorState:
         # checkpoints before the basis service kept its fields at the top level
         basis = meta.get("basis") or {"current_version": meta.get("basis_version", NO_BASIS), "held": meta.get("site_basis", {})}
         return cls(int(meta["round"]), dict(meta["model_spec"]), dict(meta["node_sites"]), dict(basis),
-                   list(meta.get("unaffordable", [])), str(meta.get("stopped_reason", "")), meta.get("initial_pckh"))
+                   str(meta.get("stopped_reason", "")), meta.get("initial_pckh"))
 
 
 # -- the runner --------------------------------------------------------------------------------------
@@ -212,7 +211,7 @@ class RoundRunner:
 
     # -- selection ------------------------------------------------------------------------------------
     def exhausted_sites(self) -> set[str]:
-        return self.ledger.exhausted_sites(self.cfg.eps_max) | set(self.state.unaffordable)
+        return self.ledger.exhausted_sites()
 
     def wait_for_nodes(self, transport: Transport) -> list[int]:
         """Connected nodes. Before the first round of this process: once ≥ min_sites are connected
@@ -338,8 +337,6 @@ class RoundRunner:
                 info.update(status="rejected", reason=regression, reject_reason="epsilon_regressed")
                 entries.append(LedgerEntry.from_reply(round_id, site_reply, status="rejected", reason=regression))
                 continue
-            if privacy is not None and not privacy.next_round_affordable and site_id not in self.state.unaffordable:
-                self.state.unaffordable.append(site_id)
             if not site_reply.carries_update:
                 # refused: nothing spent; replayed / failed / error: spent (or unknown), nothing to aggregate
                 log.warning("round %d: site %s %s: %s", round_id, site_id, site_reply.status, info["reason"])
