@@ -156,3 +156,39 @@ def test_an_entry_from_a_reply_carries_the_sites_unit():
                             orders=[2.0], rdp=[0.1], next_round_affordable=True)
     reply = SiteReply(site_id="s", run_id="r", round=1, status="ok", privacy=privacy, local_steps=5)
     assert LedgerEntry.from_reply(1, reply, "ok").unit == "patient"
+
+
+def test_exhaustion_is_judged_by_the_sites_own_report(tmp_path):
+    """The ledger keeps each site's reported ε_max and next-round answer; a site is exhausted when
+    its reported ε reaches its own ε_max or it refused — a "next round would not fit" answer alone
+    leaves it selectable, so its own guard refuses visibly in the next round."""
+    from fedpose.federation.protocol import PrivacyReport, SiteReply
+
+    def reply(site: str, epsilon: float, eps_max: float, affordable: bool) -> LedgerEntry:
+        privacy = PrivacyReport(guarantee="DP", unit="one record", adjacency="add_remove", accountant="pld",
+                                epsilon=epsilon, delta=1e-5, eps_max=eps_max, steps=5, rounds_spent=1, orders=[],
+                                rdp=[], next_round_affordable=affordable)
+        return LedgerEntry.from_reply(1, SiteReply(site_id=site, run_id="r", round=1, status="ok", privacy=privacy,
+                                                   local_steps=5), "ok")
+
+    db = tmp_path / "ledger.sqlite"
+    with BudgetLedger(db) as ledger:
+        ledger.record_many([reply("full", 4.0, 4.0, False), reply("tight", 3.0, 4.0, False), reply("roomy", 1.0, 8.0, True)])
+    with BudgetLedger(db, read_only=True) as ledger:
+        summaries = {s.site_id: s for s in ledger.site_summaries()}
+        assert summaries["tight"].eps_max == 4.0 and summaries["tight"].next_round_affordable is False
+        assert ledger.exhausted_sites() == {"full"}
+        assert ledger.exhausted_sites(0.5) == {"full", "tight", "roomy"}  # an operator's own, stricter bound
+        assert ledger.entries("roomy")[0].eps_max == 8.0
+
+
+def test_ledgers_from_before_the_reported_budget_columns_still_open(tmp_path):
+    db = tmp_path / "old.sqlite"
+    with sqlite3.connect(db) as con:
+        con.executescript(_SCHEMA_BEFORE_UNITS)
+    with BudgetLedger(db) as ledger:
+        (entry,) = ledger.entries()
+        assert entry.eps_max is None and entry.next_round_affordable is None and ledger.exhausted_sites() == set()
+        ledger.record(LedgerEntry("b", 1, "ok", epsilon=0.4, delta=1e-5, guarantee="DP", steps=10, eps_max=2.0,
+                                  next_round_affordable=True))
+        assert {s.site_id: s.eps_max for s in ledger.site_summaries()} == {"a": None, "b": 2.0}

@@ -47,6 +47,8 @@ def _show(args: argparse.Namespace) -> int:
         eps = "ε not reported" if s.epsilon is None else format_epsilon(s.epsilon, s.delta or 0.0, s.guarantee or "?",
                                                                          s.accountant or "rdp", s.unit)
         flag = "  EXHAUSTED" if s.site_id in exhausted else ""
+        if s.eps_max is not None:  # the site's own budget, as it reported it
+            eps += f" of its ε_max {s.eps_max:g}" + ("" if s.next_round_affordable is not False else " (next round would not fit)")
         print(
             f"{s.site_id}: {eps}; rounds joined {s.rounds_joined}, refused {s.rounds_refused}, "
             f"missing {s.rounds_missing}; last round {s.last_round} ({s.last_status}){flag}"
