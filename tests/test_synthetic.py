@@ -284,6 +284,21 @@ def test_resume_and_ensure_dataset(tmp_path):
     assert changed["params"]["seed"] == 9 and json.loads((out / "manifest.json").read_text()) == changed
 
 
+def test_ensure_dataset_without_replace_never_deletes(tmp_path):
+    """Federation runs (replace=False): a different or damaged dataset is named, never regenerated
+    (sites of a running federation may be reading it)."""
+    out = tmp_path / "ds"
+    _small_dataset(out)
+    reference = _tree_bytes(out)
+    with pytest.raises(SyntheticDataError, match=r"different synthetic dataset \(sites: 2 → 3\)"):
+        ensure_dataset(out, sites=3, per_site=3, public=3, test=2, size=SMALL, seed=0, workers=1, progress=False, replace=False)
+    assert _tree_bytes(out) == reference
+    (out / "site-2" / "annotations.json").unlink()
+    with pytest.raises(SyntheticDataError, match=r"splits missing \(site-2\)"):
+        ensure_dataset(out, sites=2, per_site=3, public=3, test=2, size=SMALL, seed=0, workers=1, progress=False, replace=False)
+    assert _tree_bytes(out) == {k: v for k, v in reference.items() if k != "site-2/annotations.json"}
+
+
 def test_ensure_dataset_refuses_foreign_directories(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     with pytest.raises(SyntheticDataError, match="not a fedpose synthetic dataset"):

@@ -178,6 +178,18 @@ def _status(out: Path, params: dict[str, Any]) -> str:
     return "foreign"
 
 
+def _params_differ(out: Path, params: dict[str, Any]) -> str:
+    """'key: stored → wanted' for each parameter in which ``out``'s dataset differs from ``params``."""
+    for marker in (MANIFEST_FILE, PROGRESS_FILE):
+        try:
+            stored = json.loads((out / marker).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        stored = stored.get("params", stored)
+        return ", ".join(f"{k}: {stored.get(k)!r} → {v!r}" for k, v in params.items() if stored.get(k) != v)
+    return "unreadable manifest"
+
+
 def _our_outputs(out: Path) -> Iterator[Path]:
     for child in out.iterdir():
         if child.name in (MANIFEST_FILE, PROGRESS_FILE, "public", "test", "preview.png", "public_view_demo.png", "blur_demo.png") or child.name.startswith("site-"):
@@ -313,32 +325,41 @@ def ensure_dataset(
     seed: int = 0,
     workers: int | None = None,
     progress: bool = True,
+    replace: bool = True,
 ) -> dict[str, Any]:
     """Return the manifest of ``out_dir`` if it already holds exactly this dataset; else (re)generate.
 
     A directory holding a *different* synthetic dataset is regenerated; one holding unrelated
-    files is an error (nothing is deleted). Concurrent callers (e.g. several simulated sites
-    starting at once) are serialized by a lock file beside ``out_dir``.
+    files is an error (nothing is deleted). ``replace=False`` never deletes anything: only an
+    absent, empty or interrupted (same parameters) dataset is generated, anything else is a
+    :class:`SyntheticDataError` (federation runs: sites may be training on that data). Concurrent
+    callers (e.g. several simulated sites starting at once) are serialized by a lock file beside
+    ``out_dir``.
     """
     params = dataset_params(sites, per_site, public, test, size, seed)
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f".{out.name}.synth-lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        return _ensure_locked(out, params, sites, per_site, public, test, size, seed, workers, progress)
+        return _ensure_locked(out, params, sites, per_site, public, test, size, seed, workers, progress, replace)
 
 
 def _ensure_locked(out: Path, params: dict[str, Any], sites: int, per_site: int, public: int, test: int,
-                   size: tuple[int, int], seed: int, workers: int | None, progress: bool) -> dict[str, Any]:
+                   size: tuple[int, int], seed: int, workers: int | None, progress: bool, replace: bool) -> dict[str, Any]:
     status = _status(out, params)
     kwargs = dict(sites=sites, per_site=per_site, public=public, test=test, size=size, seed=seed, workers=workers, progress=progress)
     if status == "complete":
         manifest = json.loads((out / MANIFEST_FILE).read_text())
-        if all((out / s.name / ANNOTATIONS_FILE).exists() for s in split_specs(params)):
+        missing = [s.name for s in split_specs(params) if not (out / s.name / ANNOTATIONS_FILE).exists()]
+        if not missing:
             return manifest
+        if not replace:
+            raise SyntheticDataError(f"{out} is a synthetic dataset with splits missing ({', '.join(missing)}); not regenerating it")
         return generate_dataset(out, overwrite=True, **kwargs)
     if status == "foreign":
         raise SyntheticDataError(f"{out} contains files that are not a fedpose synthetic dataset; refusing to touch it")
+    if status == "other" and not replace:
+        raise SyntheticDataError(f"{out} holds a different synthetic dataset ({_params_differ(out, params)}); not replacing it")
     if status == "partial":
         return generate_dataset(out, resume=True, **kwargs)
     return generate_dataset(out, overwrite=status == "other", **kwargs)
