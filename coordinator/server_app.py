@@ -8,6 +8,8 @@ Deployment: ``flwr run . <connection> --run-config 'coordinator-config="/abs/coo
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from flwr.app import Context
@@ -25,17 +27,26 @@ def _flag(value: object) -> bool:
     return value is True or str(value).lower() in ("true", "1", "yes")
 
 
-def _configure_logging() -> None:
-    """fedpose warnings (rejected updates, missing sites, refusals) to stderr; Flower keeps its own
-    console handler (it must not also propagate to a root handler some library installed)."""
+@contextmanager
+def _console_log() -> Iterator[None]:
+    """fedpose warnings (rejected updates, missing sites, refusals) to stderr for one run; Flower
+    keeps its own console handler (it must not also propagate to a root handler some library
+    installed). Per run, not per process: the handler writes to the stderr of the run that made it
+    (a simulation runs several ServerApps in one process)."""
     logging.getLogger("flwr").propagate = False
     logger = logging.getLogger("fedpose")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    previous = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous[0])
+        logger.propagate = previous[1]
 
 
 def build_server_app(config_path: str | Path | None = None, resume: bool | None = None, overrides: list[str] | None = None) -> ServerApp:
@@ -44,19 +55,19 @@ def build_server_app(config_path: str | Path | None = None, resume: bool | None 
 
     @server_app.main()
     def main(grid: Grid, context: Context) -> None:
-        _configure_logging()
-        try:
-            path = config_path or context.run_config.get("coordinator-config")
-            if not path:
-                raise ConfigError("no coordinator config: pass --run-config 'coordinator-config=\"/abs/path.toml\"'")
-            run = load_coordinator_run(str(path), overrides)
-            do_resume = resume if resume is not None else _flag(context.run_config.get("resume", False))
-            result = RoundRunner(run, resume=do_resume, echo=lambda line: print(line, flush=True)).run_rounds(GridTransport(grid))
-        except (ConfigError, LedgerError, ValueError, OSError) as exc:
-            # one line the operator sees (deploy local and simulate print it), then fail the run
-            print(f"{COORDINATOR_ERROR_PREFIX}{type(exc).__name__}: {exc}", flush=True)
-            raise
-        print(f"federation finished: {result['stopped_reason']}; {result['report']}", flush=True)
+        with _console_log():
+            try:
+                path = config_path or context.run_config.get("coordinator-config")
+                if not path:
+                    raise ConfigError("no coordinator config: pass --run-config 'coordinator-config=\"/abs/path.toml\"'")
+                run = load_coordinator_run(str(path), overrides)
+                do_resume = resume if resume is not None else _flag(context.run_config.get("resume", False))
+                result = RoundRunner(run, resume=do_resume, echo=lambda line: print(line, flush=True)).run_rounds(GridTransport(grid))
+            except (ConfigError, LedgerError, ValueError, OSError) as exc:
+                # one line the operator sees (deploy local and simulate print it), then fail the run
+                print(f"{COORDINATOR_ERROR_PREFIX}{type(exc).__name__}: {exc}", flush=True)
+                raise
+            print(f"federation finished: {result['stopped_reason']}; {result['report']}", flush=True)
 
     return server_app
 

@@ -127,14 +127,18 @@ def site_log(site: SiteConfig) -> Iterator[None]:
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger = logging.getLogger("fedpose")
-    previous_level = logger.level
+    previous_level, previous_propagate = logger.level, logger.propagate
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
+    # only here: a root handler of the host process (a Ray worker's, forwarded to the simulation's
+    # console) would otherwise print the details too
+    logger.propagate = False
     try:
         yield
     finally:
         logger.removeHandler(handler)
         logger.setLevel(previous_level)
+        logger.propagate = previous_propagate
         handler.close()
 
 
