@@ -6,7 +6,10 @@ Unknown keys and invalid values are rejected with a message naming the dotted ke
 
 from __future__ import annotations
 
+import os
 import tomllib
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -263,6 +266,33 @@ def validate(model: type[M], raw: dict[str, Any], source: str) -> M:
         return model.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, source)) from None
+
+
+def absolute_paths(raw: dict[str, Any], model: type[BaseModel], base: Path | None = None) -> dict[str, Any]:
+    """A copy of ``raw`` (a config for ``model``) with every value of a Path-typed field, nested
+    sections included, made absolute against ``base`` (default: the working directory): for config
+    files read by processes that run in another directory (a deployment's SuperNodes, ServerApp)."""
+    base = Path.cwd() if base is None else base
+    out = dict(raw)
+    for name, field in model.model_fields.items():
+        key = field.alias or name
+        value = out.get(key)
+        if value is None:
+            continue
+        kinds = _annotation_types(field.annotation)
+        section = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)), None)
+        if Path in kinds and isinstance(value, (str, Path)):
+            out[key] = os.path.normpath(base / Path(value).expanduser())
+        elif section is not None and isinstance(value, dict):
+            out[key] = absolute_paths(value, section, base)
+    return out
+
+
+def _annotation_types(annotation: Any) -> tuple[Any, ...]:
+    """The members of ``X | Y`` / ``Optional[X]``; ``(annotation,)`` for anything else."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return typing.get_args(annotation)
+    return (annotation,)
 
 
 def load_config(

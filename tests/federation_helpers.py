@@ -136,14 +136,63 @@ def ledger_rows(run_dir: Path) -> list[Any]:
 
 
 def no_leftover_processes(run_dir: Path) -> list[str]:
-    """Command lines of live processes that mention ``run_dir`` (what deploy local started)."""
+    """Command lines of live processes that mention ``run_dir`` or run with its Flower home
+    (``FLWR_HOME=<run_dir>/flwr-home``, set for everything deploy local starts and inherited by
+    Flower's SuperExec, ServerApp and ClientApp processes, whose command lines name no path)."""
+    flwr_home = f"FLWR_HOME={run_dir / 'flwr-home'}".encode()
     leftovers = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    for proc_dir in Path("/proc").glob("[0-9]*"):
         try:
-            text = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            state = (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            text = (proc_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            environ = (proc_dir / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if str(run_dir) in text and state != "Z":
+        if (str(run_dir) in text or flwr_home in environ) and state != "Z":
             leftovers.append(text)
     return leftovers
+
+
+def process_tree(pid: int) -> dict[tuple[int, int], str]:
+    """(PID, start time) → command line of every live descendant of ``pid`` (from /proc; the start
+    time tells a process from a later one that reuses its PID)."""
+    children: dict[int, list[tuple[int, int]]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append((int(stat.parent.name), int(fields[19])))
+        except (OSError, IndexError, ValueError):
+            continue
+    found: dict[tuple[int, int], str] = {}
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            try:
+                found[child] = (Path(f"/proc/{child[0]}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+            except OSError:
+                continue
+            stack.append(child[0])
+    return found
+
+
+def still_running(processes: dict[tuple[int, int], str]) -> dict[tuple[int, int], str]:
+    """Those processes of :func:`process_tree` that are still alive (not zombies)."""
+    alive = {}
+    for (pid, start), cmdline in processes.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[19]) == start and fields[0] != "Z":
+            alive[(pid, start)] = cmdline
+    return alive
+
+
+def corrupt_image(split_dir: Path, index: int = 5) -> Path:
+    """Truncate one image of a dataset split (its header still parses); return its path."""
+    from fedpose.data.loaders import load_records
+
+    records, root = load_records(split_dir)
+    path = root / records[index].image
+    path.write_bytes(path.read_bytes()[:200])
+    return path

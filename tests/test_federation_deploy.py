@@ -1,15 +1,18 @@
 """Real deployments on 127.0.0.1 (`fedpose deploy local`): SuperLink + SuperNodes + coordinator as
 separate processes over gRPC with TLS and SuperNode authentication. Tiny model and images.
 
-Two deployments cover everything (each ClientApp is a new process that imports torch + opacus, so
+Few deployments cover everything (each ClientApp is a new process that imports torch + opacus, so
 rounds are slow on a loaded 2-core machine): (A) results, wire protocol, metrics, what leaves a
 site, and a site that runs out of budget; (B) a site killed mid-round, then the coordinator killed
-and resumed (the killed site is back and its spend is picked up from its next report)."""
+and resumed (the killed site is back and its spend is picked up from its next report); (C) a site
+with a corrupt image: a visible, attributed failure and exit code 3, and --resume on the finished
+run; (D) deploy local itself SIGKILLed: nothing it started survives."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import urllib.request
@@ -18,15 +21,19 @@ from pathlib import Path
 import grpc
 import pytest
 
+from fedpose.federation.report import SITE_FAILURE_EXIT
 from federation_helpers import (
+    corrupt_image,
     deploy_output,
     epsilon_after_rounds,
     free_base_port,
     history,
     ledger_rows,
     no_leftover_processes,
+    process_tree,
     site_budget,
     start_deploy,
+    still_running,
     flower_env,
     tiny_federation,
     wait_for,
@@ -232,9 +239,11 @@ def test_killed_site_goes_missing_then_killed_coordinator_resumes_with_the_same_
     done = max(r for _, r in before)
     assert done in (2, 3)  # round 3 may finish before the Ctrl-C lands (the dead node is not selected)
 
-    proc = start_deploy(config, run_dir, base, 2, "--resume")
+    proc = start_deploy(config, run_dir, base, 2, "--resume", "--allow-site-failures")
     output = _finish(proc)
-    assert proc.returncode == 0, output
+    assert proc.returncode == 0, output  # site-2 missed rounds: allowed, and summarised
+    assert "round   2 site-2: missing — no reply" in output, output
+    assert output.strip().splitlines()[-1].startswith("run 'itest': 4 rounds completed in total (completed 4 rounds)"), output
     assert f"resuming run 'itest' after round {done}" in (run_dir / "logs" / "coordinator.log").read_text()
     rounds = history(run_dir)
     assert [r["round"] for r in rounds] == [1, 2, 3, 4]
@@ -252,3 +261,60 @@ def test_killed_site_goes_missing_then_killed_coordinator_resumes_with_the_same_
     for site_id, spent in (("site-1", [1, 2, 3, 4]), ("site-2", [1, *range(back, 5)])):
         entries = site_budget(run_dir, site_id)["entries"]
         assert [e["round"] for e in entries if e["status"] == "spent"] == spent  # no round spent twice
+
+
+def test_a_corrupt_image_fails_its_site_visibly_and_resume_says_the_run_is_finished(tmp_path: Path, data_dir: Path) -> None:
+    data = Path(shutil.copytree(data_dir, tmp_path / "data"))
+    bad = corrupt_image(data / "site-2")
+    config = tiny_federation(tmp_path, data, sites=2, rounds=1)
+    run_dir, base = tmp_path / "run", free_base_port()
+    proc = start_deploy(config, run_dir, base, 2)
+    output = _finish(proc, timeout=400)
+    assert proc.returncode == SITE_FAILURE_EXIT, output
+    (round_line,) = [line for line in output.splitlines() if line.startswith("round   1 |")]
+    assert "site-1: ok, ε" in round_line and "site-2: error (ImageLoadError: the site's ClientApp failed" in round_line
+    assert "round   1 site-2: error — ImageLoadError" in output  # the summary: round, site id, error class
+    assert output.strip().splitlines()[-1].startswith("run 'itest': 1 rounds completed in total"), output
+    assert bad.name not in output and "Traceback" not in output
+    assert not no_leftover_processes(run_dir), "deploy local left processes running"
+
+    # ledger and site budgets agree: site-2 spent nothing and is on record as failed
+    rows = {(e.site_id, e.round): e for e in ledger_rows(run_dir)}
+    assert rows[("site-2", 1)].status == "missing" and rows[("site-2", 1)].epsilon in (None, 0.0) and rows[("site-2", 1)].steps == 0
+    assert not [e for e in site_budget(run_dir, "site-2")["entries"] if e["status"] == "spent"]
+    assert rows[("site-1", 1)].status == "ok"
+    assert rows[("site-1", 1)].epsilon == pytest.approx(epsilon_after_rounds(1), rel=1e-6)
+    assert [e["round"] for e in site_budget(run_dir, "site-1")["entries"] if e["status"] == "spent"] == [1]
+
+    # --resume on the finished run: how to continue, nothing started
+    proc = start_deploy(config, run_dir, base, 2, "--resume")
+    output = _finish(proc, timeout=120)
+    assert proc.returncode == 0, output
+    assert "run 'itest' already finished after 1 rounds (coordinator.rounds = 1); to continue, raise coordinator.rounds: " \
+           "--resume --rounds 2" in output, output
+    assert "submitted" not in output
+
+
+def test_sigkill_of_deploy_local_leaves_no_process_behind(tmp_path: Path, data_dir: Path) -> None:
+    """SIGKILL cannot be caught: the watchdog stops SuperLink, SuperExecs, SuperNodes, exporters,
+    the ServerApp and the ClientApps of the round that was running."""
+    config = tiny_federation(tmp_path, data_dir, sites=2, rounds=3)
+    run_dir, base = tmp_path / "run", free_base_port()
+    proc = start_deploy(config, run_dir, base, 2)
+    started: dict[tuple[int, int], str] = {}
+
+    def clientapps_running() -> bool:
+        started.update(process_tree(proc.pid))
+        return any("flwr-clientapp" in cmdline for cmdline in started.values())
+
+    try:
+        wait_for(clientapps_running, 300, "a ClientApp process (a round under way)", proc, poll=0.3)
+        for name in ("flower-superlink", "flower-supernode", "flower-superexec", "sites.metrics", "flwr-serverapp"):
+            assert any(name in cmdline for cmdline in started.values()), (name, started)
+        proc.kill()
+        proc.wait(timeout=10)
+        wait_for(lambda: not still_running(started) and not no_leftover_processes(run_dir), 15,
+                 "every process deploy local started to end")
+    finally:
+        for pid, _ in still_running(started):  # a failed test must not leave them on a shared machine
+            os.kill(pid, signal.SIGKILL)

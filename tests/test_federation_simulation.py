@@ -1,6 +1,7 @@
 """The federation under Flower's simulation runtime (Ray), as `fedpose simulate` runs it; a site
 whose update is corrupted on the way out is rejected and logged, a site whose training fails is
-recorded with the site's own error, and the round goes on."""
+recorded with the site's own error, and the round goes on; the command line ends a run with a
+site failure with a summary and exit code 3, and says how to continue a finished run."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import tomli_w
 from flwr.app import Array, ArrayRecord
 
 from fedpose.federation import protocol
-from federation_helpers import history, ledger_rows, site_budget, tiny_federation
+from fedpose.federation.report import SITE_FAILURE_EXIT
+from federation_helpers import corrupt_image, epsilon_after_rounds, history, ledger_rows, site_budget, tiny_federation
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -52,8 +54,8 @@ class _Records(logging.Handler):
 def test_simulation_rejects_a_corrupted_update_and_keeps_going(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     import tomllib
 
-    from fedpose.cli.simulate import ensure_synthetic, resolve_federation, run_federation_simulation
-    from fedpose.data.loaders import load_records
+    from fedpose.cli.federation_run import ensure_synthetic
+    from fedpose.cli.simulate import resolve_federation, run_federation_simulation
 
     data_dir = tmp_path / "data"
     config = tiny_federation(tmp_path, data_dir, sites=5, rounds=1)
@@ -62,9 +64,7 @@ def test_simulation_rejects_a_corrupted_update_and_keeps_going(tmp_path: Path, c
     config.write_text(tomli_w.dumps(raw))
     federation, synthetic, resolved = resolve_federation(config, [])
     ensure_synthetic({**synthetic, "dir": str(data_dir)}, len(federation.sites))
-    records, root = load_records(data_dir / "site-5")
-    corrupt = root / records[5].image  # site-5: one truncated image among its files
-    corrupt.write_bytes(corrupt.read_bytes()[:200])
+    corrupt = corrupt_image(data_dir / "site-5")  # site-5: one truncated image among its files
     records = _Records()
     logging.getLogger("fedpose.coordinator").addHandler(records)
     try:
@@ -110,28 +110,44 @@ def test_simulation_rejects_a_corrupted_update_and_keeps_going(tmp_path: Path, c
     assert report["rounds_completed"] == 1
 
 
-def test_a_resumed_simulation_does_not_wait_for_the_old_node_ids(tmp_path: Path) -> None:
-    """Simulation hands out new node ids on every start; the checkpoint remembers the old ones.
-    Waiting for those ids sat out the whole round timeout before the first resumed round."""
-    import tomllib
-
-    from fedpose.cli.simulate import ensure_synthetic, resolve_federation, run_federation_simulation
+def test_cli_site_failure_exit_code_finished_resume_and_a_prompt_resumed_round(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """`fedpose simulate` with a corrupt image at site-2: the run ends with a failure summary and
+    exit code 3, no traceback on the console; --resume on the finished run says how to continue;
+    resumed with more rounds (and --allow-site-failures) it exits 0 — and its first round starts
+    at once: simulation hands out new node ids on every start, and waiting for the checkpoint's
+    old ids sat out the whole round timeout."""
+    from fedpose.cli import main
+    from fedpose.cli.federation_run import ensure_synthetic
+    from fedpose.cli.simulate import resolve_federation
 
     data_dir = tmp_path / "data"
     config = tiny_federation(tmp_path, data_dir, sites=2, rounds=1, timeout=300.0)
-    federation, synthetic, resolved = resolve_federation(config, [])
-    ensure_synthetic({**synthetic, "dir": str(data_dir)}, len(federation.sites))
-    run_federation_simulation(federation, resolved)
-    raw = tomllib.loads(config.read_text())
-    raw["coordinator"]["rounds"] = 2
-    config.write_text(tomli_w.dumps(raw))
-    federation, _, resolved = resolve_federation(config, [])
-    run_federation_simulation(federation, resolved, resume=True)
+    _, synthetic, _ = resolve_federation(config, [])
+    ensure_synthetic(synthetic, 2)
+    bad = corrupt_image(data_dir / "site-2")
+
+    assert main(["simulate", "--config", str(config)]) == SITE_FAILURE_EXIT
+    console = capfd.readouterr()
+    assert "round   1 site-2: error — ImageLoadError" in console.err, console  # the summary: round, site id, error class
+    assert console.out.strip().splitlines()[-1].startswith("run 'itest': 1 rounds completed in total"), console.out
+    assert "Traceback" not in console.out + console.err and bad.name not in console.out + console.err
+    rows = {(e.site_id, e.round): e for e in ledger_rows(tmp_path)}
+    assert rows[("site-2", 1)].status == "missing" and rows[("site-2", 1)].steps == 0
+    assert not [e for e in site_budget(tmp_path, "site-2")["entries"] if e["status"] == "spent"]
+    assert rows[("site-1", 1)].epsilon == pytest.approx(epsilon_after_rounds(1), rel=1e-6)
+
+    assert main(["simulate", "--config", str(config), "--resume"]) == 0
+    assert ("run 'itest' already finished after 1 rounds (coordinator.rounds = 1); to continue, raise coordinator.rounds: "
+            "--resume --set coordinator.rounds=2") in capfd.readouterr().out
+
+    assert main(["simulate", "--config", str(config), "--resume", "--set", "coordinator.rounds=2", "--allow-site-failures"]) == 0
+    console = capfd.readouterr()
+    assert "round   2 site-2: error — ImageLoadError" in console.out and "Traceback" not in console.out + console.err
+    assert console.out.strip().splitlines()[-1].startswith("run 'itest': 2 rounds completed in total (completed 2 rounds)")
     rounds = history(tmp_path)
     # the resumed round starts as soon as both sites are back (measured by the coordinator, so a
     # loaded machine's slow training does not count); waiting for stale ids took the 300 s timeout
     assert rounds[1]["node_wait_seconds"] < 30, rounds[1]
     assert [r["round"] for r in rounds] == [1, 2]
-    assert {s: v["status"] for s, v in rounds[1]["sites"].items()} == {"site-1": "ok", "site-2": "ok"}
-    report = json.loads((tmp_path / "coordinator" / "report.json").read_text())
-    assert report["stopped_reason"] == "completed 2 rounds"  # not the first process's "completed 1 rounds"
+    assert {s: v["status"] for s, v in rounds[1]["sites"].items()} == {"site-1": "ok", "site-2": "error"}
+    assert [e["round"] for e in site_budget(tmp_path, "site-1")["entries"] if e["status"] == "spent"] == [1, 2]

@@ -6,8 +6,15 @@ Everything goes into ``--run-dir``: ``certs/`` (``fedpose certs``), ``configs/``
 TOML and one site TOML per site), ``flwr-home/`` (the SuperLink connection for ``flwr``),
 ``logs/`` (one log per process), ``sites/<id>/`` (each site's persisted budget), ``coordinator/``
 (global model, server-optimizer state, ledger, history, report) and ``commands.sh`` (every
-command that was run — the same commands a multi-machine deployment uses). Processes are stopped
-by PID on exit, on error and on Ctrl-C.
+command that was run — the same commands a multi-machine deployment uses).
+
+Sites are the first ``--sites`` ``[[sites]]`` entries of the federation TOML, each with its own
+``data.train`` (only ``state_dir`` moves into the run dir). ``[synthetic]`` is generated only when
+data the configs point to is absent, into a directory without data: nothing is deleted.
+
+Everything it started is stopped on exit, on error, on Ctrl-C and SIGTERM — and when it is
+killed (SIGKILL), by a watchdog process (``fedpose.cli.process_sweep``). A run in which a site
+failed ends with a failure summary and exit code 3 unless ``--allow-site-failures``.
 """
 
 from __future__ import annotations
@@ -21,10 +28,14 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from fedpose.cli.common import UserError
+from fedpose.cli.federation_run import add_run_args, conclude_run, data_paths, ensure_federation_data, finished_run, pop_synthetic
+from fedpose.cli.process_sweep import DEPLOY_TOKEN_ENV, start_watchdog, stop_tagged
+from fedpose.federation.report import COORDINATOR_ERROR_PREFIX, REPORT_FILE
 
 CONNECTION = "fedpose-local"
 DEFAULT_CONFIG = "configs/demo.toml"
@@ -38,99 +49,89 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = parser.add_subparsers(dest="target", metavar="TARGET", required=True)
     local = sub.add_parser("local", help="everything on 127.0.0.1, separate processes, gRPC + TLS + SuperNode auth",
                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    local.add_argument("--sites", type=int, required=True, help="number of sites (one SuperNode each)")
+    local.add_argument("--sites", type=int, required=True,
+                       help="number of sites: the first N [[sites]] of the config, each with its data.train (one SuperNode each)")
     local.add_argument("--rounds", type=int, default=None, help="override coordinator.rounds")
     local.add_argument("--config", default=DEFAULT_CONFIG,
-                       help="federation TOML: coordinator + site template(s) + [synthetic] (default: configs/demo.toml)")
+                       help="federation TOML: coordinator + [[sites]] + optional [synthetic] (default: configs/demo.toml)")
     local.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a key of the federation TOML (repeatable)")
     local.add_argument("--run-dir", type=Path, default=Path("runs/deploy-local"), help="where everything is written")
     local.add_argument("--base-port", type=int, default=9092,
                        help="Fleet API port; Control API = +1, health = +3, coordinator metrics = +5, SuperNodes = +10+i, "
                        "site metrics = +20+i")
-    local.add_argument("--resume", action="store_true", help="continue the run in --run-dir after its last checkpointed round")
     local.add_argument("--timeout", type=float, default=None, help="give up (and stop everything) after this many seconds")
+    add_run_args(local)
     local.set_defaults(handler=_handle)
 
 
 # -- configs ---------------------------------------------------------------------------------------
-def write_deployment_configs(args: argparse.Namespace, run_dir: Path) -> tuple[Path, list[Path], list[str], Any]:
-    """Site TOMLs (site-1..N from the template sites) + the coordinator TOML, all with absolute paths."""
+class DeploymentConfigs(NamedTuple):
+    coordinator_toml: Path
+    site_tomls: list[Path]
+    federation: Any  #: FederationConfig of the deployed sites (absolute paths)
+    synthetic: dict[str, Any] | None  #: the [synthetic] table, if any
+    config_sites: int  #: [[sites]] entries in the config (the [synthetic] dataset has that many)
+
+
+def write_deployment_configs(args: argparse.Namespace, run_dir: Path) -> DeploymentConfigs:
+    """One site TOML per site (the config's first ``--sites`` entries) + the coordinator TOML, all
+    paths absolute (the SuperNodes and the ServerApp run elsewhere)."""
     import tomli_w
 
-    from fedpose.cli.simulate import SYNTHETIC_KEYS, ensure_synthetic
-    from fedpose.config import apply_overrides, load_toml, validate
-    from fedpose.federation.config import CoordinatorConfig, SiteConfig
-    from fedpose.federation.deployment import CoordinatorRunConfig
+    from fedpose.config import absolute_paths, apply_overrides, load_toml, validate
+    from fedpose.federation.config import CoordinatorConfig, FederationConfig, SiteConfig
     from fedpose.io import atomic_write_text
 
+    raw = apply_overrides(load_toml(args.config), args.overrides)
+    synthetic = pop_synthetic(raw, args.config)
+    raw.pop("simulation", None)
+    entries = raw.get("sites") or []
     if not 1 <= args.sites <= 10:
         raise UserError("--sites must be between 1 and 10 (ports base+10.. and base+20.. are per site)")
-    raw = apply_overrides(load_toml(args.config), args.overrides)
-    synthetic = raw.pop("synthetic", None)
-    raw.pop("simulation", None)
-    templates = raw.get("sites") or []
-    if not templates:
-        raise UserError(f"{args.config}: needs at least one [[sites]] entry as a template")
-    if synthetic is not None:
-        if set(synthetic) - SYNTHETIC_KEYS:
-            raise UserError(f"{args.config}: unknown [synthetic] keys {sorted(set(synthetic) - SYNTHETIC_KEYS)}")
-        if args.sites != len(templates):
-            synthetic = {**synthetic, "dir": f"{synthetic['dir']}-{args.sites}sites"}
-        ensure_synthetic(synthetic, args.sites)
-        data_dir = Path(synthetic["dir"]).resolve()
-
-    config_dir = run_dir / "configs"
-    site_paths, site_ids = [], []
-    for index in range(1, args.sites + 1):
-        site = json.loads(json.dumps(templates[(index - 1) % len(templates)]))
-        site["site_id"] = f"site-{index}"
-        site["state_dir"] = str((run_dir / "sites" / site["site_id"]).resolve())
-        site.setdefault("data", {})
-        if synthetic is not None:
-            site["data"]["train"] = str(data_dir / f"site-{index}")
-            if site.get("public_data"):
-                site["public_data"] = str(data_dir / "public")
-        else:
-            site["data"]["train"] = str(Path(site["data"]["train"]).resolve())
-        validate(SiteConfig, site, f"site {index} of {args.config}")
-        path = config_dir / f"site-{index}.toml"
-        atomic_write_text(path, tomli_w.dumps(site))
-        site_paths.append(path.resolve())
-        site_ids.append(site["site_id"])
-
-    coordinator = dict(raw.get("coordinator", {}))
-    coordinator["checkpoint_dir"] = str((run_dir / "coordinator").resolve())
+    if args.sites > len(entries):
+        raise UserError(f"{args.config} has {len(entries)} [[sites]] entries; --sites {args.sites} needs one per site, "
+                        "each with its own data.train")
+    sites = []
+    for entry in entries[: args.sites]:
+        site = absolute_paths(entry, SiteConfig)
+        if isinstance(site.get("site_id"), str):  # the run dir keeps every site's budget (a missing id: validation says so)
+            site["state_dir"] = str(run_dir / "sites" / site["site_id"])
+        sites.append(site)
+    coordinator = absolute_paths(dict(raw.get("coordinator", {})), CoordinatorConfig)
+    coordinator["checkpoint_dir"] = str(run_dir / "coordinator")
     coordinator.pop("ledger_db", None)
     coordinator["metrics_port"] = args.base_port + 5
     if args.rounds is not None:
         coordinator["rounds"] = args.rounds
     coordinator["min_sites"] = min(int(coordinator.get("min_sites", 1)), args.sites)
-    data = dict(coordinator.get("data", {}))
-    if synthetic is not None:
-        data["val"] = str(data_dir / "test")
-        if coordinator.get("public_data"):
-            coordinator["public_data"] = str(data_dir / "public")
-    coordinator["data"] = data
-    run_raw = {"run_id": raw.get("run_id", "fedpose"), "coordinator": coordinator}
-    run_cfg = validate(CoordinatorRunConfig, run_raw, f"coordinator of {args.config}")
-    assert isinstance(run_cfg.coordinator, CoordinatorConfig)
-    coordinator_path = (config_dir / "coordinator.toml").resolve()
-    atomic_write_text(coordinator_path, tomli_w.dumps(run_raw))
-    return coordinator_path, site_paths, site_ids, run_cfg
+    federation = validate(FederationConfig, {**raw, "sites": sites, "coordinator": coordinator}, str(args.config))
+
+    config_dir = run_dir / "configs"
+    site_paths = []
+    for site in sites:
+        path = config_dir / f"{site['site_id']}.toml"
+        atomic_write_text(path, tomli_w.dumps(site))
+        site_paths.append(path)
+    coordinator_path = config_dir / "coordinator.toml"
+    atomic_write_text(coordinator_path, tomli_w.dumps({"run_id": federation.run_id, "coordinator": coordinator}))
+    return DeploymentConfigs(coordinator_path, site_paths, federation, synthetic, len(entries))
 
 
 # -- processes -------------------------------------------------------------------------------------
 class ProcessGroup:
-    """Processes this command started, stopped by PID (their own session, so children go too)."""
+    """Processes this command started. Each runs in its own session with the run's token in its
+    environment (inherited by whatever Flower starts from it): stopping sweeps the token, so
+    processes Flower detaches or re-parents go too; a watchdog does the same if we are killed."""
 
     def __init__(self, run_dir: Path, env: dict[str, str]):
         self.run_dir = run_dir
-        self.env = env
+        self.token = uuid.uuid4().hex
+        self.env = {**env, DEPLOY_TOKEN_ENV: self.token}
         self.procs: dict[str, subprocess.Popen] = {}
-        self.seen: set[int] = set()  #: descendant PIDs observed while running (Flower re-parents some)
         self.commands = run_dir / "commands.sh"
         self.commands.write_text("#!/bin/sh\n# commands run by `fedpose deploy local` (in this order)\n")
+        self.watchdog = start_watchdog(self.token, run_dir / "logs" / "watchdog.log", env)
 
     def record(self, name: str, argv: list[str]) -> None:
         with self.commands.open("a") as fh:
@@ -159,84 +160,21 @@ class ProcessGroup:
             raise RuntimeError(f"{name} failed ({result.returncode}): {(result.stderr or result.stdout).strip()[-2000:]}")
         return result
 
-    def observe(self) -> None:
-        """Remember the current descendants (called while following the run, and before stopping)."""
-        for proc in self.procs.values():
-            self.seen.update(_descendants(proc.pid))
-
     def _write_pids(self) -> None:
-        (self.run_dir / "pids.json").write_text(json.dumps({n: p.pid for n, p in self.procs.items()}, indent=1))
+        pids = {"watchdog": self.watchdog.pid, **{n: p.pid for n, p in self.procs.items()}}
+        (self.run_dir / "pids.json").write_text(json.dumps(pids, indent=1))
 
     def stop_all(self) -> None:
-        """SIGTERM each process group we started (reverse start order) and every descendant PID
-        (Flower's SuperExec detaches into its own session), then SIGKILL stragglers."""
-        self.observe()
-        descendants = [pid for pid in sorted(self.seen) if _is_flower_process(pid)]  # a dead PID may be reused
-        for name, proc in reversed(list(self.procs.items())):
-            if proc.poll() is None:
-                _signal_group(proc.pid, signal.SIGTERM)
-        for pid in descendants:
-            _signal_pid(pid, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
+        """SIGTERM every process we started and all they started (the token), SIGKILL what is left
+        after STOP_GRACE_S; then release the watchdog (it finds nothing left)."""
+        stop_tagged(self.token, STOP_GRACE_S)
         for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for pid in descendants:
-            _signal_pid(pid, signal.SIGKILL)
-        for proc in self.procs.values():
-            _signal_group(proc.pid, signal.SIGKILL)  # the group may hold children that outlived the leader
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-
-
-def _descendants(pid: int) -> list[int]:
-    """PIDs of all live descendants of ``pid``, plus every process in a session one of them leads
-    (Flower's SuperExec starts its app processes in its own session; they outlive it when
-    reparented). From /proc; empty where /proc is absent."""
-    children: dict[int, list[int]] = {}
-    sessions: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+            proc.poll()  # reap: no zombies of ours
+        self.watchdog.stdin.close()  # type: ignore[union-attr]
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            child = int(stat.parent.name)
-            children.setdefault(int(fields[1]), []).append(child)
-            sessions.setdefault(int(fields[3]), []).append(child)
-        except (OSError, IndexError, ValueError):
-            continue
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    for leader in list(found):
-        found += [p for p in sessions.get(leader, []) if p not in found and p != pid]
-    return found
-
-
-def _is_flower_process(pid: int) -> bool:
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return False
-    return any(name in cmdline for name in ("flwr", "flower-", "sites.metrics"))
-
-
-def _signal_pid(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)  # the group id is the PID of the leader we started (start_new_session)
-    except (ProcessLookupError, PermissionError):
-        pass
+            self.watchdog.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            self.watchdog.kill()
 
 
 def _wait_port(port: int, proc: subprocess.Popen, name: str, log: Path, timeout: float = 60.0) -> None:
@@ -278,6 +216,15 @@ def _handle(args: argparse.Namespace) -> int:
         raise UserError(f"{run_dir} holds a previous run: use --resume, or another --run-dir")
     for sub in ("logs", "configs", "flwr-home"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
+
+    coordinator_toml, site_tomls, federation, synthetic, config_sites = write_deployment_configs(args, run_dir)
+    checkpoint_dir = Path(federation.coordinator.checkpoint_dir)
+    if args.resume:
+        note = finished_run(checkpoint_dir, federation.run_id, federation.coordinator.rounds, "--resume --rounds {rounds}")
+        if note is not None:
+            print(note, flush=True)
+            return 0
+    ensure_federation_data(data_paths(federation.sites, federation.coordinator), synthetic, config_sites, args.config)
     fleet, control, health, metrics = args.base_port, args.base_port + 1, args.base_port + 3, args.base_port + 5
     node_ports = [args.base_port + 10 + i for i in range(args.sites)]
     site_metric_ports = [args.base_port + 20 + i for i in range(args.sites)]
@@ -285,7 +232,7 @@ def _handle(args: argparse.Namespace) -> int:
     if busy:
         raise UserError(f"ports already in use on 127.0.0.1: {busy} (choose another --base-port)")
 
-    coordinator_toml, site_tomls, site_ids, run_cfg = write_deployment_configs(args, run_dir)
+    site_ids = [site.site_id for site in federation.sites]
     certs = run_dir / "certs"
     if not (certs / "ca.crt").exists():
         write_dev_certificates(certs, site_ids)
@@ -328,26 +275,25 @@ def _handle(args: argparse.Namespace) -> int:
                 "--root-certificates", str(certs / "ca.crt"), "--auth-supernode-private-key", str(certs / "sites" / site_id),
                 "--node-config", f'site-config="{site_toml}"', "--host", "127.0.0.1", "--port", str(port),
             ])
-        for index, (site_id, site_toml) in enumerate(zip(site_ids, site_tomls)):
+        for site_id, site_toml, port in zip(site_ids, site_tomls, site_metric_ports):
             group.start(f"metrics-{site_id}", [sys.executable, "-m", "sites.metrics", "--site-config", str(site_toml),
-                                                "--port", str(args.base_port + 20 + index)])
+                                                "--port", str(port)])
         run_config = f'coordinator-config="{coordinator_toml}" resume={"true" if args.resume else "false"}'
         out = group.run("flwr-run", [_bin("flwr"), "run", str(repo), CONNECTION, "--run-config", run_config, "--format", "json"],
                         timeout=120).stdout
         run_id = str(json.loads(out[out.index("{"):])["run-id"])
         print(f"run {run_id} submitted: {args.sites} sites, logs in {run_dir / 'logs'}", flush=True)
         (run_dir / "run_id").write_text(run_id)
-        status = _follow(group, run_id, run_dir, Path(run_cfg.coordinator.checkpoint_dir), started, args.timeout)
+        status = _follow(group, run_id, checkpoint_dir, started, args.timeout)
         print(f"run {run_id}: {status}", flush=True)
-        for line in save_coordinator_log(group, run_id, run_dir).splitlines():
-            if line.startswith(("stopping", "resuming", "federation finished", "--resume")) or "rejected update" in line:
+        coordinator_log = save_coordinator_log(group, run_id, run_dir)
+        for line in coordinator_log.splitlines():
+            if line.startswith(("stopping", "resuming", "--resume")) or "rejected update" in line:
                 print(line, flush=True)
-        report = Path(run_cfg.coordinator.checkpoint_dir) / "report.json"
-        if status != "finished:completed" or not report.exists():
-            print(f"fedpose: error: the run did not complete ({status}); see {run_dir / 'logs'}", file=sys.stderr)
+        if status != "finished:completed" or not (checkpoint_dir / REPORT_FILE).exists():
+            report_failed_run(status, coordinator_log, run_dir / "logs")
             return 1
-        print(f"report: {report}", flush=True)
-        return 0
+        return conclude_run(checkpoint_dir, args.allow_site_failures)
     except KeyboardInterrupt:
         if run_id:
             save_coordinator_log(group, run_id, run_dir)
@@ -357,7 +303,7 @@ def _handle(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _follow(group: ProcessGroup, run_id: str, run_dir: Path, history_dir: Path, started: float, timeout: float | None) -> str:
+def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float, timeout: float | None) -> str:
     """Print each finished round (from the coordinator's history.json) until the run finishes."""
     from fedpose.federation.report import load_history, round_line
 
@@ -371,7 +317,6 @@ def _follow(group: ProcessGroup, run_id: str, run_dir: Path, history_dir: Path, 
         for entry in rounds[printed:]:
             print(round_line(entry), flush=True)
         printed = max(printed, len(rounds))
-        group.observe()
         status = run_status(group, run_id)
         if status.startswith(FINISHED):
             for entry in load_history(history_dir)[printed:]:
@@ -379,6 +324,15 @@ def _follow(group: ProcessGroup, run_id: str, run_dir: Path, history_dir: Path, 
             return status
         if timeout is not None and time.monotonic() - started > timeout:
             return f"timeout after {timeout:.0f} s (last status {status})"
+
+
+def report_failed_run(status: str, coordinator_log: str, log_dir: Path) -> None:
+    """The coordinator's own error lines, then where to look: "the run failed" alone sends the
+    operator digging through logs for the one line that says why."""
+    for line in coordinator_log.splitlines():
+        if line.startswith(COORDINATOR_ERROR_PREFIX):
+            print(line, file=sys.stderr, flush=True)
+    print(f"fedpose: error: the run did not complete ({status}); see {log_dir}", file=sys.stderr, flush=True)
 
 
 def save_coordinator_log(group: ProcessGroup, run_id: str, run_dir: Path) -> str:

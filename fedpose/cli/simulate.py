@@ -2,22 +2,30 @@
 
 One coordinator (ServerApp) and one ClientApp per ``[[sites]]`` entry of the federation TOML, the
 same apps as in deployment. The optional ``[synthetic]`` table (read by this command only) names
-the synthetic dataset to generate if absent: ``dir``, ``per_site``, ``public``, ``test``,
-``size = [H, W]``, ``seed``; the sites' ``data.train`` are then ``<dir>/site-<k>``, the
-coordinator's held-out split ``<dir>/test`` and the public set ``<dir>/public``.
+the synthetic dataset to generate when data the configs point to is absent: ``dir``,
+``per_site``, ``public``, ``test``, ``size = [H, W]``, ``seed`` (it writes ``<dir>/site-<k>``,
+``<dir>/test`` and ``<dir>/public``). Existing data is never deleted or regenerated.
+Flower's log goes to ``<checkpoint_dir>/simulation.log`` (Ray keeps its workers' output in its session logs).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import sys
 import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from fedpose.cli.common import UserError, add_config_args
+from fedpose.cli.federation_run import add_run_args, conclude_run, data_paths, ensure_federation_data, finished_run, pop_synthetic
+from fedpose.federation.report import REPORT_FILE
 
-SYNTHETIC_KEYS = {"dir", "per_site", "public", "test", "size", "seed"}
+SIMULATION_LOG = "simulation.log"  #: Flower's and Ray's output, in the coordinator's checkpoint_dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -26,7 +34,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_config_args(parser)
-    parser.add_argument("--resume", action="store_true", help="continue after the coordinator's last checkpointed round")
+    add_run_args(parser)
     parser.set_defaults(handler=_handle)
 
 
@@ -38,11 +46,7 @@ def resolve_federation(config: str | Path, overrides: list[str]) -> tuple[Any, d
     from fedpose.federation.config import FederationConfig
 
     raw = apply_overrides(load_toml(config), overrides)
-    synthetic = raw.pop("synthetic", None)
-    if synthetic is not None:
-        unknown = set(synthetic) - SYNTHETIC_KEYS
-        if unknown or "dir" not in synthetic:
-            raise UserError(f"{config}: [synthetic] needs 'dir' and accepts {sorted(SYNTHETIC_KEYS)}; unknown {sorted(unknown)}")
+    synthetic = pop_synthetic(raw, config)
     federation = validate(FederationConfig, raw, str(config))
     resolved = Path(federation.coordinator.checkpoint_dir) / "federation.resolved.toml"
     resolved.parent.mkdir(parents=True, exist_ok=True)
@@ -60,18 +64,13 @@ def _tomlable(value: Any) -> Any:
     return value
 
 
-def ensure_synthetic(synthetic: dict[str, Any], n_sites: int) -> None:
-    from fedpose.data.synthetic import ensure_dataset
+def run_federation_simulation(federation: Any, resolved: Path, resume: bool = False, client_mods: tuple = (),
+                              log_path: Path | None = None) -> None:
+    """Run coordinator + one ClientApp per site under Flower's simulation runtime (Ray).
 
-    size = tuple(synthetic.get("size", (128, 96)))
-    ensure_dataset(
-        synthetic["dir"], sites=n_sites, per_site=int(synthetic.get("per_site", 200)), public=int(synthetic.get("public", 100)),
-        test=int(synthetic.get("test", 100)), size=size, seed=int(synthetic.get("seed", 0)),
-    )
-
-
-def run_federation_simulation(federation: Any, resolved: Path, resume: bool = False, client_mods: tuple = ()) -> None:
-    """Run coordinator + one ClientApp per site under Flower's simulation runtime (Ray)."""
+    ``log_path``: Flower's log (its tracebacks of failed ClientApps included) goes to this file
+    instead of the console, and Ray keeps its workers' output in its own session logs; the
+    coordinator's round lines still reach the console."""
     from flwr.simulation import run_simulation
 
     from coordinator.server_app import build_server_app
@@ -79,35 +78,74 @@ def run_federation_simulation(federation: Any, resolved: Path, resume: bool = Fa
 
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     cpus = os.cpu_count() or 1
-    run_simulation(
-        server_app=build_server_app(resolved, resume=resume),
-        client_app=build_client_app(resolved, outer_mods=client_mods),
-        num_supernodes=len(federation.sites),
-        backend_config={
-            "client_resources": {"num_cpus": federation.simulation.cpus_per_site, "num_gpus": 0.0},
-            "init_args": {"num_cpus": cpus, "num_gpus": 0, "logging_level": "ERROR", "log_to_driver": True},
-        },
-    )
+    with _flower_log_to(log_path):
+        run_simulation(
+            server_app=build_server_app(resolved, resume=resume),
+            client_app=build_client_app(resolved, outer_mods=client_mods),
+            num_supernodes=len(federation.sites),
+            backend_config={
+                "client_resources": {"num_cpus": federation.simulation.cpus_per_site, "num_gpus": 0.0},
+                "init_args": {"num_cpus": cpus, "num_gpus": 0, "logging_level": "ERROR", "log_to_driver": log_path is None},
+            },
+        )
+
+
+@contextmanager
+def _flower_log_to(path: Path | None) -> Iterator[None]:
+    """Flower's logger ("flwr", by name: fedpose imports no Flower) and Python warnings (Ray's among
+    them) write to ``path`` only, for the duration of the block (None: leave everything as it is)."""
+    if path is None:
+        yield
+        return
+    flower, warnings_logger = logging.getLogger("flwr"), logging.getLogger("py.warnings")
+    consoles = [h for h in flower.handlers if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for console in consoles:
+        flower.removeHandler(console)
+    flower.addHandler(handler)
+    warnings_logger.addHandler(handler)
+    warnings_propagate, warnings_logger.propagate = warnings_logger.propagate, False
+    logging.captureWarnings(True)
+    try:
+        yield
+    finally:
+        logging.captureWarnings(False)
+        warnings_logger.propagate = warnings_propagate
+        warnings_logger.removeHandler(handler)
+        flower.removeHandler(handler)
+        handler.close()
+        for console in consoles:
+            flower.addHandler(console)
 
 
 def _handle(args: argparse.Namespace) -> int:
+    from fedpose.federation.server.rounds import GLOBAL_CHECKPOINT
+
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     federation, synthetic, resolved = resolve_federation(args.config, args.overrides)
-    if synthetic is not None:
-        ensure_synthetic(synthetic, len(federation.sites))
-    for site in federation.sites:
-        if site.data.train is not None and not Path(site.data.train).exists():
-            raise UserError(f"site '{site.site_id}': data.train {site.data.train} does not exist")
-
     checkpoint_dir = Path(federation.coordinator.checkpoint_dir)
-    if (checkpoint_dir / "global.npz").exists() and not args.resume:
+    if (checkpoint_dir / GLOBAL_CHECKPOINT).exists() and not args.resume:
         raise UserError(f"{checkpoint_dir} holds a previous run of '{federation.run_id}': add --resume, or delete it to start over")
+    if args.resume:
+        note = finished_run(checkpoint_dir, federation.run_id, federation.coordinator.rounds, "--resume --set coordinator.rounds={rounds}")
+        if note is not None:
+            print(note, flush=True)
+            return 0
+    ensure_federation_data(data_paths(federation.sites, federation.coordinator), synthetic, len(federation.sites), args.config)
+
     started = time.time()
+    log_path = checkpoint_dir / SIMULATION_LOG
     print(f"simulating run '{federation.run_id}': {len(federation.sites)} sites, {federation.coordinator.rounds} rounds, "
-          f"{federation.simulation.cpus_per_site:g} CPU per site; state in {federation.coordinator.checkpoint_dir}", flush=True)
-    run_federation_simulation(federation, resolved, resume=args.resume)
-    report = checkpoint_dir / "report.json"
+          f"{federation.simulation.cpus_per_site:g} CPU per site; state in {checkpoint_dir}; Flower's log in {log_path}", flush=True)
+    try:
+        run_federation_simulation(federation, resolved, resume=args.resume, log_path=log_path)
+    except Exception:  # noqa: BLE001 - the coordinator printed its error line; the traceback goes to the log
+        with log_path.open("a", encoding="utf-8") as log:
+            log.write(f"fedpose simulate: the simulation raised\n{traceback.format_exc()}")
+    report = checkpoint_dir / REPORT_FILE
     if not report.exists() or report.stat().st_mtime < started:
-        print("fedpose: error: the federation did not finish (no report written); see the log above")
+        print(f"fedpose: error: the federation did not finish (no report written); see {log_path}", file=sys.stderr, flush=True)
         return 1
-    return 0
+    return conclude_run(checkpoint_dir, args.allow_site_failures)

@@ -259,6 +259,12 @@ def load_array_checkpoint(path: str | Path) -> tuple[ArrayDict, dict[str, Any]]:
     return arrays, meta
 
 
+def load_checkpoint_meta(path: str | Path) -> dict[str, Any]:
+    """Only the JSON meta of an array checkpoint (the arrays are not read)."""
+    with np.load(Path(path), allow_pickle=False) as data:
+        return json.loads(bytes(data[_META_KEY]).decode()) if _META_KEY in data.files else {}
+
+
 def save_server_optimizer(path: str | Path, optimizer: ServerOptimizer) -> None:
     state = optimizer.state_dict()
     arrays = {f"{slot}/{name}": arr for slot, slot_arrays in state["arrays"].items() for name, arr in slot_arrays.items()}

@@ -14,6 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from fedpose.io import atomic_write, atomic_write_json
 
 HISTORY_FILE = "history.json"
@@ -61,6 +63,37 @@ FAILURE_STATUSES = ("error", "failed", "missing", "rejected")
 COORDINATOR_ERROR_PREFIX = "fedpose: coordinator error: "
 #: exit code of ``fedpose simulate`` / ``deploy local`` when a site failed (without --allow-site-failures)
 SITE_FAILURE_EXIT = 3
+
+
+class SiteFailure(BaseModel):
+    """One (round, site) that failed, as report.json lists it."""
+
+    round: int
+    site: str  #: the site id, or "node <id>" for a node that failed before naming its site
+    status: str  #: one of FAILURE_STATUSES
+    reason: str = ""  #: starts with the site's error class when it sent one (e.g. "ImageLoadError: …")
+
+
+class RunReport(BaseModel):
+    """What the CLIs read back from the coordinator's report.json at the end of a run."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    run_id: str
+    stopped_reason: str = ""
+    rounds_completed: int
+    site_failures: list[SiteFailure] = []
+
+
+def load_report(directory: str | Path) -> RunReport:
+    return RunReport.model_validate_json((Path(directory) / REPORT_FILE).read_text())
+
+
+def finished_run_note(run_id: str, rounds_done: int, rounds_configured: int, how: str) -> str:
+    """What resuming a run that already did all its configured rounds says (``how``: how to raise
+    coordinator.rounds where the operator is, formatted with ``rounds`` = one more round)."""
+    return (f"run '{run_id}' already finished after {rounds_done} rounds (coordinator.rounds = {rounds_configured}); "
+            f"to continue, raise coordinator.rounds: {how.format(rounds=rounds_done + 1)}")
 
 
 def site_failures(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:

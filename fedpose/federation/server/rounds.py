@@ -32,6 +32,7 @@ from fedpose.federation.aggregation import (
     aggregate_round,
     build_server_optimizer,
     load_array_checkpoint,
+    load_checkpoint_meta,
     load_server_optimizer,
     save_array_checkpoint,
     save_server_optimizer,
@@ -40,7 +41,7 @@ from fedpose.federation.basis_transport import BasisMessage
 from fedpose.federation.deployment import CoordinatorRunConfig
 from fedpose.federation.ledger import BudgetLedger, LedgerEntry, LedgerError
 from fedpose.federation.metrics import CoordinatorMetrics
-from fedpose.federation.report import load_history, round_line, save_history, write_report
+from fedpose.federation.report import finished_run_note, load_history, round_line, save_history, write_report
 from fedpose.federation.server.basis_service import NO_BASIS, BasisService
 
 log = logging.getLogger("fedpose.coordinator")
@@ -156,6 +157,9 @@ class RoundRunner:
                 raise LedgerError(f"resuming run '{run.run_id}' after round {self.state.round}: the budget ledger "
                                   f"{ledger_path} holds no rounds; restore it from a backup")
             self.echo(f"resuming run '{run.run_id}' after round {self.state.round}")
+            if self.state.round >= self.cfg.rounds:
+                self.echo(finished_run_note(run.run_id, self.state.round, self.cfg.rounds,
+                                            "coordinator.rounds = {rounds} in the coordinator config, then resume=true"))
         else:
             if resume:
                 self.echo(f"--resume: no checkpoint in {self.dir}, starting at round 1")
@@ -430,6 +434,12 @@ class RoundRunner:
                             self.history, summary)
         self.echo(f"report: {path} (curves: {path.with_name('curves.png')})")
         return {"report": str(path), "rounds": len(self.history), "stopped_reason": self.state.stopped_reason}
+
+
+def checkpointed_round(checkpoint_dir: str | Path) -> int | None:
+    """The last round the run checkpointed in ``checkpoint_dir`` finished (None: no checkpoint)."""
+    path = Path(checkpoint_dir) / GLOBAL_CHECKPOINT
+    return int(load_checkpoint_meta(path)["state"]["round"]) if path.exists() else None
 
 
 def _no_reply_reason(round_seconds: float, timeout_s: float) -> str:

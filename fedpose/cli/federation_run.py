@@ -1,0 +1,112 @@
+"""What ``fedpose simulate`` and ``fedpose deploy local`` share: the data a federation's configs
+point to, ``--resume`` on a finished run, and how a run ends.
+
+Data: every path the configs name (each site's ``data.train``/``data.val`` and public copy, the
+coordinator's held-out and public splits) is used as it is. The optional ``[synthetic]`` table
+names the synthetic dataset to generate when some of those paths are absent — only into a
+directory that holds nothing yet, or an interrupted generation of the same dataset. Nothing that
+exists is ever deleted or regenerated: another run's sites may be training on it.
+
+The end of a run: the final line says what the coordinator's ``report.json`` says (rounds
+completed in total, why it stopped). A run in which any site failed ends with a summary of the
+failures and exit code :data:`SITE_FAILURE_EXIT`, unless ``--allow-site-failures``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from fedpose.cli.common import UserError
+from fedpose.federation.report import REPORT_FILE, SITE_FAILURE_EXIT, failure_summary, finished_run_note, load_report
+
+SYNTHETIC_KEYS = frozenset({"dir", "per_site", "public", "test", "size", "seed"})
+
+
+def add_run_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--resume", action="store_true", help="continue after the coordinator's last checkpointed round")
+    parser.add_argument("--allow-site-failures", action="store_true",
+                        help=f"exit 0 when a site failed a round (default: a failure summary and exit code {SITE_FAILURE_EXIT})")
+
+
+# -- data --------------------------------------------------------------------------------------------
+def pop_synthetic(raw: dict[str, Any], source: str | Path) -> dict[str, Any] | None:
+    """Remove and check the ``[synthetic]`` table of a federation TOML (read by the CLIs only)."""
+    synthetic = raw.pop("synthetic", None)
+    if synthetic is not None:
+        unknown = set(synthetic) - SYNTHETIC_KEYS
+        if unknown or "dir" not in synthetic:
+            raise UserError(f"{source}: [synthetic] needs 'dir' and accepts {sorted(SYNTHETIC_KEYS)}; unknown {sorted(unknown)}")
+    return synthetic
+
+
+def ensure_synthetic(synthetic: dict[str, Any], n_sites: int) -> None:
+    """Generate the ``[synthetic]`` dataset (``n_sites`` site splits) unless its directory holds
+    data already: existing data is never deleted or replaced."""
+    from fedpose.data.synthetic import SyntheticDataError, ensure_dataset
+
+    try:
+        ensure_dataset(
+            synthetic["dir"], sites=n_sites, per_site=int(synthetic.get("per_site", 200)), public=int(synthetic.get("public", 100)),
+            test=int(synthetic.get("test", 100)), size=tuple(synthetic.get("size", (128, 96))), seed=int(synthetic.get("seed", 0)),
+            replace=False,
+        )
+    except SyntheticDataError as exc:
+        raise UserError(f"[synthetic]: {exc} — fedpose never deletes existing data: point the configs at it, "
+                        "or set synthetic.dir to a new directory") from None
+
+
+def data_paths(sites: list[Any], coordinator: Any) -> dict[str, Path]:
+    """Every dataset path the sites' and the coordinator's configs name (what → path)."""
+    paths: dict[str, Path | None] = {}
+    for site in sites:
+        paths |= {f"site '{site.site_id}' data.train": site.data.train, f"site '{site.site_id}' data.val": site.data.val,
+                  f"site '{site.site_id}' public_data": site.public_data,
+                  f"site '{site.site_id}' privacy.basis.public_data": site.privacy.basis.public_data}
+    paths |= {"coordinator data.val": coordinator.data.val, "coordinator public_data": coordinator.public_data}
+    return {what: Path(path) for what, path in paths.items() if path is not None}
+
+
+def ensure_federation_data(paths: dict[str, Path], synthetic: dict[str, Any] | None, n_sites: int, source: str | Path) -> None:
+    """Every path in ``paths`` exists afterwards: when some is absent and ``[synthetic]`` is given,
+    that dataset is generated (into a directory without data only); otherwise a UserError names them."""
+    def not_found() -> str:
+        return "; ".join(f"{what} {path}" for what, path in paths.items() if not path.exists())
+
+    if not_found() and synthetic is not None:
+        try:
+            ensure_synthetic(synthetic, n_sites)
+        except UserError as exc:
+            raise UserError(f"{source}: data not found: {not_found()}; {exc}") from None
+    if not_found():
+        raise UserError(f"{source}: data not found: {not_found()}")
+
+
+# -- resume and the end of a run -----------------------------------------------------------------------
+def finished_run(checkpoint_dir: Path, run_id: str, rounds: int, how: str) -> str | None:
+    """The note for ``--resume`` on a run that already did ``rounds`` rounds (None: rounds are left).
+    ``how``: the option that raises coordinator.rounds here, with ``{rounds}``."""
+    from fedpose.federation.server.rounds import checkpointed_round
+
+    done = checkpointed_round(checkpoint_dir)
+    if done is None or done < rounds:
+        return None
+    return finished_run_note(run_id, done, rounds, how)
+
+
+def conclude_run(checkpoint_dir: Path, allow_site_failures: bool) -> int:
+    """Print the failure summary (if a site failed) and the final line, both from report.json;
+    the exit code: 0, or SITE_FAILURE_EXIT when a site failed and that is not allowed."""
+    report = load_report(checkpoint_dir)
+    summary = failure_summary([failure.model_dump() for failure in report.site_failures])
+    failed = bool(summary) and not allow_site_failures
+    for line in summary:
+        print(line, file=sys.stderr if failed else sys.stdout, flush=True)
+    if failed:
+        print(f"fedpose: error: a site failed (exit code {SITE_FAILURE_EXIT}); --allow-site-failures accepts that",
+              file=sys.stderr, flush=True)
+    print(f"run '{report.run_id}': {report.rounds_completed} rounds completed in total ({report.stopped_reason}); "
+          f"report: {checkpoint_dir / REPORT_FILE}", flush=True)
+    return SITE_FAILURE_EXIT if failed else 0

@@ -1,0 +1,111 @@
+"""What `fedpose deploy local` and `fedpose simulate` decide before and after a run, without
+starting one: whose data each site uses (never deleted or regenerated), the failure summary and
+exit code, and the coordinator's error lines when a deployment fails."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from fedpose.cli import main
+from fedpose.federation.report import COORDINATOR_ERROR_PREFIX, SITE_FAILURE_EXIT
+from federation_helpers import free_base_port, tiny_federation
+
+
+def _snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _deploy_until_ports(config: Path, run_dir: Path, sites: int) -> int:
+    """`deploy local` up to its port check: a listener on the base port stops it there (after the
+    configs are written and the data is checked), before any process starts."""
+    base = free_base_port()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", base))
+        busy.listen()
+        return main(["deploy", "local", "--sites", str(sites), "--config", str(config), "--run-dir", str(run_dir),
+                     "--base-port", str(base)])
+
+
+@pytest.fixture(scope="module")
+def three_sites(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 3-site dataset made with other parameters than tiny_federation's [synthetic] table."""
+    from fedpose.data.synthetic import ensure_dataset
+
+    out = tmp_path_factory.mktemp("data") / "syn"
+    ensure_dataset(out, sites=3, per_site=4, public=2, test=2, size=(64, 64), seed=0, progress=False)
+    return out
+
+
+def test_deploy_with_fewer_sites_uses_each_sites_own_data_and_touches_nothing(tmp_path: Path, three_sites: Path,
+                                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """`--sites 2` on a 3-site config once deleted site-3's data (the [synthetic] directory was
+    regenerated for the other site count) under a running federation."""
+    config = tiny_federation(tmp_path, three_sites, sites=3)
+    before = _snapshot(three_sites)
+    assert _deploy_until_ports(config, tmp_path / "run", 2) == 2
+    assert "ports already in use" in capsys.readouterr().err
+    assert _snapshot(three_sites) == before  # nothing regenerated, nothing deleted
+    for k in (1, 2):
+        site = tomllib.loads((tmp_path / "run" / "configs" / f"site-{k}.toml").read_text())
+        assert site["data"]["train"] == str(three_sites / f"site-{k}")  # the site's own config
+        assert site["state_dir"] == str(tmp_path / "run" / "sites" / f"site-{k}")
+    assert not (tmp_path / "run" / "configs" / "site-3.toml").exists()
+    coordinator = tomllib.loads((tmp_path / "run" / "configs" / "coordinator.toml").read_text())["coordinator"]
+    assert coordinator["data"]["val"] == str(three_sites / "test")
+
+
+def test_synthetic_data_is_made_only_where_nothing_is(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = tmp_path / "data"
+    config = tiny_federation(tmp_path, data, sites=2)
+    assert _deploy_until_ports(config, tmp_path / "run", 2) == 2  # absent: generated
+    assert (data / "site-2" / "annotations.json").exists()
+    capsys.readouterr()
+
+    # a split of that dataset goes missing: an error naming it, and nothing else is touched
+    shutil.rmtree(data / "site-2")
+    before = _snapshot(data)
+    assert _deploy_until_ports(config, tmp_path / "run", 2) == 2
+    err = capsys.readouterr().err
+    assert "site-2" in err and "never deletes existing data" in err and "ports" not in err
+    assert _snapshot(data) == before
+
+
+def _report(directory: Path, failures: list[dict]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "report.json").write_text(json.dumps({"run_id": "r", "stopped_reason": "completed 2 rounds",
+                                                      "rounds_completed": 2, "site_failures": failures}))
+    return directory
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_a_site_failure_ends_the_run_with_a_summary_and_exit_code(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                   allowed: bool) -> None:
+    from fedpose.cli.federation_run import conclude_run
+
+    failure = {"round": 2, "site": "site-2", "status": "error", "reason": "ImageLoadError: the site's ClientApp failed"}
+    assert conclude_run(_report(tmp_path / "failed", [failure]), allowed) == (0 if allowed else SITE_FAILURE_EXIT)
+    out, err = capsys.readouterr()
+    summary = out if allowed else err
+    assert "round   2 site-2: error — ImageLoadError" in summary
+    assert out.strip().splitlines()[-1] == f"run 'r': 2 rounds completed in total (completed 2 rounds); report: {tmp_path / 'failed' / 'report.json'}"
+    assert ("--allow-site-failures" in err) is not allowed
+    assert conclude_run(_report(tmp_path / "clean", []), allowed) == 0
+    assert "failure" not in capsys.readouterr().err
+
+
+def test_a_failed_deployment_shows_the_coordinators_error_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fedpose.cli.deploy import report_failed_run
+
+    log = (f"resuming run 'r' after round 4\n{COORDINATOR_ERROR_PREFIX}LedgerError: the budget ledger /x/ledger.sqlite is "
+           "missing or empty; restore it from a backup\nTraceback (most recent call last):\n  ...\n")
+    report_failed_run("finished:failed", log, tmp_path / "logs")
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"{COORDINATOR_ERROR_PREFIX}LedgerError: the budget ledger /x/ledger.sqlite is missing or empty; "
+                   "restore it from a backup",
+                   f"fedpose: error: the run did not complete (finished:failed); see {tmp_path / 'logs'}"]
