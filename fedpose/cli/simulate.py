@@ -25,7 +25,7 @@ from fedpose.cli.common import UserError, add_config_args
 from fedpose.cli.federation_run import add_run_args, conclude_run, data_paths, ensure_federation_data, finished_run, pop_synthetic
 from fedpose.federation.report import REPORT_FILE
 
-SIMULATION_LOG = "simulation.log"  #: Flower's and Ray's output, in the coordinator's checkpoint_dir
+SIMULATION_LOG = "simulation.log"  #: Flower's log and Python warnings, in the coordinator's checkpoint_dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
