@@ -175,7 +175,7 @@ def test_deployment_grpc_tls_auth_results_ledgers_and_budget_stop(tmp_path: Path
     assert result.reply.privacy is not None and result.reply.privacy.guarantee == "DP"
     after = site_budget(run_dir, "site-2")
     assert after["accountant"] == before["accountant"]  # nothing spent
-    assert [(e["round"], e["status"]) for e in after["entries"]] == [(1, "spent"), (3, "refused")]
+    assert [(e["round"], e["status"]) for e in after["entries"]] == [(1, "spent"), (2, "refused"), (3, "refused")]
 
 
 def _start_rogue_supernodes(tmp_path: Path, base: int, ca_path: Path) -> dict[str, subprocess.Popen]:
