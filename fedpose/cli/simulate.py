@@ -10,6 +10,7 @@ coordinator's held-out split ``<dir>/test`` and the public set ``<dir>/public``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import time
 from pathlib import Path
@@ -70,8 +71,25 @@ def ensure_synthetic(synthetic: dict[str, Any], n_sites: int) -> None:
     )
 
 
+def gpus_per_site(federation: Any, visible_gpus: int) -> float:
+    """Ray's ``num_gpus`` for each simulated site: ``simulation.gpus_per_site``, or the visible GPUs
+    shared evenly among the sites (at most one each; 0 without GPUs or when every site trains on
+    the CPU). Ray then sets each site's CUDA_VISIBLE_DEVICES, so ``train.device = "auto"`` finds its
+    share; a site given no GPU sees none and trains on the CPU."""
+    requested = federation.simulation.gpus_per_site
+    if requested is not None:
+        if requested > 0 and visible_gpus == 0:
+            raise UserError(f"simulation.gpus_per_site = {requested:g}, but no CUDA GPU is visible here; set it to 0")
+        return float(requested)
+    if visible_gpus == 0 or all(site.train.device == "cpu" for site in federation.sites):
+        return 0.0
+    # rounded down, so that n fractions never sum past the GPUs Ray was given
+    return math.floor(min(1.0, visible_gpus / len(federation.sites)) * 10_000) / 10_000
+
+
 def run_federation_simulation(federation: Any, resolved: Path, resume: bool = False, client_mods: tuple = ()) -> None:
     """Run coordinator + one ClientApp per site under Flower's simulation runtime (Ray)."""
+    import torch
     from flwr.simulation import run_simulation
 
     from coordinator.server_app import build_server_app
@@ -79,13 +97,15 @@ def run_federation_simulation(federation: Any, resolved: Path, resume: bool = Fa
 
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     cpus = os.cpu_count() or 1
+    visible_gpus = torch.cuda.device_count()
     run_simulation(
         server_app=build_server_app(resolved, resume=resume),
         client_app=build_client_app(resolved, outer_mods=client_mods),
         num_supernodes=len(federation.sites),
         backend_config={
-            "client_resources": {"num_cpus": federation.simulation.cpus_per_site, "num_gpus": 0.0},
-            "init_args": {"num_cpus": cpus, "num_gpus": 0, "logging_level": "ERROR", "log_to_driver": True},
+            "client_resources": {"num_cpus": federation.simulation.cpus_per_site,
+                                 "num_gpus": gpus_per_site(federation, visible_gpus)},
+            "init_args": {"num_cpus": cpus, "num_gpus": visible_gpus, "logging_level": "ERROR", "log_to_driver": True},
         },
     )
 
@@ -103,8 +123,12 @@ def _handle(args: argparse.Namespace) -> int:
     if (checkpoint_dir / "global.npz").exists() and not args.resume:
         raise UserError(f"{checkpoint_dir} holds a previous run of '{federation.run_id}': add --resume, or delete it to start over")
     started = time.time()
+    import torch
+
+    gpus = gpus_per_site(federation, torch.cuda.device_count())
+    per_site = f"{federation.simulation.cpus_per_site:g} CPU" + (f" + {gpus:g} GPU" if gpus else "")
     print(f"simulating run '{federation.run_id}': {len(federation.sites)} sites, {federation.coordinator.rounds} rounds, "
-          f"{federation.simulation.cpus_per_site:g} CPU per site; state in {federation.coordinator.checkpoint_dir}", flush=True)
+          f"{per_site} per site; state in {federation.coordinator.checkpoint_dir}", flush=True)
     run_federation_simulation(federation, resolved, resume=args.resume)
     report = checkpoint_dir / "report.json"
     if not report.exists() or report.stat().st_mtime < started:
