@@ -369,12 +369,16 @@ def test_basis_refresh_and_projection_run_on_the_device(device: str) -> None:
     projected = basis.project(g)
     assert projected.device.type == device
     assert torch.allclose(basis.project(projected), projected, atol=1e-5)  # V Vᵀ is a projection
-    if device == "cuda":  # the same subspace as the CPU's refresh from the same weights and public samples
-        cpu_model = make_model("cpu")
-        cpu_engine = build_engine(privacy("pdp"), cpu_model, 8, 4, 10, PUBLIC, seed=3)
-        cpu_engine.refresh_basis(cpu_model)
-        v_cpu, v_cuda = cpu_engine.basis.vectors, basis.vectors.cpu()
-        assert torch.allclose(v_cpu @ (v_cpu.T @ v_cuda), v_cuda, atol=1e-3)
+    # the device's public gradients equal the CPU's, and V lies in their span (no eigen-gap sensitivity)
+    public = collate([PUBLIC[i] for i in basis.public_ids])
+    cpu_model = make_model("cpu")
+    reference = per_sample.gradient_matrix(cpu_model, frozen_features(cpu_model, public["image"]), public["joints"], public["weight"])
+    ours = per_sample.gradient_matrix(model, frozen_features(model, public["image"].to(device)), public["joints"].to(device),
+                                      public["weight"].to(device))
+    assert ((ours.cpu() - reference).norm(dim=1) / reference.norm(dim=1)).max() <= 1e-4
+    span, _ = torch.linalg.qr(reference.double().T)  # p × m, orthonormal columns spanning the public gradients
+    v = basis.vectors.double().cpu()
+    assert float((v - span @ (span.T @ v)).norm()) <= 1e-4 * math.sqrt(basis.k)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -396,3 +400,35 @@ def test_per_sample_chunks_are_sized_from_cuda_memory() -> None:
     chunk = auto_chunk_size(torch.device("cuda", 0), 4_740_000)
     free, _ = torch.cuda.mem_get_info(0)
     assert 1 <= chunk <= per_sample._MAX_AUTO_CHUNK and chunk * 4 * 4 * 4_740_000 <= free + torch.cuda.memory_reserved(0)
+
+
+# -- the entry points on CUDA --------------------------------------------------------------------------------
+@requires_cuda
+def test_central_training_and_a_site_round_run_on_cuda_and_say_so(tmp_path: Path) -> None:
+    from fedpose.data.synthetic import generate_dataset
+    from fedpose.federation.local_training import ROUND_LOG, run_site_round
+    from fedpose.model import load_checkpoint
+    from fedpose.train.central import run_training
+    from site_round_helpers import global_model, make_site_data, site_config
+
+    data = tmp_path / "data"
+    generate_dataset(data, sites=1, per_site=6, public=8, test=4, size=SIZE, workers=1, progress=False)
+    cfg = load_config(None, [
+        f'data.train="{data / "site-1"}"', f'data.val="{data / "test"}"', f"data.input_size={list(SIZE)}",
+        'model.backbone="tiny_vit_test"', 'model.scenario="scratch"', f'privacy.basis.public_data="{data / "public"}"',
+        'privacy.mechanism="fpdp"', "privacy.noise_multiplier=1.0", "privacy.basis.k=3", "privacy.basis.public_samples=4",
+        "privacy.public_view.factor=8", "train.steps=2", "train.batch_size=2", "train.eval_every=2", 'train.device="cuda"',
+        f'train.out_dir="{tmp_path / "run"}"',
+    ])
+    summary = run_training(cfg, progress=False, log=lambda _: None)
+    assert summary["device"].startswith("cuda:0 (")
+    assert json.loads((tmp_path / "run" / "privacy.json").read_text())["device"] == summary["device"]
+    assert load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")["model"]  # readable on the host
+
+    site_data = make_site_data(tmp_path / "site-data")
+    site = site_config(site_data, tmp_path / "state").model_copy(update={"train": site_config(
+        site_data, tmp_path / "state").train.model_copy(update={"device": "cuda"})})
+    global_state, spec = global_model()
+    result = run_site_round(site, "run", 1, global_state, spec, 2)
+    assert result.reply.status == "ok" and all(np.isfinite(v).all() for v in result.update.values())
+    assert json.loads((tmp_path / "state" / ROUND_LOG).read_text().splitlines()[-1])["device"].startswith("cuda:0")
