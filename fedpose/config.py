@@ -7,13 +7,14 @@ Unknown keys and invalid values are rejected with a message naming the dotted ke
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fedpose.privacy.mechanisms import MECHANISM_NAMES, MECHANISMS, get_mechanism
 
@@ -27,6 +28,21 @@ class ConfigError(ValueError):
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+#: the values a device setting takes (``train.device``, ``coordinator.device``)
+DEVICE_CHOICES = "'auto' (CUDA when available, else the CPU), 'cpu', 'cuda' or 'cuda:N'"
+
+
+def _device_setting(value: str) -> str:
+    """Syntax only: whether the device exists is decided where it runs (``fedpose.runtime.resolve_device``),
+    since a coordinator validates its sites' configs on a machine that may have other devices."""
+    if not re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", value):
+        raise ValueError(f"must be {DEVICE_CHOICES}")
+    return value
+
+
+DeviceSetting = Annotated[str, AfterValidator(_device_setting)]
 
 
 class DataConfig(Strict):
@@ -73,7 +89,13 @@ class TrainConfig(Strict):
     checkpoint_every: int = Field(200, ge=1, description="steps between checkpoints")
     eval_samples: int | None = Field(None, ge=1, description="cap on validation samples (None = all)")
     seed: int = Field(0, description="seed for sampling, augmentation and (test-only) noise")
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads (None = torch default)")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads (None = torch default; CPU only)")
+    device: DeviceSetting = Field("auto", description=f"where training and evaluation run: {DEVICE_CHOICES}")
+    chunk_size: int | None = Field(
+        None, ge=1,
+        description="samples per chunk of per-sample gradients (memory ≈ chunk × trainable parameters × 4 bytes, a few "
+        "times over); None: 16 on the CPU, sized from free device memory on CUDA",
+    )
     out_dir: Path = Field(Path("runs/train"), description="run directory (metrics.json, curves.png, checkpoints/, privacy.json)")
 
 

@@ -1,7 +1,12 @@
-"""Process-level CPU settings for training: torch threads and the C allocator.
+"""Process-level settings for training: the device, and on CPU torch threads and the C allocator.
 
-``configure_cpu(threads)`` is the one call a training process makes before its first step
-(``fedpose train``, a site's round, the coordinator's warm start, the benchmarks).
+``resolve_device(setting, key)`` turns a ``train.device`` / ``coordinator.device`` setting
+(``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``) into a ``torch.device``; ``configure_device(device,
+threads)`` is the one call a training process makes before its first step (``fedpose train``, a
+site's round, the coordinator's warm start, the benchmarks). The CPU tuning below
+(``configure_cpu``: threads and allocator) applies only when the device is the CPU; on CUDA it
+allows TF32 matmuls instead (per-sample gradients, clipping and noise stay float32 tensors: TF32
+only rounds the inputs of matrix products to a 10-bit mantissa, as the issue's precision rule allows).
 
 Why the allocator: glibc serves every allocation above its mmap threshold (128 KiB, adapting up
 to 32 MiB) with fresh ``mmap`` pages and unmaps them on free. A training step allocates and frees
@@ -23,9 +28,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import re
 import sys
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
+
+from fedpose.config import DEVICE_CHOICES, ConfigError
 
 # mallopt parameter numbers from <malloc.h>
 _M_TRIM_THRESHOLD = -1
@@ -56,3 +66,80 @@ def configure_cpu(threads: int | None = None) -> None:
     if threads:
         torch.set_num_threads(int(threads))
     tune_allocator()
+
+
+# -- devices ----------------------------------------------------------------------------------------
+class DeviceUnavailable(ConfigError):
+    """A device setting names a device this machine does not have; the message names the setting."""
+
+
+class DeviceOutOfMemory(ConfigError):
+    """The device ran out of memory; the message names the settings that size the work."""
+
+
+def _cuda_missing_reason() -> str:
+    if torch.version.cuda is None:
+        return f"this torch build ({torch.__version__}) has no CUDA support"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return "no CUDA GPU is visible" + (f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else "")
+
+
+def resolve_device(setting: str, key: str = "train.device") -> torch.device:
+    """The torch device of a device setting: ``auto`` (the first CUDA GPU when one is visible, else
+    the CPU), ``cpu``, ``cuda`` (= ``cuda:0``) or ``cuda:N``. ``key`` is the setting's name, for
+    the error raised when CUDA is asked for and not available (:class:`DeviceUnavailable`)."""
+    value = str(setting).strip().lower()
+    match = re.fullmatch(r"cuda(?::(\d+))?", value)
+    if value not in ("auto", "cpu") and match is None:
+        raise ConfigError(f"{key} = {setting!r}: must be {DEVICE_CHOICES}")
+    if value == "cpu" or (value == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    index = int(match.group(1)) if match is not None and match.group(1) is not None else 0
+    if not torch.cuda.is_available():
+        raise DeviceUnavailable(f"{key} = {setting!r}: CUDA is not available here ({_cuda_missing_reason()}); "
+                                f"set {key} = \"cpu\" (or \"auto\": CUDA when available, else the CPU)")
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise DeviceUnavailable(f"{key} = {setting!r}: only {count} CUDA device(s) visible (cuda:0 … cuda:{count - 1})")
+    return torch.device("cuda", index)
+
+
+def describe_device(device: torch.device) -> str:
+    """The device as reports print it: ``cuda:0 (NVIDIA H100 80GB HBM3, 79.1 GiB)`` or ``cpu (2 threads)``."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"{device} ({props.name}, {props.total_memory / 2**30:.1f} GiB)"
+    return f"{device} ({torch.get_num_threads()} threads)"
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device a model's parameters live on (every fedpose model keeps them on one device)."""
+    return next(model.parameters()).device
+
+
+def configure_device(device: torch.device, threads: int | None = None) -> None:
+    """Process settings for training on ``device``: :func:`configure_cpu` on the CPU (threads and
+    allocator: CPU-only tuning), TF32 matmuls on CUDA (``threads`` does not apply there)."""
+    if device.type == "cpu":
+        configure_cpu(threads)
+    elif device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA runs asynchronously), so a wall-clock time around it
+    measures the work; a no-op on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def out_of_memory_hint(what: str, settings: str) -> Iterator[None]:
+    """Re-raise a device out-of-memory error inside the block as :class:`DeviceOutOfMemory`, saying
+    what ran out (``what``) and which settings to lower (``settings``)."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DeviceOutOfMemory(f"{what} ran out of device memory ({first_line}); lower {settings}") from exc

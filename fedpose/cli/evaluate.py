@@ -22,6 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ev.add_argument("--max-samples", type=int, default=None, help="evaluate the first N records only")
     ev.add_argument("--overlays", type=Path, default=None, help="also write a PNG grid of the first 16 crops (prediction + GT)")
     ev.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ev.add_argument("--device", default="auto", help="auto (CUDA when available, else the CPU), cpu, cuda or cuda:N")
     ev.set_defaults(handler=run_eval)
 
     pr = subparsers.add_parser(
@@ -35,17 +36,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pr.add_argument("--out", required=True, type=Path, help="output directory")
     pr.add_argument("--min-confidence", type=float, default=0.0,
                     help="hide joints whose confidence (peak SimCC probability) is below this")
+    pr.add_argument("--device", default="auto", help="auto (CUDA when available, else the CPU), cpu, cuda or cuda:N")
     pr.set_defaults(handler=run_predict)
 
 
-def _load_model(path: Path):
+def _load_model(path: Path, device_setting: str):
+    """(the checkpoint's model on the ``--device``, that device in words)."""
+    from fedpose.config import ConfigError
     from fedpose.model import CheckpointError, model_from_checkpoint
+    from fedpose.runtime import describe_device, resolve_device
 
     try:
+        device = resolve_device(device_setting, "--device")
         model, _ = model_from_checkpoint(path)
-    except CheckpointError as exc:
+    except (CheckpointError, ConfigError) as exc:
         raise UserError(str(exc)) from None
-    return model
+    return model.to(device), describe_device(device)
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -56,7 +62,7 @@ def run_eval(args: argparse.Namespace) -> int:
         raise UserError("--batch-size must be >= 1")
     if args.max_samples is not None and args.max_samples < 1:
         raise UserError("--max-samples must be >= 1")
-    model = _load_model(args.checkpoint)
+    model, device = _load_model(args.checkpoint, args.device)
     records, root = load_records(args.data)
     if not records:
         raise UserError(f"{args.data}: the dataset has no records")
@@ -68,9 +74,9 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.overlays is not None:
         _write_eval_overlays(model, dataset, args.overlays)
     if args.json:
-        print_json({"checkpoint": str(args.checkpoint), "data": str(args.data), **scores})
+        print_json({"checkpoint": str(args.checkpoint), "data": str(args.data), **scores, "device": device})
     else:
-        print(f"PCKh@0.5 of {args.checkpoint} on {args.data} ({scores['samples']} people):")
+        print(f"PCKh@0.5 of {args.checkpoint} on {args.data} ({scores['samples']} people, device {device}):")
         for key in ("Head", "Shoulder", "Elbow", "Wrist", "Hip", "Knee", "Ankle", "Mean", "Mean@0.1"):
             value = scores[key]
             print(f"  {key:<9} {'n/a' if math.isnan(value) else f'{value:6.2f}'}")
@@ -104,9 +110,10 @@ def run_predict(args: argparse.Namespace) -> int:
     from fedpose.data.transforms import PIXEL_STD, crop_to_original
     from fedpose.io import atomic_write_json
     from fedpose.joints import JOINT_NAMES, NUM_JOINTS
+    from fedpose.runtime import model_device
     from fedpose.viz import draw_skeleton, save_png
 
-    model = _load_model(args.checkpoint)
+    model, device = _load_model(args.checkpoint, args.device)
     height, width = model.input_size
     missing = [str(p) for p in args.images if not p.is_file()]
     if missing:
@@ -127,7 +134,7 @@ def run_predict(args: argparse.Namespace) -> int:
                             np.array([w / 2, h / 2], np.float32), scale)
         item = PoseDataset([record], path.parent, input_size=model.input_size, train=False)[0]
         with torch.no_grad():
-            coords, confidence = model.decode(*model(item["image"].unsqueeze(0)))
+            coords, confidence = (t.cpu() for t in model.decode(*model(item["image"].unsqueeze(0).to(model_device(model)))))
         joints = crop_to_original(coords[0].numpy(), item["center"].numpy(), float(item["scale"]), model.input_size)
         conf = confidence[0].numpy()
         overlay = draw_skeleton(original, joints, (conf >= args.min_confidence).astype(np.float32))
@@ -138,5 +145,5 @@ def run_predict(args: argparse.Namespace) -> int:
             "confidence": {name: round(float(c), 4) for name, c in zip(JOINT_NAMES, conf)},
         })
         print(f"{path} → {out_png}")
-    atomic_write_json(args.out / "predictions.json", {"checkpoint": str(args.checkpoint), "predictions": predictions})
+    atomic_write_json(args.out / "predictions.json", {"checkpoint": str(args.checkpoint), "device": device, "predictions": predictions})
     return 0

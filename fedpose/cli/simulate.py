@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 import time
@@ -64,6 +65,22 @@ def _tomlable(value: Any) -> Any:
     return value
 
 
+def gpus_per_site(federation: Any, visible_gpus: int) -> float:
+    """Ray's ``num_gpus`` for each simulated site: ``simulation.gpus_per_site``, or the visible GPUs
+    shared evenly among the sites (at most one each; 0 without GPUs or when every site trains on
+    the CPU). Ray then sets each site's CUDA_VISIBLE_DEVICES, so ``train.device = "auto"`` finds its
+    share; a site given no GPU sees none and trains on the CPU."""
+    requested = federation.simulation.gpus_per_site
+    if requested is not None:
+        if requested > 0 and visible_gpus == 0:
+            raise UserError(f"simulation.gpus_per_site = {requested:g}, but no CUDA GPU is visible here; set it to 0")
+        return float(requested)
+    if visible_gpus == 0 or all(site.train.device == "cpu" for site in federation.sites):
+        return 0.0
+    # rounded down, so that n fractions never sum past the GPUs Ray was given
+    return math.floor(min(1.0, visible_gpus / len(federation.sites)) * 10_000) / 10_000
+
+
 def run_federation_simulation(federation: Any, resolved: Path, resume: bool = False, client_mods: tuple = (),
                               log_path: Path | None = None) -> None:
     """Run coordinator + one ClientApp per site under Flower's simulation runtime (Ray).
@@ -71,6 +88,7 @@ def run_federation_simulation(federation: Any, resolved: Path, resume: bool = Fa
     ``log_path``: Flower's log (its tracebacks of failed ClientApps included) goes to this file
     instead of the console, and Ray keeps its workers' output in its own session logs; the
     coordinator's round lines still reach the console."""
+    import torch
     from flwr.simulation import run_simulation
 
     from coordinator.server_app import build_server_app
@@ -78,14 +96,16 @@ def run_federation_simulation(federation: Any, resolved: Path, resume: bool = Fa
 
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     cpus = os.cpu_count() or 1
+    visible_gpus = torch.cuda.device_count()
     with _flower_log_to(log_path):
         run_simulation(
             server_app=build_server_app(resolved, resume=resume),
             client_app=build_client_app(resolved, outer_mods=client_mods),
             num_supernodes=len(federation.sites),
             backend_config={
-                "client_resources": {"num_cpus": federation.simulation.cpus_per_site, "num_gpus": 0.0},
-                "init_args": {"num_cpus": cpus, "num_gpus": 0, "logging_level": "ERROR", "log_to_driver": log_path is None},
+                "client_resources": {"num_cpus": federation.simulation.cpus_per_site,
+                                     "num_gpus": gpus_per_site(federation, visible_gpus)},
+                "init_args": {"num_cpus": cpus, "num_gpus": visible_gpus, "logging_level": "ERROR", "log_to_driver": log_path is None},
             },
         )
 
@@ -137,8 +157,12 @@ def _handle(args: argparse.Namespace) -> int:
 
     started = time.time()
     log_path = checkpoint_dir / SIMULATION_LOG
+    import torch
+
+    gpus = gpus_per_site(federation, torch.cuda.device_count())
+    per_site = f"{federation.simulation.cpus_per_site:g} CPU" + (f" + {gpus:g} GPU" if gpus else "")
     print(f"simulating run '{federation.run_id}': {len(federation.sites)} sites, {federation.coordinator.rounds} rounds, "
-          f"{federation.simulation.cpus_per_site:g} CPU per site; state in {checkpoint_dir}; Flower's log in {log_path}", flush=True)
+          f"{per_site} per site; state in {checkpoint_dir}; Flower's log in {log_path}", flush=True)
     try:
         run_federation_simulation(federation, resolved, resume=args.resume, log_path=log_path)
     except Exception:  # noqa: BLE001 - the coordinator printed its error line; the traceback goes to the log

@@ -226,25 +226,30 @@ def decode(message_arrays: Mapping[str, np.ndarray], config: Mapping[str, Any]) 
 PublicGradientFn = Callable[[Sequence[int]], Any]
 
 
-def public_gradient_fn(model: Any, public_dataset: Any, chunk_size: int = 16) -> PublicGradientFn:
+def public_gradient_fn(model: Any, public_dataset: Any, chunk_size: int | None = None) -> PublicGradientFn:
     """``ids -> G``: unclipped per-sample gradients of ``model``'s trainable parameters on public samples.
 
     Uses the privacy engine's own gradient code (:func:`fedpose.privacy.per_sample.gradient_matrix`)
     so the coordinator and every site compute G identically. ``public_dataset`` must be
     deterministic (``PoseDataset(..., train=False)``: no augmentation); ``model`` must be in
-    ``train_mode()`` (BatchNorm frozen) at the weights named in the recipe.
+    ``train_mode()`` (BatchNorm frozen) at the weights named in the recipe. G is computed on the
+    model's device (``chunk_size`` samples at a time; None: sized for the device) and returned on the host.
     """
     import torch
 
-    from fedpose.privacy.engine import collate
-    from fedpose.privacy.per_sample import frozen_features, gradient_matrix
+    from fedpose.privacy.engine import batch_to_device, collate
+    from fedpose.privacy.per_sample import auto_chunk_size, frozen_features, gradient_matrix
+    from fedpose.runtime import model_device
 
     def gradients(ids: Sequence[int]) -> np.ndarray:
-        batch = collate([public_dataset[int(i)] for i in ids])
+        device = model_device(model)
+        batch = batch_to_device(collate([public_dataset[int(i)] for i in ids]), device)
         features = frozen_features(model, batch["image"])
+        num_params = sum(p.numel() for p in model.trainable_parameters().values())
+        chunk = chunk_size if chunk_size is not None else auto_chunk_size(device, num_params)
         with torch.enable_grad():
-            g = gradient_matrix(model, features, batch["joints"], batch["weight"], chunk_size)
-        return g.numpy()
+            g = gradient_matrix(model, features, batch["joints"], batch["weight"], chunk)
+        return g.cpu().numpy()
 
     return gradients
 

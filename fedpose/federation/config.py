@@ -18,7 +18,9 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from fedpose.config import (
+    DEVICE_CHOICES,
     DataConfig,
+    DeviceSetting,
     InputPrivacyConfig,
     ModelConfig,
     OptimConfig,
@@ -147,6 +149,7 @@ class CoordinatorConfig(Strict):
     checkpoint_dir: Path = Field(Path("runs/federation/coordinator"), description="global model, server-optimizer state, ledger")
     ledger_db: Path | None = Field(None, description="SQLite budget ledger (default: <checkpoint_dir>/ledger.sqlite)")
     seed: int = Field(0, description="seed for site selection and the public-sample choice")
+    device: DeviceSetting = Field("auto", description=f"where the warm start, basis computation and evaluation run: {DEVICE_CHOICES}")
     warm_start: WarmStartConfig = Field(
         WarmStartConfig(),
         description="train the initial global model on public_data first (a from-scratch model's BatchNorm "
@@ -166,6 +169,11 @@ class CoordinatorConfig(Strict):
 
 class SimulationConfig(Strict):
     cpus_per_site: float = Field(1.0, gt=0, description="Ray resources per ClientApp (2-core machines: 1)")
+    gpus_per_site: float | None = Field(
+        None, ge=0, le=1,
+        description="GPU fraction per ClientApp (Ray num_gpus); None: the visible CUDA GPUs shared evenly among the "
+        "sites (at most 1 each), 0 when there are none or every site sets train.device = 'cpu'",
+    )
 
 
 class FederationConfig(Strict):

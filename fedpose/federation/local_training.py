@@ -187,6 +187,9 @@ def train_site_round(
 ) -> SiteRoundResult:
     """Guard the budget, run ``local_steps`` private steps from the global weights, return Δ.
 
+    Training runs on ``site.train.device`` (resolved here, at the site: CUDA when available for
+    "auto"); ``threads`` applies on the CPU only. Δ comes back to the host as numpy arrays.
+
     ``engine_hook`` (``fedpose audit`` only; never set by the ClientApp) receives the round's
     gradient engine before the first step, to attach audit canaries.
 
@@ -200,7 +203,7 @@ def train_site_round(
 
     from fedpose.model import build_model_from_spec
     from fedpose.privacy.engine import build_engine
-    from fedpose.runtime import configure_cpu
+    from fedpose.runtime import configure_device, describe_device, resolve_device
     from fedpose.train.loop import TrainingDiverged, train_steps
     from fedpose.train.optim import build_optimizer, build_scheduler
 
@@ -209,6 +212,8 @@ def train_site_round(
     local_steps = max(0, min(int(local_steps), site.local_steps))
     if local_steps < 1:
         raise ValueError(f"site '{site.site_id}': asked for {local_steps} local steps")
+    # Before any spend: a device this machine lacks must fail the round, not cost ε every round.
+    device = resolve_device(site.train.device, f"site '{site.site_id}' train.device")
     budget = open_budget(site)
     if budget is not None and site.privacy.accountant is None:
         # σ calibration and the engine's report use the accountant the budget enforces (an existing
@@ -247,14 +252,16 @@ def train_site_round(
                 return SiteRoundResult(reply("ok", "resent-earlier-release", affordable), released)
             return SiteRoundResult(reply("replayed", "no-earlier-release", affordable))
 
-    configure_cpu(threads)
+    configure_device(device, threads)
     model = build_model_from_spec(model_spec)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(global_state))
     if missing:
         raise ValueError(f"global model lacks {len(missing)} tensors, e.g. {missing[:3]}")
     model.load_state_dict({k: torch.from_numpy(np.asarray(global_state[k])).to(expected[k].dtype) for k in expected})
+    model.to(device)
     model.train_mode()
+    log.info("site %s round %d: training on %s", site.site_id, round_id, describe_device(device))
     trainable = model.trainable_parameters()
     start_weights = {name: p.detach().clone() for name, p in trainable.items()}
 
@@ -274,7 +281,7 @@ def train_site_round(
         site.privacy, model, dataset_size=len(dataset), batch_size=site.train.batch_size,
         planned_steps=local_steps, public_dataset=public_dataset,
         seed=site.train.seed * 1_000_003 + int(round_id),  # public choices only (S_pub samples); DP noise is CSPRNG
-        units=units,
+        chunk_size=site.train.chunk_size, units=units,
     )
     if budget is not None and (engine.noise_multiplier, engine.sample_rate) != (sigma, rate):
         raise RuntimeError(f"engine noise (σ={engine.noise_multiplier}, q={engine.sample_rate}) differs from the authorized (σ={sigma}, q={rate})")
@@ -290,12 +297,12 @@ def train_site_round(
     except TrainingDiverged as failure:
         # Spent (recorded above) but nothing released: say so, with the spend, instead of vanishing.
         log.warning("site %s round %d: %s", site.site_id, round_id, failure)
-        _log_round(site, run_id, round_id, "failed", started, note=str(failure))
+        _log_round(site, run_id, round_id, "failed", started, note=str(failure), device=describe_device(device))
         return SiteRoundResult(reply("failed", "training-diverged", affordable))
     update = {name: (p.detach() - start_weights[name]).cpu().numpy() for name, p in model.trainable_parameters().items()}
     if budget is not None:
         _save_released(site, run_id, round_id, update)
-    _log_round(site, run_id, round_id, "ok", started, history=history)
+    _log_round(site, run_id, round_id, "ok", started, history=history, device=describe_device(device))
     return SiteRoundResult(reply("ok", None, affordable), update)
 
 
@@ -325,9 +332,11 @@ def run_site_round(site: SiteConfig, run_id: str, round_id: int, *args: Any, **k
 
 
 def _log_round(site: SiteConfig, run_id: str, round_id: int, outcome: str, started: float | None,
-               history: list[dict[str, Any]] | None = None, note: str = "") -> None:
+               history: list[dict[str, Any]] | None = None, note: str = "", device: str = "") -> None:
     """Append the round's site-local diagnostics (private-data statistics: never sent)."""
     entry: dict[str, Any] = {"run_id": run_id, "round": int(round_id), "outcome": outcome, "time": time.time()}
+    if device:
+        entry["device"] = device
     if started is not None:
         entry["seconds"] = time.perf_counter() - started
     if history:

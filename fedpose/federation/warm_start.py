@@ -31,13 +31,14 @@ def warm_start(
     echo: Callable[[str], None] = print,
 ) -> dict[str, float]:
     """Calibrate BatchNorm on public images (``calibrate``) and train ``steps`` non-private steps
-    on ``public_data``; returns {"steps", "final_loss", "seconds"}."""
+    on ``public_data``, on the model's device (the caller places it: ``coordinator.device``);
+    returns {"steps", "final_loss", "seconds"}."""
     from fedpose.data.dataset import PoseDataset, load_records
     from fedpose.privacy.engine import build_engine
-    from fedpose.runtime import configure_cpu
+    from fedpose.runtime import configure_device, model_device
     from fedpose.train import build_optimizer, build_scheduler, calibrate_batch_norm, train_steps
 
-    configure_cpu()
+    configure_device(model_device(model))
     started = time.perf_counter()
     records, root = load_records(public_data)
     if not records:
@@ -49,7 +50,8 @@ def warm_start(
     if steps > 0:
         dataset = PoseDataset(records, root, input_size=size, train=True, seed=seed, cache_images=True)
         optimizer = build_optimizer(model, optim)
-        engine = build_engine(PrivacyConfig(), model, len(dataset), batch_size, steps, seed=seed)
+        engine = build_engine(PrivacyConfig(), model, len(dataset), batch_size, steps, seed=seed,
+                              memory_settings="coordinator.warm_start.batch_size")
         every = max(1, steps // 5)
 
         def report(step: int, record: dict[str, Any]) -> None:

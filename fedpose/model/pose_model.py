@@ -204,6 +204,7 @@ class PoseModel(nn.Module):
         (public) images, or on unit-variance noise when none is at hand, gives the stem and the
         downsamples unit-scale activations. Trained weights are never re-calibrated.
         """
+        images = images.to(next(self.parameters()).device)
         batch_norms = [m for m in self.modules() if _is_batch_norm(m)]
         saved = [(m.momentum, m.training) for m in batch_norms]
         for module in batch_norms:

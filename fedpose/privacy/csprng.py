@@ -8,6 +8,7 @@ it; the key lives only in the cipher context and is never stored.
 
 Users: DP-SGD noise and Poisson coins (:mod:`fedpose.privacy.noise`), LDP-Slicing flips
 (:mod:`fedpose.privacy.ldp_slicing`), Video-DPRP (:mod:`fedpose.privacy.dprp`, via ``noise``).
+DP noise on a GPU comes from a ChaCha20 keystream computed there (:mod:`fedpose.privacy.chacha20`).
 """
 
 from __future__ import annotations

@@ -36,6 +36,12 @@ DP mechanisms (see :mod:`fedpose.privacy.mechanisms` for the table):
   ``privacy.accountant`` (default: the tightest accountant exact for the mechanism's relation).
 * **σ** — ``privacy.noise_multiplier``, or calibrated so that ``planned_steps`` steps reach at
   most ``privacy.target_epsilon`` at ``privacy.delta``.
+* **Device** — the engine works where the model's parameters are: each batch is moved there, the
+  clipped sum, the noise (generated on that device, :mod:`fedpose.privacy.noise`), V and the
+  projection live there. The caller places the model (``train.device``). The per-sample chunk is
+  ``chunk_size``, or on CUDA sized from free memory per step
+  (:func:`~fedpose.privacy.per_sample.auto_chunk_size`); running out of device memory raises
+  :class:`~fedpose.runtime.DeviceOutOfMemory` naming the settings to lower.
 """
 
 from __future__ import annotations
@@ -58,8 +64,8 @@ from fedpose.privacy.public_views import PUBLIC_VIEW_FUNCTIONS, public_view_kind
 from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
 from fedpose.privacy.noise import make_noise
 from fedpose.privacy.per_sample import (
-    DEFAULT_CHUNK_SIZE,
     TrainableModel,
+    auto_chunk_size,
     clipped_gradient_sum,
     clipped_unit_gradient_sum,
     frozen_features,
@@ -67,6 +73,10 @@ from fedpose.privacy.per_sample import (
     unflatten,
 )
 from fedpose.privacy.report import format_epsilon, guarantee_sentence, protected_unit_text, public_view_statement
+from fedpose.runtime import out_of_memory_hint, synchronize
+
+#: the settings that size a training step's memory, named when the device runs out (central runs and sites)
+STEP_MEMORY_SETTINGS = "train.batch_size or train.chunk_size"
 
 
 #: keys separating the seeded (test-only) random streams, with the step index; see InsecureSeededNoise.reseed
@@ -80,6 +90,11 @@ def collate(samples: Sequence[dict], template: dict | None = None) -> dict:
     if template is None:
         raise ValueError("cannot build an empty batch without a template")
     return {key: value[:0] if isinstance(value, Tensor) else [] for key, value in template.items()}
+
+
+def batch_to_device(batch: dict, device: torch.device) -> dict:
+    """The batch with every tensor on ``device`` (the same tensors when they are already there)."""
+    return {key: value.to(device) if isinstance(value, Tensor) else value for key, value in batch.items()}
 
 
 def resolve_accountant(privacy: PrivacyConfig) -> str:
@@ -113,8 +128,9 @@ class GradientEngine:
         planned_steps: int,
         public_dataset: Dataset | None = None,
         seed: int = 0,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        chunk_size: int | None = None,
         units: UnitIndex | None = None,
+        memory_settings: str = STEP_MEMORY_SETTINGS,
     ) -> None:
         if dataset_size < 1:
             raise ValueError(f"the training set is empty (dataset_size = {dataset_size})")
@@ -122,7 +138,7 @@ class GradientEngine:
             raise ValueError(f"batch size must be >= 1, got {batch_size}")
         if planned_steps < 1:
             raise ValueError(f"planned steps must be >= 1, got {planned_steps}")
-        if chunk_size < 1:
+        if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
         self.units = units if units is not None else UnitIndex.per_record(dataset_size)
         if self.units.num_records != dataset_size:
@@ -139,7 +155,10 @@ class GradientEngine:
         self.planned_steps = int(planned_steps)
         self.public_dataset = public_dataset
         self.seed = int(seed)
-        self.chunk_size = int(chunk_size)
+        #: samples per chunk of per-sample gradients; None: per device (:func:`auto_chunk_size`)
+        self.chunk_size = None if chunk_size is None else int(chunk_size)
+        #: named by the out-of-memory error
+        self.memory_settings = memory_settings
         self.steps_done = 0
         #: AUDIT ONLY (``fedpose audit``): step index → the clipped gradients of audit canaries, added to the
         #: clipped sum before the noise as records of the dataset would be (:mod:`fedpose.privacy.canaries`)
@@ -279,23 +298,33 @@ class GradientEngine:
         batch["provenance"] = projection.PUBLIC
         return batch
 
+    def chunk_for(self, device: torch.device, num_params: int) -> int:
+        """Samples per chunk of per-sample gradients on ``device``: ``chunk_size``, or sized for it."""
+        return self.chunk_size if self.chunk_size is not None else auto_chunk_size(device, num_params)
+
     def refresh_basis(self, model: TrainableModel) -> float:
-        """Recompute V from the public set at the model's current weights; returns seconds taken."""
+        """Recompute V from the public set at the model's current weights, on the model's device;
+        returns seconds taken."""
         started = time.perf_counter()
         version = len(self.basis_seconds)
-        batch = self.public_batch()
+        params = model.trainable_parameters()
+        device = next(iter(params.values())).device
+        batch = batch_to_device(self.public_batch(), device)
         self.basis = None  # the new basis is built in the old one's storage
         k = self.privacy.basis.k
-        p = sum(param.numel() for param in model.trainable_parameters().values())
+        p = sum(param.numel() for param in params.values())
         needed = projection.workspace_elements(len(batch["index"]), k, p)
-        if self._basis_workspace is None or self._basis_workspace.numel() < needed:
+        if self._basis_workspace is None or self._basis_workspace.numel() < needed or self._basis_workspace.device != device:
             self._basis_workspace = None  # free the old one before allocating the new one
-            self._basis_workspace = torch.empty(needed, dtype=torch.float32)
-        self.basis = projection.compute_basis(
-            model, batch, k, self.chunk_size, self.privacy.basis.dtype, version, self._basis_workspace
-        )
+            self._basis_workspace = torch.empty(needed, dtype=torch.float32, device=device)
+        with out_of_memory_hint(f"the projection basis (m = {len(batch['index'])} public samples, k = {k}, p = {p:,}) on {device}",
+                                "privacy.basis.public_samples, privacy.basis.k or train.chunk_size"):
+            self.basis = projection.compute_basis(
+                model, batch, k, self.chunk_for(device, p), self.privacy.basis.dtype, version, self._basis_workspace
+            )
         self._basis_computed_at = self.steps_done
         self._basis_external = False
+        synchronize(device)
         seconds = time.perf_counter() - started
         self.basis_seconds.append(seconds)
         return seconds
@@ -309,9 +338,19 @@ class GradientEngine:
 
     # -- one step ---------------------------------------------------------------------------------
     def step(self, model: TrainableModel, batch: dict) -> dict[str, float]:
-        """Set ``.grad`` of ``model.trainable_parameters()`` for this batch; return step metrics."""
+        """Set ``.grad`` of ``model.trainable_parameters()`` for this batch; return step metrics.
+        Runs on the parameters' device; the batch is moved there."""
         params = model.trainable_parameters()
+        device = next(iter(params.values())).device
+        batch = batch_to_device(batch, device)
         num_params = sum(p.numel() for p in params.values())
+        rows = int(batch["image"].shape[0])
+        chunk = f", per-sample gradients {self.chunk_for(device, num_params)} at a time" if self.mechanism.noisy else ""
+        with out_of_memory_hint(f"a '{self.mechanism.name}' step on {device} ({rows} samples{chunk}, p = {num_params:,})",
+                                self.memory_settings):
+            return self._step(model, batch, params, num_params)
+
+    def _step(self, model: TrainableModel, batch: dict, params: dict[str, Tensor], num_params: int) -> dict[str, float]:
         images, joints, weight = batch["image"], batch["joints"], batch["weight"]
         size = int(images.shape[0])
         metrics: dict[str, float] = {"batch_size": float(size)}
@@ -340,7 +379,9 @@ class GradientEngine:
 
         public_images = (PUBLIC_VIEW_FUNCTIONS[mechanism.public_view](batch, self.privacy)
                          if mechanism.public_view is not None and size else None)
-        clipped_sum = torch.zeros(num_params)
+        device = batch["image"].device
+        chunk = self.chunk_for(device, num_params)
+        clipped_sum = torch.zeros(num_params, device=device)
         public_gradient = None
         if size:
             inputs = batch["image"] if public_images is None else torch.cat([batch["image"], public_images])
@@ -352,12 +393,12 @@ class GradientEngine:
                 raise ValueError(f"batch has {size} rows but {len(unit_index)} unit_index entries")
             if int(torch.unique(unit_index).numel()) == size:  # one record per unit: the per-sample path
                 clipped_sum, norms, losses = clipped_gradient_sum(
-                    model, features[:size], batch["joints"], batch["weight"], clip, self.chunk_size
+                    model, features[:size], batch["joints"], batch["weight"], clip, chunk
                 )
                 sample_nonfinite = ~torch.isfinite(norms)
             else:
                 clipped_sum, norms, losses, sample_nonfinite = clipped_unit_gradient_sum(
-                    model, features[:size], batch["joints"], batch["weight"], unit_index, clip, self.chunk_size
+                    model, features[:size], batch["joints"], batch["weight"], unit_index, clip, chunk
                 )
             finite = torch.isfinite(norms)
             metrics["batch_units"] = float(norms.numel())
@@ -371,14 +412,17 @@ class GradientEngine:
                 metrics["public_loss"] = float(public_losses.mean())
 
         if self.canary_gradients is not None:
-            clipped_sum = clipped_sum + self.canary_gradients(self.steps_done)
+            clipped_sum = clipped_sum + self.canary_gradients(self.steps_done).to(device)
         noise_std = self.noise_multiplier * clip
         self.noise.reseed(_NOISE_STREAM, self.steps_done)
-        gradient = (clipped_sum + self.noise.normal(num_params, noise_std)) / self.expected_batch_size
+        gradient = (clipped_sum + self.noise.normal(num_params, noise_std, device=device)) / self.expected_batch_size
         if mechanism.projects:
             assert self.basis is not None
+            self.basis = self.basis.to(device)  # a basis set from the coordinator arrives on the CPU
+            synchronize(device)  # time the projection alone (CUDA queues work asynchronously)
             started = time.perf_counter()
             gradient = self.basis.project(gradient)
+            synchronize(device)
             metrics["projection_seconds"] = time.perf_counter() - started
         if public_gradient is not None:
             gradient = gradient + public_gradient
@@ -492,8 +536,9 @@ def build_engine(
     planned_steps: int,
     public_dataset: Dataset | None = None,
     seed: int = 0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     units: UnitIndex | None = None,
+    memory_settings: str = STEP_MEMORY_SETTINGS,
 ) -> GradientEngine:
     """The engine for ``privacy_cfg.mechanism`` (see the module docstring).
 
@@ -501,8 +546,11 @@ def build_engine(
     only checked. Projecting mechanisms need ``public_dataset`` or a basis via ``set_basis``
     before the first step (a federated site gets it from the coordinator). ``units`` groups the
     ``dataset_size`` records into protection units (None: every record is one unit).
+    ``chunk_size``: samples per chunk of per-sample gradients (None: 16 on the CPU, from free memory
+    on CUDA); ``memory_settings``: what the out-of-memory error tells the user to lower.
     """
     mechanism = get_mechanism(privacy_cfg.mechanism)
     if not model.trainable_parameters():
         raise ValueError("the model has no trainable parameters (check model.scenario)")
-    return GradientEngine(privacy_cfg, mechanism, dataset_size, batch_size, planned_steps, public_dataset, seed, chunk_size, units)
+    return GradientEngine(privacy_cfg, mechanism, dataset_size, batch_size, planned_steps, public_dataset, seed, chunk_size,
+                          units, memory_settings)

@@ -40,7 +40,11 @@ w.r.t. ``model.trainable_parameters()``, in that order; a "flat" gradient is the
 (``flatten`` / ``unflatten``).
 
 The vmap runs in chunks of ``chunk_size`` samples to bound memory (per-sample gradients of a
-chunk are ``chunk_size × p`` floats, ~18 MiB per sample at p = 4.74 M).
+chunk are ``chunk_size × p`` floats, ~18 MiB per sample at p = 4.74 M). On the CPU the chunk is
+:data:`DEFAULT_CHUNK_SIZE`; on CUDA :func:`auto_chunk_size` sizes it from free device memory.
+
+Device: everything here runs on the device of ``features`` (the model's device); sums, norms and
+clipping factors are float32 there, whatever matmul precision the device uses.
 """
 
 from __future__ import annotations
@@ -66,6 +70,27 @@ class TrainableModel(Protocol):
 
 
 DEFAULT_CHUNK_SIZE = 16
+#: device memory one sample of a chunk needs, in units of its float32 gradient (4·p bytes): the
+#: per-sample gradient, the per-unit sum or flat copy it is folded into, and the chunk's
+#: activations kept for the batched backward (comparable at 256×192). An estimate to be checked
+#: against the peak GPU memory that benchmarks/step_cost records on CUDA.
+_GRADIENT_COPIES_PER_SAMPLE = 4
+#: share of the available device memory the per-sample gradients of one chunk may take
+_DEVICE_MEMORY_SHARE = 0.5
+_MAX_AUTO_CHUNK = 1024
+
+
+def auto_chunk_size(device: torch.device, num_params: int) -> int:
+    """Samples per chunk for per-sample gradients of ``num_params`` parameters on ``device``:
+    :data:`DEFAULT_CHUNK_SIZE` on the CPU; on CUDA, half the memory available now (free in the
+    driver plus what torch's allocator holds unused) over ~4 float32 gradient copies per sample
+    (p = 4.7 M: 19 MB a copy)."""
+    if device.type != "cuda":
+        return DEFAULT_CHUNK_SIZE
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    per_sample = _GRADIENT_COPIES_PER_SAMPLE * 4 * max(1, num_params)
+    return max(1, min(_MAX_AUTO_CHUNK, int(_DEVICE_MEMORY_SHARE * (free + cached) // per_sample)))
 
 
 def frozen_features(model: TrainableModel, images: Tensor) -> Tensor:
@@ -219,7 +244,8 @@ def clipped_gradient_sum(
     if max_grad_norm <= 0:
         raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
     params = model.trainable_parameters()
-    total = torch.zeros(sum(p.numel() for p in params.values()), dtype=torch.float32)
+    device = features.device
+    total = torch.zeros(sum(p.numel() for p in params.values()), dtype=torch.float32, device=device)
     norms, losses = [], []
     for start in range(0, features.shape[0], chunk_size):
         stop = start + chunk_size
@@ -240,7 +266,7 @@ def clipped_gradient_sum(
         norms.append(chunk_norms)
         losses.append(chunk_losses)
     if not norms:
-        return total, torch.zeros(0), torch.zeros(0)
+        return total, torch.zeros(0, device=device), torch.zeros(0, device=device)
     return total, torch.cat(norms), torch.cat(losses)
 
 
@@ -275,10 +301,13 @@ def clipped_unit_gradient_sum(
         raise ValueError(f"unit_index must have one entry per row ({rows}), got shape {tuple(unit_index.shape)}")
     params = model.trainable_parameters()
     num_params = sum(p.numel() for p in params.values())
-    total = torch.zeros(num_params, dtype=torch.float32)
+    device = features.device
+    total = torch.zeros(num_params, dtype=torch.float32, device=device)
     if rows == 0:
-        return total, torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.bool)
+        return (total, torch.zeros(0, device=device), torch.zeros(0, device=device),
+                torch.zeros(0, dtype=torch.bool, device=device))
     # Rows of one unit made adjacent, so each unit is finished after at most a few chunks.
+    unit_index = unit_index.to(device)
     order = torch.argsort(unit_index.long(), stable=True)
     labels = unit_index.long()[order]
     features, joints, weight = features[order], joints[order], weight[order]
@@ -293,7 +322,7 @@ def clipped_unit_gradient_sum(
             for g in grads.values():
                 g[nonfinite] = 0.0
         chunk_units, local = torch.unique_consecutive(labels[start:stop], return_inverse=True)
-        sums = torch.zeros(len(chunk_units), num_params, dtype=torch.float32)
+        sums = torch.zeros(len(chunk_units), num_params, dtype=torch.float32, device=device)
         offset = 0
         for g in grads.values():  # segment-sum per parameter, straight into the flat per-unit rows
             size = g[0].numel()
@@ -319,7 +348,7 @@ def clipped_unit_gradient_sum(
         losses_sorted.append(chunk_losses)
         nonfinite_sorted.append(nonfinite)
     inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(rows)
+    inverse[order] = torch.arange(rows, device=order.device)
     return total, torch.cat(unit_norms), torch.cat(losses_sorted)[inverse], torch.cat(nonfinite_sorted)[inverse]
 
 
@@ -347,7 +376,7 @@ def gradient_matrix(
     """
     params = model.trainable_parameters()
     shape = (features.shape[0], sum(p.numel() for p in params.values()))
-    matrix = torch.empty(shape, dtype=torch.float32) if out is None else buffer_view(out, shape, "gradient buffer")
+    matrix = torch.empty(shape, dtype=torch.float32, device=features.device) if out is None else buffer_view(out, shape, "gradient buffer")
     for start in range(0, features.shape[0], chunk_size):
         grads, _ = per_sample_gradients(
             model, features[start: start + chunk_size], joints[start: start + chunk_size], weight[start: start + chunk_size]

@@ -10,6 +10,10 @@ Privacy: V depends on public data and the current (already private) weights only
 projecting the *noisy* gradient onto it is post-processing — the (ε, δ) guarantee is unchanged.
 :func:`compute_basis` enforces the "public only" part: it refuses any batch not tagged
 ``provenance == "public"`` (the engine tags batches drawn from the public set).
+
+Device: G, V and the projection live on the model's device (a GPU keeps V, ~1 GB at p = 4.7 M,
+next to the gradient it projects); only the m × m and k × k eigen/Cholesky problems run on the
+CPU in float64, so every device takes the same, deterministic decisions about rank and signs.
 """
 
 from __future__ import annotations
@@ -61,24 +65,34 @@ class Basis:
     def k(self) -> int:
         return int(self.vectors.shape[1])
 
+    def to(self, device: torch.device) -> "Basis":
+        """This basis with V on ``device`` (itself when it is already there)."""
+        if self.vectors.device == device:
+            return self
+        return Basis(self.vectors.to(device), self.eigenvalues, self.version, self.public_ids)
+
     def project(self, gradient: Tensor) -> Tensor:
-        """V (Vᵀ g) in float32 (accumulated per block), returned in g's dtype."""
+        """V (Vᵀ g) in float32 (accumulated per block), returned in g's dtype. On the CPU the blocks
+        are shared among torch's threads; on a GPU one stream runs them (threads would not help)."""
         rows = self.vectors.T  # k × p, contiguous
         p = rows.shape[1]
         if gradient.shape != (p,):
             raise ValueError(f"gradient has shape {tuple(gradient.shape)}, the basis is for p = {p}")
+        if gradient.device != rows.device:
+            raise ValueError(f"gradient is on {gradient.device}, the basis on {rows.device}")
         g = gradient.to(torch.float32)
-        workers = max(1, min(torch.get_num_threads(), -(-p // _PROJECTION_BLOCK)))
+        on_cpu = rows.device.type == "cpu"
+        workers = max(1, min(torch.get_num_threads(), -(-p // _PROJECTION_BLOCK))) if on_cpu else 1
         spans = [(start, min(start + _PROJECTION_BLOCK, p)) for start in range(0, p, _PROJECTION_BLOCK)]
         shares = [spans[i::workers] for i in range(workers)]
 
         def coefficients(share: list[tuple[int, int]]) -> Tensor:
-            partial = torch.zeros(rows.shape[0], dtype=torch.float32)
+            partial = torch.zeros(rows.shape[0], dtype=torch.float32, device=rows.device)
             for start, stop in share:
                 partial.addmv_(rows[:, start:stop].float(), g[start:stop])
             return partial
 
-        out = torch.empty(p, dtype=torch.float32)
+        out = torch.empty(p, dtype=torch.float32, device=rows.device)
 
         def expand(share: list[tuple[int, int]], coefficients: Tensor) -> None:
             for start, stop in share:
@@ -111,7 +125,7 @@ def basis_mixing(gradients: Tensor, k: int, rel_tolerance: float = 1e-5) -> tupl
     if k < 1:
         raise ValueError(f"basis dimension k must be >= 1, got {k}")
     g = gradients.to(torch.float32)
-    gram = (g @ g.T).to(torch.float64)
+    gram = (g @ g.T).to(torch.float64).cpu()  # m × m: the eigenproblem runs on the CPU, whatever G's device
     if not bool(torch.isfinite(gram).all()):
         raise ValueError("public gradients are not finite (the model's weights have diverged?): no basis can be computed")
     eigenvalues, eigenvectors = torch.linalg.eigh(gram)  # ascending
@@ -126,9 +140,10 @@ def basis_mixing(gradients: Tensor, k: int, rel_tolerance: float = 1e-5) -> tupl
 
 
 def apply_mixing(gradients: Tensor, mixing: Tensor, out: Tensor | None = None) -> Tensor:
-    """V = orthonormalize((mixing · G)ᵀ), p × k' float32 (column-major, the layout Basis keeps).
-    ``out``: float32 storage of >= k'·p elements, not overlapping G, to build V in."""
+    """V = orthonormalize((mixing · G)ᵀ), p × k' float32 (column-major, the layout Basis keeps), on
+    G's device. ``out``: float32 storage of >= k'·p elements, not overlapping G, to build V in."""
     g = gradients.to(torch.float32)
+    mixing = mixing.to(g.device)
     if mixing.shape[1] != g.shape[0]:
         raise ValueError(f"the mixing combines {mixing.shape[1]} public gradients, got {g.shape[0]}")
     if out is None:
@@ -157,10 +172,10 @@ def orthonormalize(v: Tensor) -> Tensor:
     VᵀV = L Lᵀ): two p·k² products instead of a Householder QR of the p × k matrix (~10× slower
     here, and in float32 only good to ~1e-4 for p ≈ 10⁶). Column directions (signs) are kept.
     """
-    gram_v = _gram_float64(v)
+    gram_v = _gram_float64(v).cpu()  # k × k: decided and factorised on the CPU, whatever V's device
     if (gram_v - torch.eye(v.shape[1], dtype=torch.float64)).abs().max() > ORTHONORMAL_TOLERANCE:
         lower = torch.linalg.cholesky(gram_v)
-        inverse_t = torch.linalg.inv(lower).T.to(torch.float32)
+        inverse_t = torch.linalg.inv(lower).T.to(dtype=torch.float32, device=v.device)
         for start in range(0, v.shape[0], _PROJECTION_BLOCK):
             block = v[start : start + _PROJECTION_BLOCK]
             block.copy_(block @ inverse_t)  # V ← V L⁻ᵀ
@@ -173,7 +188,7 @@ def _gram_float64(v: Tensor, block: int = 4096) -> Tensor:
     over 4096 rows it is good to ~1e-7 (measured at p = 4.7 M, k = 50, also with the mass of V
     concentrated in a few rows) and 7× faster than converting V to float64."""
     rows = v.T  # k × p: contiguous slices when V is column-major (see Basis)
-    gram = torch.zeros(v.shape[1], v.shape[1], dtype=torch.float64)
+    gram = torch.zeros(v.shape[1], v.shape[1], dtype=torch.float64, device=v.device)
     for start in range(0, v.shape[0], block):
         part = rows[:, start : start + block].to(torch.float32)
         gram += (part @ part.T).to(torch.float64)

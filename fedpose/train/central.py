@@ -5,7 +5,7 @@ Run directory (``train.out_dir``)::
     config.toml        the resolved configuration (defaults filled in)
     metrics.json       {"train": [per-step records], "val": [periodic validation PCKh],
                         "privacy": the ε text, "NO PRIVACY GUARANTEE (seeded test noise): …" under
-                        privacy.insecure_seeded_noise}
+                        privacy.insecure_seeded_noise, "device": where it ran (train.device)}
     curves.png         training loss and validation PCKh
     privacy.json       the engine's privacy report (for "none": no guarantee)
     checkpoints/last.pt, checkpoints/best.pt (best validation PCKh Mean)
@@ -38,7 +38,7 @@ from fedpose.model import build_model, load_checkpoint, save_checkpoint
 from fedpose.model.checkpoint import restore_rng_state
 from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
 from fedpose.privacy.mechanisms import get_mechanism
-from fedpose.runtime import configure_cpu
+from fedpose.runtime import configure_device, describe_device, resolve_device
 from fedpose.train.evaluate import evaluate
 from fedpose.train.loop import calibrate_batch_norm, train_steps
 from fedpose.train.optim import build_optimizer, build_scheduler
@@ -191,7 +191,8 @@ def run_training(
         checkpoint = load_checkpoint(resolve_resume(resume))
     if cfg.data.train is None:
         raise ConfigError("data.train: required (a dataset directory with annotations.json, or a COCO keypoints json)")
-    configure_cpu(cfg.train.threads)
+    device = resolve_device(cfg.train.device, "train.device")
+    configure_device(device, cfg.train.threads)
     run_dir = Path(cfg.train.out_dir)
     if checkpoint is None and (run_dir / CHECKPOINT_DIR / LAST).exists():
         raise ConfigError(
@@ -231,6 +232,7 @@ def run_training(
         # Non-augmented view: calibration must not consume the training stream's augmentation draws.
         calibration_set = _load_dataset(Path(train_dir), cfg, train=False, seed=seed) if not noisy else public_set
         calibrate_batch_norm(model, calibration_set)
+    model.to(device)  # before the optimizer exists, so its state is created (or loaded) on the device
     model.train_mode()
     stream = _ReplayableDataset(train_set)
     privacy_cfg = cfg.privacy
@@ -241,7 +243,7 @@ def run_training(
         privacy_cfg = privacy_cfg.model_copy(update={"accountant": saved_ledger.get("accountant", "rdp")})
     unit_choice, units = resolve_protection_unit(cfg, train_set.records, Path(train_dir), checkpoint)
     engine = build_engine(privacy_cfg, model, len(train_set), cfg.train.batch_size, total_steps, public_set, stream_seed,
-                          units=units)
+                          chunk_size=cfg.train.chunk_size, units=units)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     state = RunState()
@@ -269,12 +271,13 @@ def run_training(
 
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.toml", to_toml(cfg.model_dump(mode="json")))
+    device_text = describe_device(device)
     summary_info = {"model": model.describe(), "train_records": len(train_set), "train_dir": str(train_dir),
                     "val_records": len(val_set) if val_set is not None else 0,
-                    "val_dir": str(val_dir) if val_dir is not None else None}
+                    "val_dir": str(val_dir) if val_dir is not None else None, "device": device_text}
     log(f"training {summary_info['model']['trainable_parameters']:,} parameters "
         f"({cfg.model.backbone}, scenario {cfg.model.scenario}) on {len(train_set)} records, "
-        f"privacy mechanism '{cfg.privacy.mechanism}' → {run_dir}")
+        f"privacy mechanism '{cfg.privacy.mechanism}', device {device_text} → {run_dir}")
     if engine.noise is not None and not engine.noise.secure:
         log(f"{SEEDED_NO_GUARANTEE}: privacy.insecure_seeded_noise draws the noise from train.seed = {seed}; "
             "anyone who knows the seed can remove it (tests only)")
@@ -285,6 +288,7 @@ def run_training(
     def privacy_report() -> dict[str, Any]:
         report = engine.privacy_report()
         report["input_privacy"] = input_guarantee
+        report["device"] = device_text  # where the clipping and noise ran (not part of the guarantee)
         if unit_choice is not None:
             report["protection_unit_choice"] = unit_choice.reason
         return report
@@ -297,7 +301,7 @@ def run_training(
             state.best = state.val[-1]["Mean"]
             save_checkpoint(run_dir / CHECKPOINT_DIR / BEST, model, optimizer, cfg, state.metrics(), step, scheduler, extra)
         report = privacy_report()
-        atomic_write_json(run_dir / "metrics.json", {**state.metrics(), "privacy": report["epsilon_text"]})
+        atomic_write_json(run_dir / "metrics.json", {**state.metrics(), "privacy": report["epsilon_text"], "device": device_text})
         atomic_write_json(run_dir / "privacy.json", report)
         rows = _curve_rows(state)
         if rows:

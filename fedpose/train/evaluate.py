@@ -16,17 +16,19 @@ from fedpose.eval.pckh import pckh
 def predict(model: Any, dataset: Dataset, batch_size: int = 32, max_samples: int | None = None) -> dict[str, np.ndarray]:
     """Run the model over ``dataset`` (in order) → arrays: ``preds`` (N,16,2) in the original
     frame, ``preds_crop`` (N,16,2) in the input frame, ``confidence`` (N,16), ``loss`` (N,), and
-    the ground truth ``joints`` / ``joints_vis`` / ``headbox`` in the original frame."""
+    the ground truth ``joints`` / ``joints_vis`` / ``headbox`` in the original frame. The model runs
+    on its own device; the arrays are on the host."""
     if max_samples is not None and max_samples < len(dataset):  # type: ignore[arg-type]
         dataset = Subset(dataset, range(max_samples))
     was_training = model.training
+    device = next(model.parameters()).device
     model.eval()  # no_grad inference: TinyViT may cache its attention biases here
     out: dict[str, list[np.ndarray]] = {k: [] for k in ("preds", "preds_crop", "confidence", "loss", "joints", "joints_vis", "headbox")}
     try:
         for batch in DataLoader(dataset, batch_size=batch_size, shuffle=False):
-            logits_x, logits_y = model(batch["image"])
-            coords, confidence = model.decode(logits_x, logits_y)
-            loss = model.loss(logits_x, logits_y, batch["joints"], batch["weight"])
+            logits_x, logits_y = model(batch["image"].to(device))
+            coords, confidence = (t.cpu() for t in model.decode(logits_x, logits_y))
+            loss = model.loss(logits_x, logits_y, batch["joints"].to(device), batch["weight"].to(device)).cpu()
             rotation = batch.get("rotation", torch.zeros(len(coords)))
             original = crop_to_original(
                 coords.numpy(), batch["center"].numpy(), np.asarray(batch["scale"], dtype=np.float64),

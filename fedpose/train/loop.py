@@ -33,7 +33,8 @@ class TrainingDiverged(ConfigError):
 
 
 def _check_finite(model: Any, step: int, metrics: dict[str, Any]) -> None:
-    if all(bool(torch.isfinite(param).all()) for param in model.trainable_parameters().values()):
+    # one device-to-host read for all parameters (on a GPU each bool() would wait for the device)
+    if bool(torch.stack([torch.isfinite(param).all() for param in model.trainable_parameters().values()]).all()):
         return
     noise = f", noise std per coordinate {metrics['noise_std']:.3g}" if "noise_std" in metrics else ""
     raise TrainingDiverged(

@@ -119,6 +119,13 @@ class RoundRunner:
         self.dir = Path(self.cfg.checkpoint_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.echo = echo
+        from fedpose.runtime import configure_device, describe_device, resolve_device
+
+        #: where the warm start, the basis computation and evaluation run (coordinator.device)
+        self.device = resolve_device(self.cfg.device, "coordinator.device")
+        configure_device(self.device)
+        self.device_text = describe_device(self.device)
+        self.echo(f"coordinator: warm start, basis and evaluation on {self.device_text}")
         resuming = resume and (self.dir / GLOBAL_CHECKPOINT).exists()
         ledger_path = Path(self.cfg.ledger_path)
         if resuming and (not ledger_path.exists() or ledger_path.stat().st_size == 0):
@@ -179,7 +186,7 @@ class RoundRunner:
         from fedpose.model.checkpoint import model_spec
 
         torch.manual_seed(self.cfg.seed)
-        model = build_model(self.cfg.model, tuple(self.cfg.data.input_size))
+        model = build_model(self.cfg.model, tuple(self.cfg.data.input_size)).to(self.device)
         from_scratch = self.cfg.model.init_checkpoint is None
         if self.cfg.public_data is not None and (from_scratch or self.cfg.warm_start.steps > 0):
             done = warm_start(model, self.cfg.public_data, self.cfg.warm_start.steps, self.cfg.warm_start.optim,
@@ -191,14 +198,14 @@ class RoundRunner:
         return CoordinatorState(model_spec=spec), state
 
     def global_model(self) -> Any:
-        """The current global model as a torch module."""
+        """The current global model as a torch module, on the coordinator's device."""
         import torch
 
         from fedpose.model import build_model_from_spec
 
         model = build_model_from_spec(self.state.model_spec)
         model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in self.global_state.items()})
-        return model
+        return model.to(self.device)
 
     def evaluate(self) -> dict[str, float] | None:
         """PCKh of the global model on the held-out split (``coordinator.data.val``)."""
@@ -430,7 +437,7 @@ class RoundRunner:
         summary.pop("entries", None)
         path = write_report(self.dir, {"run_id": self.run.run_id, "stopped_reason": self.state.stopped_reason,
                                        "aggregation": self.cfg.aggregation.strategy, "model_spec": self.state.model_spec,
-                                       "initial_pckh": self.state.initial_pckh},
+                                       "initial_pckh": self.state.initial_pckh, "coordinator_device": self.device_text},
                             self.history, summary)
         self.echo(f"report: {path} (curves: {path.with_name('curves.png')})")
         return {"report": str(path), "rounds": len(self.history), "stopped_reason": self.state.stopped_reason}
