@@ -20,9 +20,12 @@ from fedpose.privacy.audit_bound import (
     gaussian_epsilon,
     p_value,
 )
-from site_round_helpers import BATCH_SIZE, INPUT_SIZE, make_site_data, site_config
+from site_round_helpers import BATCH_SIZE, INPUT_SIZE, PER_SITE, make_site_data, site_config
 
 STEPS = 10
+#: what `fedpose audit --json` promises (issue 14), in both modes
+JSON_KEYS = ("epsilon_lower", "epsilon_lower_steinke", "epsilon_lower_fdp", "epsilon", "delta", "confidence", "canaries",
+             "mechanism", "guarantee", "mode")
 
 
 # -- the bound ------------------------------------------------------------------------------------------
@@ -153,14 +156,24 @@ def data_root(tmp_path_factory) -> Path:
     return make_site_data(tmp_path_factory.mktemp("audit-data"))
 
 
-def central_config(data_root: Path, **privacy):
+@pytest.fixture(scope="module")
+def projection_data_root(tmp_path_factory) -> Path:
+    """One site and 32 public images: a basis of k = 32 needs 32 public gradients."""
+    from fedpose.data.synthetic import ensure_dataset
+
+    root = tmp_path_factory.mktemp("audit-projection-data")
+    ensure_dataset(root, sites=1, per_site=PER_SITE, public=32, test=4, size=INPUT_SIZE, seed=0, progress=False)
+    return root
+
+
+def central_config(data_root: Path, steps: int = STEPS, batch_size: int = BATCH_SIZE, data: dict | None = None, **privacy):
     from fedpose.config import RunConfig
 
     return RunConfig.model_validate({
-        "data": {"train": str(data_root / "site-1"), "input_size": list(INPUT_SIZE)},
+        "data": {"train": str(data_root / "site-1"), "input_size": list(INPUT_SIZE), **(data or {})},
         "model": {"backbone": "tiny_vit_test", "scenario": "scratch"},
-        "optim": {"name": "sgd", "lr": 0.01, "momentum": 0.0, "weight_decay": 0.0, "cosine": False},
-        "train": {"batch_size": BATCH_SIZE, "steps": STEPS, "threads": 1, "seed": 1},
+        "optim": {"name": "sgd", "lr": 0.01 if not data else 0.05, "momentum": 0.0, "weight_decay": 0.0, "cosine": False},
+        "train": {"batch_size": batch_size, "steps": steps, "threads": 1, "seed": 1},
         "privacy": {"mechanism": "dpsgd", "max_grad_norm": 1.0, "delta": 1e-5, **privacy},
     })
 
@@ -220,8 +233,9 @@ delta = 1e-5
     code = main(["audit", "--config", str(config), "--json", "--out", str(out)])
     result = json.loads(capsys.readouterr().out)
     assert code == 0
-    for key in ("epsilon_lower", "epsilon", "delta", "confidence", "canaries", "mechanism", "guarantee", "mode"):
+    for key in JSON_KEYS:
         assert key in result, key
+    assert result["epsilon_lower"] == max(result["epsilon_lower_steinke"], result["epsilon_lower_fdp"])
     assert (result["mechanism"], result["guarantee"], result["mode"], result["accountant"]) == ("dpsgd", "DP", "white-box", "pld")
     assert result["confidence"] == 0.95 and result["delta"] == 1e-5 and result["canaries"] == 1000
     assert result["epsilon"] <= target and result["epsilon_lower"] <= result["epsilon"]
@@ -242,3 +256,114 @@ def test_site_round_audit_through_the_real_site_code(data_root, tmp_path) -> Non
     result = audit_site_round(sound, canaries=1000).to_dict()
     assert result["epsilon_lower"] <= result["epsilon"] and result["accountant"] == "pld"
     assert math.isfinite(result["epsilon"])
+
+
+# -- projecting mechanisms: canaries in the public subspace ----------------------------------------------
+def test_projecting_canaries_lie_in_the_basis_and_take_turns() -> None:
+    import torch
+
+    from fedpose.privacy.canaries import CanarySet
+    from fedpose.privacy.projection import Basis
+
+    p, k = 200, 4
+    basis = Basis(torch.linalg.qr(torch.randn(p, k))[0])
+    canaries = CanarySet.create(10, p, "add_remove", 1.0, 1.0, seed=0, releases=3, basis=lambda: basis, basis_size=k)
+    active = []
+    for step in range(3):
+        gradient = canaries.step_gradient(step)
+        assert torch.allclose(basis.project(gradient), gradient, atol=1e-5)  # projection keeps it whole
+        scores = canaries.scores(gradient, step)  # q = 1: every included canary of this step's group adds C·d_i
+        active.append(np.flatnonzero(scores > 0.5))
+        assert np.allclose(scores, np.isin(np.arange(10), active[-1]), atol=1e-5)  # and the rest score 0
+    assert [a.tolist() for a in active] == [[i for i in g if canaries.included[i]] for g in ([0, 1, 2, 3], [4, 5, 6, 7], [8, 9])]
+    with pytest.raises(ValueError, match="hold at most 12"):
+        CanarySet.create(13, p, "add_remove", 1.0, 1.0, seed=0, releases=3, basis=lambda: basis, basis_size=k)
+
+
+def projection_config(root: Path, **privacy):
+    # k × steps = 1024 slots: room for the default 1000 canaries, one release each
+    return central_config(root, steps=32, mechanism="pdp", basis={
+        "k": 32, "public_samples": 32, "refresh_every": 50, "public_data": str(root / "public")}, **privacy)
+
+
+def test_pdp_audit_fires_without_noise(projection_data_root) -> None:
+    from fedpose.audit import DEFAULT_CANARIES, audit_central
+
+    result = audit_central(projection_config(projection_data_root, noise_multiplier=0.0)).to_dict()
+    assert result["canaries"] == DEFAULT_CANARIES and result["mechanism"] == "pdp"
+    assert result["epsilon_lower"] >= 2.0
+
+
+def test_pdp_audit_stays_below_a_correct_claim(projection_data_root) -> None:
+    from fedpose.audit import audit_central
+
+    result = audit_central(projection_config(projection_data_root, target_epsilon=2.0)).to_dict()
+    assert result["epsilon"] <= 2.0 and result["epsilon_lower"] <= result["epsilon"] and not result["violation"]
+
+
+# -- black-box: canary images scored by loss -------------------------------------------------------------
+#: no augmentation and a larger step: the few steps a CI case can afford must be able to memorise a canary
+BLACK_BOX_DATA = {"flip": False, "scale_jitter": 0.0, "rotation": 0.0}
+
+
+def test_black_box_without_noise_sees_the_canaries(data_root) -> None:
+    from fedpose.audit import audit_central
+
+    cfg = central_config(data_root, steps=20, batch_size=8, data=BLACK_BOX_DATA, noise_multiplier=0.0)
+    result = audit_central(cfg, canaries=64, mode="black-box").to_dict()
+    assert (result["mode"], result["canaries"], result["epsilon"]) == ("black-box", 64, None)
+    assert result["epsilon_lower"] > 0.5  # weak next to white-box, but it sees memorised canaries
+
+
+@pytest.mark.parametrize("target", [2.0, 8.0])
+def test_black_box_stays_below_a_correct_dp_sgd_claim(data_root, tmp_path, capsys, target) -> None:
+    from fedpose.cli import main
+    from fedpose.cli.audit import MODES
+    import fedpose.audit
+
+    assert MODES == fedpose.audit.MODES
+    config = tmp_path / "audit.toml"
+    config.write_text(f"""
+[data]
+train = "{data_root / 'site-1'}"
+input_size = [64, 64]
+flip = false
+scale_jitter = 0.0
+rotation = 0.0
+[model]
+backbone = "tiny_vit_test"
+scenario = "scratch"
+[optim]
+name = "sgd"
+lr = 0.05
+momentum = 0.0
+[train]
+batch_size = 8
+steps = 20
+threads = 1
+seed = 1
+[privacy]
+mechanism = "dpsgd"
+target_epsilon = {target}
+delta = 1e-5
+""")
+    code = main(["audit", "--config", str(config), "--mode", "black-box", "--canaries", "64", "--json", "--out", str(tmp_path / "out")])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and all(key in result for key in JSON_KEYS)
+    assert result["mode"] == "black-box" and result["epsilon"] <= target
+    assert result["epsilon_lower"] <= result["epsilon"] and not result["violation"]
+    assert (tmp_path / "out" / "scores.png").stat().st_size > 0
+
+
+def test_black_box_refuses_what_it_cannot_audit(data_root, tmp_path, capsys) -> None:
+    from fedpose.audit import audit_central
+    from fedpose.cli import main
+
+    # MaskDP protects a record's private tokens, not its membership: an added/removed canary image is no neighbour.
+    with pytest.raises(ValueError, match="audit it white-box"):
+        audit_central(central_config(data_root, mechanism="maskdp", noise_multiplier=1.0), canaries=8, mode="black-box")
+    with pytest.raises(ValueError, match="reference run"):
+        audit_central(central_config(data_root, noise_multiplier=1.0), canaries=8, mode="black-box", reference_run=True)
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"  # a federation config: site rounds
+    assert main(["audit", "--config", str(demo), "--mode", "black-box"]) != 0
+    assert "audits central training" in capsys.readouterr().err
