@@ -128,11 +128,14 @@ def _load(path: Path, cfg: RunConfig, train: bool) -> Any:
 
 
 def _dataset(records: list[Any], root: Path, cfg: RunConfig, train: bool) -> Any:
+    """A training set (``train``) also computes ψ(x) where the mechanism reads it (fdp, fpdp), as `fedpose train`'s does."""
     from fedpose.data.dataset import PoseDataset
+    from fedpose.privacy.public_views import dataset_public_view
 
     data = cfg.data
     return PoseDataset(records, root, input_size=data.input_size, train=train, flip=data.flip,
-                       scale_jitter=data.scale_jitter, rotation=data.rotation, seed=cfg.train.seed)
+                       scale_jitter=data.scale_jitter, rotation=data.rotation, seed=cfg.train.seed,
+                       public_view=dataset_public_view(cfg.privacy) if train else None)
 
 
 def _check_auditable(cfg: RunConfig) -> None:
@@ -243,7 +246,9 @@ def _white_box_central(cfg: RunConfig, canaries: int | None, confidence: float, 
 def _ood_canary_records(count: int, input_size: tuple[int, int], directory: Path, rng: np.random.Generator) -> list[Any]:
     """``count`` black-box canaries: images of blocky colour noise (nothing like a person) with all
     joints visible at random places. Each is its own mislabelled outlier, so training on one lowers
-    mostly its own loss; the crop (centre, scale) covers the whole image."""
+    mostly its own loss; the crop (centre, scale) covers the whole image. (Joints at random corners,
+    equally far from the centre for every canary, measured weaker: 0.6–1.2 against 1.2–2.6 for the
+    σ = 0 CI case over 4 seeds.)"""
     from PIL import Image
 
     from fedpose.data.annotations import PoseRecord
