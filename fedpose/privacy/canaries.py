@@ -141,8 +141,8 @@ class CanarySet:
     clip: float  #: C: a canary's clipped gradient has exactly this norm
     sample_rate: float  #: q: each canary joins each step's batch with this probability
     steps_per_release: int
-    releases_per_group: int
-    groups: int
+    releases: int
+    groups: int  #: release groups: the canaries take turns, ``directions.slots`` at a time
     rng: np.random.Generator  #: the audit's own coins (inclusion and sampling); not part of the mechanism
     _fixed_group: int = field(default=-1, init=False)
 
@@ -184,14 +184,15 @@ class CanarySet:
         groups = -(-count // directions.slots)
         included = rng.random(count) < 0.5
         return cls(directions, included, relation, float(clip), float(sample_rate), int(steps_per_release),
-                   releases // groups, groups, rng)
+                   int(releases), groups, rng)
 
     @property
     def count(self) -> int:
         return int(self.included.size)
 
     def _group(self, release: int) -> int:
-        return min(release // self.releases_per_group, self.groups - 1)  # the last group also takes leftover releases
+        """Groups take consecutive stretches of the releases, as equal as the counts allow (each ≥ 1)."""
+        return min(release, self.releases - 1) * self.groups // self.releases
 
     def _members(self, group: int) -> slice:
         slots = self.directions.slots
