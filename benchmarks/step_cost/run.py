@@ -57,11 +57,12 @@ from fedpose.config import ModelConfig, PrivacyConfig
 from fedpose.io import atomic_write_json
 from fedpose.model import build_model
 from fedpose.privacy.engine import build_engine, collate
+from fedpose.privacy.mechanisms import MECHANISM_NAMES
 from fedpose.privacy.noise import InsecureSeededNoise, SecureNoise
 from fedpose.runtime import configure_device, describe_device, resolve_device, synchronize
 
 HERE = Path(__file__).resolve().parent
-MECHANISMS = ("none", "dpsgd", "pdp", "fdp", "fpdp", "maskdp")
+MECHANISMS = MECHANISM_NAMES
 #: timed noise draws per source (after one warm-up draw)
 NOISE_REPEATS = 11
 GOALS = {"dpsgd_ratio_max": 1.15, "fpdp_ratio_max": 2.2, "projection_share_max": 0.05, "refresh_seconds_max": 15.0}

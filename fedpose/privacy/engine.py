@@ -163,6 +163,10 @@ class GradientEngine:
         #: AUDIT ONLY (``fedpose audit``): step index → the clipped gradients of audit canaries, added to the
         #: clipped sum before the noise as records of the dataset would be (:mod:`fedpose.privacy.canaries`)
         self.canary_gradients: Callable[[int], Tensor] | None = None
+        #: AUDIT ONLY: set each step while ``canary_gradients`` is: what the step would have released
+        #: from the dataset alone (no canaries, no noise). The auditor knows every record but the
+        #: canaries (the DP threat model), so it scores the canaries on the release minus this.
+        self.audit_data_release: Tensor | None = None
         self._batches_drawn = 0
         self._empty_template: dict | None = None
         self._shuffle = torch.Generator().manual_seed(self.seed + 1)
@@ -412,23 +416,30 @@ class GradientEngine:
                 metrics["public_loss"] = float(public_losses.mean())
 
         if self.canary_gradients is not None:
+            self.audit_data_release = self._release(clipped_sum, public_gradient)
             clipped_sum = clipped_sum + self.canary_gradients(self.steps_done).to(device)
         noise_std = self.noise_multiplier * clip
         self.noise.reseed(_NOISE_STREAM, self.steps_done)
-        gradient = (clipped_sum + self.noise.normal(num_params, noise_std, device=device)) / self.expected_batch_size
+        noisy_sum = clipped_sum + self.noise.normal(num_params, noise_std, device=device)
+        synchronize(device)  # time the projection alone (CUDA queues work asynchronously)
+        started = time.perf_counter()
+        gradient = self._release(noisy_sum, public_gradient)
+        synchronize(device)
         if mechanism.projects:
-            assert self.basis is not None
-            self.basis = self.basis.to(device)  # a basis set from the coordinator arrives on the CPU
-            synchronize(device)  # time the projection alone (CUDA queues work asynchronously)
-            started = time.perf_counter()
-            gradient = self.basis.project(gradient)
-            synchronize(device)
             metrics["projection_seconds"] = time.perf_counter() - started
-        if public_gradient is not None:
-            gradient = gradient + public_gradient
         self.accountant.step(self.noise_multiplier, self.sample_rate)
         metrics["noise_std"] = noise_std / self.expected_batch_size
         return gradient
+
+    def _release(self, noisy_sum: Tensor, public_gradient: Tensor | None) -> Tensor:
+        """The step's gradient from its noisy clipped sum: ÷ B, projected onto V (pdp, fpdp), plus the
+        noise-free public-view gradient (fdp, fpdp, maskdp)."""
+        gradient = noisy_sum / self.expected_batch_size
+        if self.mechanism.projects:
+            assert self.basis is not None
+            self.basis = self.basis.to(gradient.device)  # a basis set from the coordinator arrives on the CPU
+            gradient = self.basis.project(gradient)
+        return gradient if public_gradient is None else gradient + public_gradient
 
     # -- reporting --------------------------------------------------------------------------------
     def epsilon(self) -> float:
