@@ -14,6 +14,7 @@ import sys
 import threading
 
 from fedpose.config import ConfigError, load_config
+from fedpose.data.annotations import AnnotationError
 from fedpose.federation.config import SiteConfig
 from fedpose.federation.local_training import open_budget
 from fedpose.federation.metrics import SiteMetrics, start_metrics_server
@@ -32,7 +33,9 @@ def main(argv: list[str] | None = None) -> int:
         if port is None:
             parser.error("no --port and no metrics_port in the site config")
         budget = open_budget(site)
-    except (ConfigError, BudgetError) as exc:  # the operator needs the problem, not a traceback
+    # the operator needs the problem, not a traceback: a bad config, budget state, or the data a new
+    # site's protection unit is read from (missing or unreadable annotations)
+    except (ConfigError, BudgetError, AnnotationError, OSError) as exc:
         print(f"sites.metrics: error: {exc}", file=sys.stderr)
         return 2
     server = start_metrics_server(port, SiteMetrics(site.site_id, budget=budget).registry, addr=args.addr)

@@ -79,3 +79,16 @@ def test_site_exporter_reports_a_bad_config_without_a_traceback(tmp_path, capsys
     assert site_metrics(["--site-config", str(bad), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("sites.metrics: error:") and "eps_max" in err and "Traceback" not in err
+
+
+def test_site_exporter_names_missing_training_data_without_a_traceback(tmp_path, capsys) -> None:
+    """A new site's exporter reads its annotations to pin the protection unit: missing data is one line."""
+    from sites.metrics import main as site_metrics
+
+    config = tmp_path / "site.toml"
+    config.write_text(f'site_id = "site-1"\nstate_dir = "{tmp_path / "state"}"\neps_max = 8\n'
+                      f'[data]\ntrain = "{tmp_path / "absent"}"\n[privacy]\nmechanism = "dpsgd"\nsample_rate = 0.1\n'
+                      f'target_epsilon = 1.0\n')
+    assert site_metrics(["--site-config", str(config), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sites.metrics: error:") and "absent" in err and "Traceback" not in err
