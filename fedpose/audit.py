@@ -291,11 +291,10 @@ def _canary_losses(model: Any, canaries: Any) -> np.ndarray:
 def _black_box_central(cfg: RunConfig, canaries: int | None, confidence: float, seed: int,
                        log: Callable[[str], None]) -> AuditResult:
     from fedpose.data.dataset import load_records
-    from fedpose.privacy.mechanisms import guarantee_for
 
     started = time.perf_counter()
     _check_auditable(cfg)
-    relation = guarantee_for(cfg.privacy.mechanism).relation
+    relation = get_mechanism(cfg.privacy.mechanism).guarantee.relation
     if relation != ADD_REMOVE:
         raise ValueError(f"black-box canaries are whole records added or removed; '{cfg.privacy.mechanism}' protects "
                          f"only a record's private part ({relation}): audit it white-box")

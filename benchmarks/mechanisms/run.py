@@ -7,7 +7,8 @@ Protocol (paper 001/000's, scaled down to a 2-core CPU and synthetic data):
 1. synthetic data (``fedpose data synth``): public split, one site, test split;
 2. pre-train the whole model non-privately on the public split (stands in for COCO pre-training);
 3. fine-tune on the site (scenario "finetune": stage 3 + LayerNorms + head) with each mechanism,
-   for each target ε (δ = 4e-5, RDP, σ calibrated over the planned steps) and clipping bound C;
+   for each target ε (δ = 4e-5, PLD, σ calibrated over the planned steps), clipping bound C and
+   protection unit (``--units record patient``: a patient's summed gradient is clipped as one);
    PDP/FP-DP take their basis from the public split (k, m, refresh as configured);
 4. PCKh@0.5 Mean on the test split.
 
@@ -32,6 +33,7 @@ import torch
 from fedpose.config import ModelConfig, OptimConfig, PrivacyConfig, PublicViewConfig
 from fedpose.data.dataset import PoseDataset
 from fedpose.data.loaders import load_records
+from fedpose.data.units import UNITS_FINEST_FIRST, UnitIndex
 from fedpose.io import atomic_write_json, atomic_write_text
 from fedpose.model import build_model
 from fedpose.privacy.engine import build_engine
@@ -99,7 +101,8 @@ def pretrain(args: argparse.Namespace, public: PoseDataset, test: PoseDataset) -
     return model.state_dict(), metrics
 
 
-def finetune(args, state, site, public_views, test, mechanism: str, epsilon: float | None, clip: float) -> dict:
+def finetune(args, state, site, public_views, test, mechanism: str, epsilon: float | None, clip: float,
+             unit: str = "record") -> dict:
     model = new_model(args, "finetune")
     model.load_state_dict(state)
     model.train_mode()
@@ -107,15 +110,17 @@ def finetune(args, state, site, public_views, test, mechanism: str, epsilon: flo
     privacy = PrivacyConfig() if mechanism == "none" else PrivacyConfig(
         mechanism=mechanism, target_epsilon=epsilon, max_grad_norm=clip, delta=args.delta,
         basis={"k": args.k, "public_samples": args.public_samples, "refresh_every": args.refresh_every},
-        public_view=public_view_config(args),
+        public_view=public_view_config(args), unit=unit,
     )
-    engine = build_engine(privacy, model, len(site), args.batch, args.finetune_steps, public_dataset=public_views, seed=args.seed)
+    units = UnitIndex.from_records(site.records, unit, "site-1")
+    engine = build_engine(privacy, model, len(site), args.batch, args.finetune_steps, public_dataset=public_views, seed=args.seed,
+                          units=units)
     optim_cfg = OptimConfig(name=args.optimizer, lr=args.finetune_lr, weight_decay=0.0)
     optimizer = build_optimizer(model, optim_cfg)
     started = time.perf_counter()
     try:
         train_steps(model, engine, site, optimizer, args.finetune_steps,
-                    scheduler=build_scheduler(optimizer, optim_cfg, args.finetune_steps), description=f"{mechanism} ε={epsilon} C={clip}")
+                    scheduler=build_scheduler(optimizer, optim_cfg, args.finetune_steps), description=f"{mechanism} ε={epsilon} C={clip} per {unit}")
         diverged = False
     except TrainingDiverged as exc:
         print(f"{mechanism} ε={epsilon} C={clip}: {exc}", flush=True)
@@ -126,13 +131,18 @@ def finetune(args, state, site, public_views, test, mechanism: str, epsilon: flo
         model, test, batch_size=32, max_samples=args.eval_samples)
     report = engine.privacy_report()
     return {
-        "mechanism": mechanism, "guarantee": report["guarantee"], "target_epsilon": epsilon,
+        "mechanism": mechanism, "guarantee": report["guarantee"], "target_epsilon": epsilon, "unit": unit,
         "epsilon": report.get("epsilon"), "delta": report.get("delta"), "epsilon_text": report["epsilon_text"],
         "noise_multiplier": engine.noise_multiplier, "max_grad_norm": clip if mechanism != "none" else None,
         "sample_rate": engine.sample_rate, "steps": args.finetune_steps,
         "pckh_mean": metrics["Mean"], "pckh_mean_at_0.1": metrics.get("Mean@0.1"), "pckh": metrics, "diverged": diverged,
         "train_seconds": seconds, "basis_refresh_seconds": engine.basis_seconds,
     }
+
+
+def run_unit(run: dict) -> str:
+    """A run's protection unit (runs recorded before units existed were per record)."""
+    return run.get("unit", "record")
 
 
 def write_outputs(results: dict) -> None:
@@ -143,17 +153,19 @@ def write_outputs(results: dict) -> None:
         f"# Mechanism comparison (PCKh@0.5 Mean, synthetic data, reduced size; fine-tuning optimizer {results['conditions']['optimizer']})", "",
         f"Conditions: {json.dumps(results['conditions'])}", "",
         f"Pre-trained on the public split only (no site data): **{results['pretrained']['Mean']:.2f}**", "",
-        "| mechanism | guarantee | C | target ε | achieved (guarantee, δ, accountant) | σ | PCKh@0.5 Mean | Mean@0.1 |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mechanism | guarantee | unit | C | target ε | achieved (guarantee, δ, accountant) | σ | PCKh@0.5 Mean | Mean@0.1 |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         lines.append(
-            f"| {run['mechanism']} | {run['guarantee']} | {run['max_grad_norm'] if run['max_grad_norm'] is not None else '—'} | "
+            f"| {run['mechanism']} | {run['guarantee']} | {run_unit(run) if run['mechanism'] != 'none' else '—'} | {run['max_grad_norm'] if run['max_grad_norm'] is not None else '—'} | "
             f"{run['target_epsilon'] if run['target_epsilon'] is not None else '—'} | {run['epsilon_text']} | "
             f"{run['noise_multiplier']:.3f} | {run['pckh_mean']:.2f}{' (diverged)' if run.get('diverged') else ''} | "
             f"{run['pckh_mean_at_0.1'] or float('nan'):.2f} |"
         )
-    lines += ["", "FDP (fdp, fpdp) and MaskDP ε protect less than record-level DP ε (see DESIGN.md); compare within a guarantee type."]
+    lines += ["", "FDP (fdp, fpdp) and MaskDP ε protect less than record-level DP ε (see DESIGN.md); compare within a guarantee type.",
+              "A patient-level ε protects every record of one patient at once (one unit = all their crops); a record-level ε "
+              "protects one crop. One seed per row: differences of 1–2 points are within run-to-run noise."]
     atomic_write_text(HERE / f"{stem}.md", "\n".join(lines) + "\n")
 
     import matplotlib
@@ -162,15 +174,17 @@ def write_outputs(results: dict) -> None:
     import matplotlib.pyplot as plt
 
     clips = sorted({r["max_grad_norm"] for r in runs if r["max_grad_norm"] is not None})
+    units = [u for u in UNITS_FINEST_FIRST if any(run_unit(r) == u for r in runs if r["mechanism"] != "none")]
     epsilons = sorted({r["target_epsilon"] for r in runs if r["target_epsilon"] is not None})
-    if not clips:
+    panels = [(clip, unit) for clip in clips for unit in units]
+    if not panels:
         return
-    fig, axes = plt.subplots(1, len(clips), figsize=(6 * len(clips), 4), squeeze=False)
-    for ax, clip in zip(axes[0], clips):
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (clip, unit) in zip(axes[0], panels):
         width = 0.8 / max(1, len(epsilons))
         for j, eps in enumerate(epsilons):
             values = [next((r["pckh_mean"] for r in runs if r["mechanism"] == m and r["target_epsilon"] == eps
-                            and r["max_grad_norm"] == clip), math.nan) for m in DP_MECHANISMS]
+                            and r["max_grad_norm"] == clip and run_unit(r) == unit), math.nan) for m in DP_MECHANISMS]
             ax.bar([i + j * width for i in range(len(DP_MECHANISMS))], values, width, label=f"target ε = {eps} (δ = {results['conditions']['delta']})")
         none = next((r["pckh_mean"] for r in runs if r["mechanism"] == "none"), None)
         if none is not None:
@@ -179,7 +193,7 @@ def write_outputs(results: dict) -> None:
         ax.set_xticks([i + width * (len(epsilons) - 1) / 2 for i in range(len(DP_MECHANISMS))])
         ax.set_xticklabels([f"{m}\n({next((r['guarantee'] for r in runs if r['mechanism'] == m), '')})" for m in DP_MECHANISMS])
         ax.set_ylabel("PCKh@0.5 Mean (%)")
-        ax.set_title(f"C = {clip}")
+        ax.set_title(f"C = {clip}, ε per {unit}")
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(HERE / f"{stem}.png", dpi=110)
@@ -189,7 +203,7 @@ def write_outputs(results: dict) -> None:
 def merge(target: Path, sources: list[Path]) -> int:
     """Add the runs of ``sources`` to ``target`` (a run = mechanism, target ε, C; later files win)."""
     results = json.loads(target.read_text())
-    key = lambda run: (run["mechanism"], run["target_epsilon"], run["max_grad_norm"])  # noqa: E731
+    key = lambda run: (run["mechanism"], run["target_epsilon"], run["max_grad_norm"], run_unit(run))  # noqa: E731
     runs = {key(run): run for run in results["runs"]}
     conditions = results["conditions"]
     conditions["out_prefix"] = target.stem
@@ -201,8 +215,11 @@ def merge(target: Path, sources: list[Path]) -> int:
             raise SystemExit(f"{source}: not the same protocol as {target} ({', '.join(mismatch)} differ)")
         runs.update({key(run): run for run in other["runs"]})
         conditions["clips"] = sorted(set(conditions["clips"]) | set(other["conditions"]["clips"]))
+        conditions["units"] = [u for u in UNITS_FINEST_FIRST
+                               if u in set(conditions.get("units", ["record"])) | set(other["conditions"].get("units", ["record"]))]
         conditions["note"] += f"; runs merged from {source.name}"
-    results["runs"] = sorted(runs.values(), key=lambda r: (r["mechanism"] != "none", r["max_grad_norm"] or 0, r["target_epsilon"] or 0))
+    results["runs"] = sorted(runs.values(), key=lambda r: (r["mechanism"] != "none", r["max_grad_norm"] or 0,
+                                                           UNITS_FINEST_FIRST.index(run_unit(r)), r["target_epsilon"] or 0))
     write_outputs(results)
     print(f"{target}: {len(results['runs'])} runs")
     return 0
@@ -230,6 +247,8 @@ def main() -> int:
     parser.add_argument("--epsilons", type=float, nargs="+", default=[0.2, 0.8])
     parser.add_argument("--clips", type=float, nargs="+", default=[0.1])
     parser.add_argument("--delta", type=float, default=4e-5)
+    parser.add_argument("--units", nargs="+", choices=UNITS_FINEST_FIRST, default=["record"],
+                        help="protection units to fine-tune at (the synthetic site annotates patient_id)")
     parser.add_argument("--k", type=int, default=50)
     parser.add_argument("--public-samples", type=int, default=100)
     parser.add_argument("--refresh-every", type=int, default=20)
@@ -268,12 +287,15 @@ def main() -> int:
         results["runs"] = json.loads(previous.read_text()).get("runs", [])
 
     plan = [("none", None, None)] if "none" in args.mechanisms else []
-    plan += [(m, eps, clip) for clip in args.clips for eps in args.epsilons for m in args.mechanisms if m != "none"]
-    for mechanism, eps, clip in plan:
-        done = any(r["mechanism"] == mechanism and r["target_epsilon"] == eps and r["max_grad_norm"] == clip for r in results["runs"])
+    plan = [(m, eps, clip, "record") for m, eps, clip in plan]
+    plan += [(m, eps, clip, unit) for clip in args.clips for unit in args.units for eps in args.epsilons
+             for m in args.mechanisms if m != "none"]
+    for mechanism, eps, clip, unit in plan:
+        done = any(r["mechanism"] == mechanism and r["target_epsilon"] == eps and r["max_grad_norm"] == clip
+                   and run_unit(r) == unit for r in results["runs"])
         if done:
             continue
-        run = finetune(args, state, site, public_views, test, mechanism, eps, clip or 1.0)
+        run = finetune(args, state, site, public_views, test, mechanism, eps, clip or 1.0, unit)
         if mechanism == "none":
             run["max_grad_norm"] = None
         results["runs"].append(run)
