@@ -38,7 +38,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -48,6 +48,9 @@ from fedpose.privacy.accountants.base import ADD_REMOVE
 from fedpose.privacy.audit_bound import GuessResult, best_lower_bound
 from fedpose.privacy.canaries import CanarySet, canary_capacity
 from fedpose.privacy.mechanisms import NOISY_MECHANISM_NAMES, get_mechanism
+
+if TYPE_CHECKING:
+    from fedpose.federation.config import CoordinatorConfig, SiteConfig
 
 #: canaries by default: enough for a bound ≥ 2 when nothing is hidden; a projecting mechanism's
 #: white-box audit takes at most k per release (:func:`~fedpose.privacy.canaries.canary_capacity`)
@@ -323,7 +326,8 @@ def _black_box_central(cfg: RunConfig, canaries: int | None, confidence: float, 
 
 
 def audit_site_round(
-    site: Any,
+    site: SiteConfig,
+    coordinator: CoordinatorConfig,
     canaries: int | None = None,
     confidence: float = DEFAULT_CONFIDENCE,
     seed: int = 0,
@@ -332,6 +336,10 @@ def audit_site_round(
 ) -> AuditResult:
     """White-box audit of one round of ``site`` (a :class:`~fedpose.federation.config.SiteConfig`)
     through the real site code (budget guard, engine, local training), scored on the released Δ.
+
+    The round trains the model a real site is sent: the initial global model of ``coordinator`` (a
+    :class:`~fedpose.federation.config.CoordinatorConfig`: its model, input size and seed; no warm
+    start), handed over as weights + model spec like the coordinator's instruction.
 
     The round spends a fresh budget in ``work_dir`` (a temporary directory by default), never the
     site's own state.
@@ -345,8 +353,8 @@ def audit_site_round(
     state_dir = Path(temporary.name if temporary is not None else work_dir) / "audit-site-state"
     try:
         audited = site.model_copy(update={"state_dir": state_dir})
-        torch.manual_seed(site.train.seed)
-        model = build_model(site.model, site.data.input_size)
+        torch.manual_seed(coordinator.seed)
+        model = build_model(coordinator.model, tuple(coordinator.data.input_size))
         global_state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
         holder: dict[str, Any] = {}
 

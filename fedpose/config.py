@@ -45,13 +45,18 @@ def _device_setting(value: str) -> str:
 DeviceSetting = Annotated[str, AfterValidator(_device_setting)]
 
 
-class DataConfig(Strict):
-    train: Path | None = Field(None, description="dataset directory with annotations.json (training split)")
-    val: Path | None = Field(None, description="dataset directory used for periodic validation")
-    input_size: tuple[int, int] = Field((256, 192), description="model input (height, width)")
+class AugmentationConfig(Strict):
+    """Training-time augmentation: the keys central training's [data] and a site's [data] share."""
+
     flip: bool = Field(True, description="horizontal-flip augmentation (left/right joints swapped)")
     scale_jitter: float = Field(0.25, ge=0, lt=1, description="random scale factor range ±")
     rotation: float = Field(30.0, ge=0, le=180, description="random rotation range ± degrees")
+
+
+class DataConfig(AugmentationConfig):
+    train: Path | None = Field(None, description="dataset directory with annotations.json (training split)")
+    val: Path | None = Field(None, description="dataset directory used for periodic validation")
+    input_size: tuple[int, int] = Field((256, 192), description="model input (height, width)")
     workers: int = Field(0, ge=0, description="DataLoader worker processes")
 
     @model_validator(mode="after")
@@ -82,12 +87,10 @@ class OptimConfig(Strict):
     cosine: bool = Field(True, description="cosine decay to 0 after warm-up (else constant)")
 
 
-class TrainConfig(Strict):
-    steps: int = Field(1000, ge=1, description="optimizer steps")
+class StepConfig(Strict):
+    """How each training step runs: the keys central training's [train] and a site's [train] share."""
+
     batch_size: int = Field(16, ge=1, description="(expected) batch size")
-    eval_every: int = Field(200, ge=1, description="steps between validation PCKh evaluations")
-    checkpoint_every: int = Field(200, ge=1, description="steps between checkpoints")
-    eval_samples: int | None = Field(None, ge=1, description="cap on validation samples (None = all)")
     seed: int = Field(0, description="seed for sampling, augmentation and (test-only) noise")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (None = torch default; CPU only)")
     device: DeviceSetting = Field("auto", description=f"where training and evaluation run: {DEVICE_CHOICES}")
@@ -96,6 +99,13 @@ class TrainConfig(Strict):
         description="samples per chunk of per-sample gradients (memory ≈ chunk × trainable parameters × 4 bytes, a few "
         "times over); None: 16 on the CPU, sized from free device memory on CUDA",
     )
+
+
+class TrainConfig(StepConfig):
+    steps: int = Field(1000, ge=1, description="optimizer steps")
+    eval_every: int = Field(200, ge=1, description="steps between validation PCKh evaluations")
+    checkpoint_every: int = Field(200, ge=1, description="steps between checkpoints")
+    eval_samples: int | None = Field(None, ge=1, description="cap on validation samples (None = all)")
     out_dir: Path = Field(Path("runs/train"), description="run directory (metrics.json, curves.png, checkpoints/, privacy.json)")
 
 

@@ -31,10 +31,9 @@ def tiny_federation(tmp: Path, data_dir: Path, *, sites: int = 2, rounds: int = 
     """A federation TOML: tiny TinyViT, 64×64 images, DP-SGD, 2 local steps."""
     def site(k: int) -> dict[str, Any]:
         return {
-            "site_id": f"site-{k}", "data": {"train": str(data_dir / f"site-{k}"), "input_size": INPUT_SIZE},
+            "site_id": f"site-{k}", "data": {"train": str(data_dir / f"site-{k}")},
             "state_dir": str(tmp / "sites" / f"site-{k}"), "eps_max": (eps_max or [50.0] * sites)[k - 1],
             "local_steps": LOCAL_STEPS,
-            "model": {"backbone": "tiny_vit_test", "scenario": "scratch"},
             "train": {"batch_size": BATCH_SIZE, "threads": 1, "seed": k},
             "privacy": {"mechanism": "dpsgd", "noise_multiplier": NOISE, "sample_rate": SAMPLE_RATE, "max_grad_norm": 1.0, "delta": DELTA},
         }

@@ -26,14 +26,21 @@ def site_config(data_root: Path, state_dir: Path, **privacy: Any) -> Any:
     from fedpose.federation.config import SiteConfig
 
     return SiteConfig.model_validate({
-        "site_id": "site-1", "data": {"train": str(data_root / "site-1"), "input_size": list(INPUT_SIZE)},
+        "site_id": "site-1", "data": {"train": str(data_root / "site-1")},
         "state_dir": str(state_dir), "eps_max": privacy.pop("eps_max", 50.0), "local_steps": privacy.pop("local_steps", 2),
-        "model": {"backbone": "tiny_vit_test", "scenario": "scratch"},
         "optim": {"name": "sgd", "lr": 0.05, "momentum": 0.0, "weight_decay": 0.0},
         "train": {"batch_size": BATCH_SIZE, "threads": 1, "seed": 1},
         "privacy": {"mechanism": "dpsgd", "noise_multiplier": 1.0, "sample_rate": BATCH_SIZE / PER_SITE,
                     "max_grad_norm": 1.0, "delta": 1e-5, **privacy},
     })
+
+
+def coordinator_config() -> Any:
+    """The coordinator :func:`site_config`'s site belongs to: it decides the model (small TinyViT at 64×64)."""
+    from fedpose.federation.config import CoordinatorConfig
+
+    return CoordinatorConfig.model_validate({"data": {"input_size": list(INPUT_SIZE)},
+                                             "model": {"backbone": "tiny_vit_test", "scenario": "scratch"}})
 
 
 def global_model(seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

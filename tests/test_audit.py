@@ -20,7 +20,7 @@ from fedpose.privacy.audit_bound import (
     gaussian_epsilon,
     p_value,
 )
-from site_round_helpers import BATCH_SIZE, INPUT_SIZE, PER_SITE, make_site_data, site_config
+from site_round_helpers import BATCH_SIZE, INPUT_SIZE, PER_SITE, coordinator_config, make_site_data, site_config
 
 STEPS = 10
 #: what `fedpose audit --json` promises (issue 14), in both modes
@@ -248,12 +248,12 @@ def test_site_round_audit_through_the_real_site_code(data_root, tmp_path) -> Non
 
     # Almost no noise: the round's Δ shows the canaries (ε is huge but finite, so the budget allows it).
     leaky = site_config(data_root, tmp_path / "leaky", noise_multiplier=0.02, eps_max=1e9, local_steps=STEPS)
-    result = audit_site_round(leaky, canaries=1000).to_dict()
+    result = audit_site_round(leaky, coordinator_config(), canaries=1000).to_dict()
     assert result["setting"] == "site-round" and result["epsilon_lower"] >= 2.0
     assert not (tmp_path / "leaky").exists()  # the audit spent a scratch budget, not the site's
     # Correct noise: below the site's own claim for the round.
     sound = site_config(data_root, tmp_path / "sound", noise_multiplier=1.0, eps_max=50.0, local_steps=STEPS)
-    result = audit_site_round(sound, canaries=1000).to_dict()
+    result = audit_site_round(sound, coordinator_config(), canaries=1000).to_dict()
     assert result["epsilon_lower"] <= result["epsilon"] and result["accountant"] == "pld"
     assert math.isfinite(result["epsilon"])
 

@@ -61,3 +61,21 @@ def test_missing_and_malformed_files(tmp_path: Path) -> None:
 def test_shipped_training_configs_are_valid(name: str) -> None:
     cfg = load_config(CONFIGS / name)
     assert isinstance(cfg, RunConfig) and cfg.data.train is not None
+
+
+@pytest.mark.parametrize(("section", "key"), [
+    ("model", "model"),  # the coordinator's instruction carries the model spec
+    ("data", "data.input_size"),  # the site trains at the global model's input size
+    ("data", "data.val"),  # the coordinator evaluates
+    ("train", "train.steps"),  # the coordinator asks for the round's local steps
+])
+def test_a_site_config_rejects_keys_the_site_does_not_use(section: str, key: str) -> None:
+    from fedpose.config import validate
+    from fedpose.federation.config import SiteConfig
+
+    raw = {"site_id": "site-1", "data": {"train": "data/site-1"}, "state_dir": "state", "eps_max": 8.0,
+           "privacy": {"mechanism": "none"}}
+    leaf = key.split(".")[-1]
+    raw[section] = {**raw.get(section, {}), leaf: 1} if section != key else {"backbone": "tiny_vit_test"}
+    with pytest.raises(ConfigError, match=f"{key}: unknown key"):
+        validate(SiteConfig, raw, "site.toml")

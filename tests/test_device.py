@@ -100,7 +100,7 @@ def test_a_site_without_the_configured_gpu_fails_before_any_spend(tmp_path: Path
 
     _cuda_visible(monkeypatch, 0)
     site = SiteConfig.model_validate({
-        "site_id": "site-1", "data": {"train": str(tmp_path / "no-such-data"), "input_size": list(SIZE)},
+        "site_id": "site-1", "data": {"train": str(tmp_path / "no-such-data")},
         "state_dir": str(tmp_path / "state"), "eps_max": 10.0, "local_steps": 2, "train": {"device": "cuda"},
         "privacy": {"mechanism": "dpsgd", "noise_multiplier": 1.0, "sample_rate": 0.25, "unit": "record"},
     })

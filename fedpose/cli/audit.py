@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         if cfg is not None:
             result = audit_central(cfg, args.canaries, args.confidence, args.seed, args.reference_run, args.mode, log=log)
         else:
-            result = audit_site_round(site, args.canaries, args.confidence, args.seed, log=log)
+            result = audit_site_round(site, federation.coordinator, args.canaries, args.confidence, args.seed, log=log)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     summary = result.to_dict()

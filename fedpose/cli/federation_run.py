@@ -62,7 +62,7 @@ def data_paths(sites: list[Any], coordinator: Any) -> dict[str, Path]:
     """Every dataset path the sites' and the coordinator's configs name (what → path)."""
     paths: dict[str, Path | None] = {}
     for site in sites:
-        paths |= {f"site '{site.site_id}' data.train": site.data.train, f"site '{site.site_id}' data.val": site.data.val,
+        paths |= {f"site '{site.site_id}' data.train": site.data.train,
                   f"site '{site.site_id}' public_data": site.public_data,
                   f"site '{site.site_id}' privacy.basis.public_data": site.privacy.basis.public_data}
     paths |= {"coordinator data.val": coordinator.data.val, "coordinator public_data": coordinator.public_data}

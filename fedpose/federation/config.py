@@ -1,9 +1,12 @@
 """Federation configuration: one site, the coordinator, and a whole simulated federation.
 
-Reuses the run-config sections of :mod:`fedpose.config` (privacy, input privacy, train, model,
-optim) so a site trains exactly like ``fedpose train`` would, and adds what only a federation has:
-a stable site id, a persisted state directory, a per-site ε budget, rounds, aggregation and the
-basis transport.
+A site's config holds only what the site itself reads: its data and augmentation
+(:class:`SiteDataConfig`), how its steps run (:class:`~fedpose.config.StepConfig`), its optimizer,
+privacy and input privacy (the sections of :mod:`fedpose.config`, so a site's steps are
+``fedpose train``'s steps), plus what only a federation has: a stable site id, a persisted state
+directory and a per-site ε budget. The model and its input size are not a site's to choose: the
+coordinator's instruction carries the global model's spec every round. The coordinator adds rounds,
+aggregation and the basis transport.
 
 Privacy note: ``eps_max`` is a bound on the guarantee named by ``privacy.mechanism`` (record-level
 (ε,δ)-DP for dpsgd/pdp, feature-level DP for fdp/fpdp, MaskDP for maskdp), at δ = ``privacy.delta``,
@@ -19,14 +22,15 @@ from pydantic import Field, model_validator
 
 from fedpose.config import (
     DEVICE_CHOICES,
+    AugmentationConfig,
     DataConfig,
     DeviceSetting,
     InputPrivacyConfig,
     ModelConfig,
     OptimConfig,
     PrivacyConfig,
+    StepConfig,
     Strict,
-    TrainConfig,
 )
 from fedpose.privacy.mechanisms import get_mechanism
 
@@ -73,30 +77,31 @@ class SiteOptimConfig(OptimConfig):
     cosine: bool = Field(False, description="cosine decay to 0 over each round's local steps (else constant)")
 
 
+class SiteDataConfig(AugmentationConfig):
+    """A site's training data and its augmentation. No input size: the site trains at the global
+    model's (``input_size`` of the coordinator's model spec); no validation split: the coordinator
+    evaluates."""
+
+    train: Path = Field(..., description="the site's training data (dataset directory or COCO json)")
+
+
 class SiteConfig(Strict):
     """One clinical site (`sites/` ClientApp). The site is the authority on its own budget."""
 
     site_id: str = Field(..., pattern=SITE_ID_PATTERN, description="stable site id (budgets are keyed by it, not by Flower's node id)")
-    data: DataConfig = Field(..., description="data.train = the site's training data (dataset dir or COCO json); input size, augmentation")
+    data: SiteDataConfig = Field(..., description="the site's training data and augmentation")
     public_data: Path | None = Field(None, description="site copy of S_pub (needed for compact basis transport)")
     state_dir: Path = Field(..., description="persisted site state: budget ledger, basis cache")
     eps_max: float = Field(..., gt=0, description="ε budget of this site (guarantee of privacy.mechanism, δ = privacy.delta)")
     local_steps: int = Field(50, ge=1, description="local optimizer steps per round")
-    model: ModelConfig = ModelConfig()
     optim: SiteOptimConfig = SiteOptimConfig()
-    train: TrainConfig = TrainConfig()
+    train: StepConfig = StepConfig()
     privacy: PrivacyConfig = PrivacyConfig()
     input_privacy: InputPrivacyConfig = InputPrivacyConfig()
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus port (None = no server)")
     aggregation_weight: float = Field(
         1.0, gt=0, description="declared FedAvg weight of this site's update (a public setting: the dataset size is never sent)"
     )
-
-    @model_validator(mode="after")
-    def _has_data(self) -> "SiteConfig":
-        if self.data.train is None:
-            raise ValueError(f"site '{self.site_id}': data.train (the site's training data) is required")
-        return self
 
     @model_validator(mode="after")
     def _private_at_the_boundary(self) -> "SiteConfig":

@@ -62,7 +62,6 @@ def site_protection_unit(site: SiteConfig) -> str:
     from fedpose.data.loaders import load_records
     from fedpose.data.units import resolve_unit
 
-    assert site.data.train is not None  # SiteConfig validates it
     records, _ = load_records(site.data.train)
     choice = resolve_unit("auto", records, f"site '{site.site_id}' data.train ({site.data.train})")
     log.info("site %s: protection unit %s (%s)", site.site_id, choice.unit, choice.reason)
@@ -159,7 +158,6 @@ def load_site_dataset(site: SiteConfig, input_size: tuple[int, int]) -> Any:
 
     from fedpose.data.image_check import check_images
 
-    assert site.data.train is not None  # SiteConfig validates it
     data_dir, _ = prepare_site_input(site.data.train, site.input_privacy, site.state_dir)
     records, root = load_records(data_dir)
     if not records:
