@@ -148,12 +148,12 @@ def test_dev_certificates_chain_san_and_supernode_keys(tmp_path) -> None:
 
 
 def test_report_writes_json_and_png(tmp_path) -> None:
-    from fedpose.federation.report import round_line, write_report
+    from fedpose.federation.report import RoundRecord, round_line, write_report
 
-    rounds = [
+    rounds = [RoundRecord.model_validate(
         {"round": r, "pckh": {"Mean": 10.0 * r, "Mean@0.1": 2.0 * r}, "wall_seconds": 3.0,
          "sites": {"site-1": {"status": "ok", "epsilon": 0.5 * r, "delta": 1e-5, "guarantee": "FDP", "accountant": "rdp"},
-                   "site-2": {"status": "missing", "epsilon": None}}}
+                   "site-2": {"status": "missing", "epsilon": None}}})
         for r in (1, 2)
     ]
     line = round_line(rounds[1])
@@ -168,11 +168,11 @@ def test_report_writes_json_and_png(tmp_path) -> None:
 
 
 def test_round_line_names_failures_and_unidentified_nodes() -> None:
-    from fedpose.federation.report import failure_summary, round_line, site_failures
+    from fedpose.federation.report import RoundRecord, failure_summary, round_line, site_failures
 
-    entry = {"round": 3, "pckh": None, "unidentified_missing_nodes": [77],
+    entry = RoundRecord.model_validate({"round": 3, "pckh": None, "unidentified_missing_nodes": [77],
              "sites": {"site-1": {"status": "error", "reason": "ImageLoadError: the site's ClientApp failed; details are in the site's local log",
-                                  "epsilon": 1.5, "delta": 1e-5, "guarantee": "DP", "accountant": "rdp"}}}
+                                  "epsilon": 1.5, "delta": 1e-5, "guarantee": "DP", "accountant": "rdp"}}})
     line = round_line(entry)
     assert "site-1: error (ImageLoadError: the site's ClientApp failed" in line and "ε = 1.5 (DP" in line
     assert "node 77: missing" in line

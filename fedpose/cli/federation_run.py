@@ -100,7 +100,7 @@ def conclude_run(checkpoint_dir: Path, allow_site_failures: bool) -> int:
     """Print the failure summary (if a site failed) and the final line, both from report.json;
     the exit code: 0, or SITE_FAILURE_EXIT when a site failed and that is not allowed."""
     report = load_report(checkpoint_dir)
-    summary = failure_summary([failure.model_dump() for failure in report.site_failures])
+    summary = failure_summary(report.site_failures)
     failed = bool(summary) and not allow_site_failures
     for line in summary:
         print(line, file=sys.stderr if failed else sys.stdout, flush=True)

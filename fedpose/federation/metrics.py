@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from fedpose.federation.report import RoundRecord
     from fedpose.federation.site_budget import SiteBudget
 
 ROUND_SECONDS_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 3600, float("inf"))
@@ -69,29 +70,28 @@ class CoordinatorMetrics:
         self.site_epsilon.labels(site=site_id, guarantee=guarantee, accountant=accountant).set(epsilon)
         self.site_delta.labels(site=site_id).set(delta)
 
-    def observe_round(self, entry: dict[str, Any]) -> None:
+    def observe_round(self, entry: RoundRecord) -> None:
         """One finished round's history entry (see ``fedpose.federation.server.rounds``)."""
-        self.round.set(entry["round"])
-        self.participating_sites.set(entry["accepted"])
-        self.round_duration.observe(entry["wall_seconds"])
-        for site_id, site in entry["sites"].items():
-            status = site["status"]
-            if site.get("epsilon") is not None and site.get("guarantee"):
-                self.observe_site_report(site_id, float(site["epsilon"]), float(site["delta"]), str(site["guarantee"]),
-                                         str(site.get("accountant") or "rdp"))
-            if site.get("update_norm") is not None:
-                self.update_norm.labels(site=site_id).set(site["update_norm"])
-            if status == "rejected":
-                self.rejected_updates.labels(reason=site.get("reject_reason", "invalid")).inc()
-            elif status == "refused":
+        self.round.set(entry.round)
+        self.participating_sites.set(entry.accepted)
+        self.round_duration.observe(entry.wall_seconds)
+        for site_id, site in entry.sites.items():
+            if site.epsilon is not None and site.guarantee:
+                self.observe_site_report(site_id, float(site.epsilon), float(site.delta or 0.0), site.guarantee,
+                                         site.accountant or "rdp")
+            if site.update_norm is not None:
+                self.update_norm.labels(site=site_id).set(site.update_norm)
+            if site.status == "rejected":
+                self.rejected_updates.labels(reason=site.reject_reason or "invalid").inc()
+            elif site.status == "refused":
                 self.refused_rounds.labels(site=site_id).inc()
-            elif status == "missing":
+            elif site.status == "missing":
                 self.missing_replies.labels(site=site_id).inc()
-            elif status in ("failed", "error"):
+            elif site.status in ("failed", "error"):
                 self.failed_rounds.labels(site=site_id).inc()
-        if entry.get("basis_bytes"):
-            self.basis_bytes_sent.labels(transport=entry.get("basis_transport", "full")).inc(entry["basis_bytes"])
-        self.exhausted_sites.set(entry.get("exhausted", 0))
+        if entry.basis_bytes:
+            self.basis_bytes_sent.labels(transport=entry.basis_transport).inc(entry.basis_bytes)
+        self.exhausted_sites.set(entry.exhausted)
 
 
 class SiteMetrics:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from fedpose.io import atomic_write, atomic_write_json
 
@@ -34,15 +34,70 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def load_history(directory: str | Path) -> list[dict[str, Any]]:
+#: a site's outcome in one round: its reply's status, or what the coordinator made of it
+SiteRoundStatus = Literal["ok", "refused", "replayed", "failed", "error", "missing", "rejected"]
+
+
+class SiteRoundRecord(BaseModel):
+    """One site's line of one round in the history. The ε fields are the site's own cumulative
+    report (None when it sent none this round); the rest is what the coordinator saw."""
+
+    # files written before a field existed still load (ignore what is no longer recorded)
+    model_config = ConfigDict(extra="ignore")
+
+    status: SiteRoundStatus
+    epsilon: float | None = None
+    delta: float | None = None
+    guarantee: str | None = None
+    accountant: str | None = None
+    unit: str | None = None  #: protection unit; None in records written before units (record-level)
+    reason: str = ""
+    reject_reason: str | None = None  #: the validation's code when status is "rejected"
+    local_steps: int = 0
+    update_norm: float | None = None  #: ‖Δ‖₂ of an update that reached validation
+    bytes_down: int = 0
+    bytes_up: int = 0
+
+
+class RoundRecord(BaseModel):
+    """One finished round, as history.json and report.json list it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    round: int
+    pckh: dict[str, float | None] | None = None  #: PCKh of the global model after the round (None: no held-out split)
+    aggregated: bool = False  #: whether the global model changed
+    accepted: int = 0
+    rejected: int = 0
+    selected: int = 0
+    basis_version: int = -1
+    wall_seconds: float = 0.0
+    exchange_seconds: float = 0.0
+    sites: dict[str, SiteRoundRecord] = {}
+    exhausted: int = 0  #: sites the ledger counts as exhausted after the round
+    basis_bytes: int = 0
+    basis_transport: str = "full"
+    unidentified_missing_nodes: list[int] = []  #: selected nodes that failed before naming their site
+    node_wait_seconds: float = 0.0
+
+
+def _rounds(raw: Any, path: Path) -> list[RoundRecord]:
+    """The round records of a history or report file; a clear error naming the file when they do not parse."""
+    try:
+        return [RoundRecord.model_validate(entry) for entry in raw]
+    except (ValidationError, TypeError) as exc:
+        raise ValueError(f"{path}: unreadable round history ({exc})") from None
+
+
+def load_history(directory: str | Path) -> list[RoundRecord]:
     path = Path(directory) / HISTORY_FILE
     if not path.exists():
         return []
-    return list(json.loads(path.read_text())["rounds"])
+    return _rounds(json.loads(path.read_text())["rounds"], path)
 
 
-def save_history(directory: str | Path, rounds: list[dict[str, Any]]) -> None:
-    atomic_write_json(Path(directory) / HISTORY_FILE, {"rounds": _finite(rounds)})
+def save_history(directory: str | Path, rounds: list[RoundRecord]) -> None:
+    atomic_write_json(Path(directory) / HISTORY_FILE, {"rounds": _finite([r.model_dump(mode="json") for r in rounds])})
 
 
 def epsilon_text(epsilon: float | None, delta: float | None, guarantee: str | None, accountant: str | None = "rdp",
@@ -70,7 +125,7 @@ class SiteFailure(BaseModel):
 
     round: int
     site: str  #: the site id, or "node <id>" for a node that failed before naming its site
-    status: str  #: one of FAILURE_STATUSES
+    status: SiteRoundStatus  #: one of FAILURE_STATUSES
     reason: str = ""  #: starts with the site's error class when it sent one (e.g. "ImageLoadError: …")
 
 
@@ -83,10 +138,15 @@ class RunReport(BaseModel):
     stopped_reason: str = ""
     rounds_completed: int
     site_failures: list[SiteFailure] = []
+    rounds: list[RoundRecord] = []
 
 
 def load_report(directory: str | Path) -> RunReport:
-    return RunReport.model_validate_json((Path(directory) / REPORT_FILE).read_text())
+    path = Path(directory) / REPORT_FILE
+    try:
+        return RunReport.model_validate_json(path.read_text())
+    except ValidationError as exc:
+        raise ValueError(f"{path}: unreadable run report ({exc})") from None
 
 
 def finished_run_note(run_id: str, rounds_done: int, rounds_configured: int, how: str) -> str:
@@ -96,57 +156,55 @@ def finished_run_note(run_id: str, rounds_done: int, rounds_configured: int, how
             f"to continue, raise coordinator.rounds: {how.format(rounds=rounds_done + 1)}")
 
 
-def site_failures(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def site_failures(rounds: list[RoundRecord]) -> list[SiteFailure]:
     """Every (round, site) that failed, in order: a site's error, diverged training, no reply,
     a rejected update, and nodes that failed before they could say which site they are."""
     failures = []
     for entry in rounds:
-        for site_id, site in sorted(entry.get("sites", {}).items()):
-            if site.get("status") in FAILURE_STATUSES:
-                failures.append({"round": entry["round"], "site": site_id, "status": site["status"], "reason": site.get("reason", "")})
-        for node in entry.get("unidentified_missing_nodes", []):
-            failures.append({"round": entry["round"], "site": f"node {node}", "status": "missing",
-                             "reason": "failed before naming its site (see the coordinator log)"})
+        for site_id, site in sorted(entry.sites.items()):
+            if site.status in FAILURE_STATUSES:
+                failures.append(SiteFailure(round=entry.round, site=site_id, status=site.status, reason=site.reason))
+        for node in entry.unidentified_missing_nodes:
+            failures.append(SiteFailure(round=entry.round, site=f"node {node}", status="missing",
+                                        reason="failed before naming its site (see the coordinator log)"))
     return failures
 
 
-def failure_summary(failures: list[dict[str, Any]]) -> list[str]:
+def failure_summary(failures: list[SiteFailure]) -> list[str]:
     """Human-readable lines for the end of a run (empty when no site failed)."""
     if not failures:
         return []
-    sites = sorted({f["site"] for f in failures})
+    sites = sorted({f.site for f in failures})
     lines = [f"{len(failures)} site failure(s) in this run ({', '.join(sites)}):"]
-    lines += [f"  round {f['round']:>3} {f['site']}: {f['status']} — {f['reason']}" for f in failures]
+    lines += [f"  round {f.round:>3} {f.site}: {f.status} — {f.reason}" for f in failures]
     return lines
 
 
-def round_line(entry: dict[str, Any]) -> str:
+def round_line(entry: RoundRecord) -> str:
     """One human-readable line per round: PCKh and every site's ε with guarantee, δ, accountant."""
-    pckh = (entry.get("pckh") or {}).get("Mean")
-    parts = [f"round {entry['round']:>3}", f"PCKh@0.5 = {pckh:.2f}" if pckh is not None else "PCKh@0.5 = n/a"]
-    for site_id, site in sorted(entry.get("sites", {}).items()):
-        reason = f" ({site['reason']})" if site.get("reason") else ""
-        if site.get("guarantee") is None:  # no privacy report this round (its spend shows in its next one)
-            parts.append(f"{site_id}: {site['status']}{reason or ' (no report)'}")
+    pckh = (entry.pckh or {}).get("Mean")
+    parts = [f"round {entry.round:>3}", f"PCKh@0.5 = {pckh:.2f}" if pckh is not None else "PCKh@0.5 = n/a"]
+    for site_id, site in sorted(entry.sites.items()):
+        reason = f" ({site.reason})" if site.reason else ""
+        if site.guarantee is None:  # no privacy report this round (its spend shows in its next one)
+            parts.append(f"{site_id}: {site.status}{reason or ' (no report)'}")
         else:
-            eps = epsilon_text(site.get("epsilon"), site.get("delta"), site.get("guarantee"), site.get("accountant"),
-                               site.get("unit"))
-            parts.append(f"{site_id}: {site['status']}{reason}, {eps}")
-    for node in entry.get("unidentified_missing_nodes", []):
+            eps = epsilon_text(site.epsilon, site.delta, site.guarantee, site.accountant, site.unit)
+            parts.append(f"{site_id}: {site.status}{reason}, {eps}")
+    for node in entry.unidentified_missing_nodes:
         parts.append(f"node {node}: missing (failed before naming its site)")
-    parts.append(f"{entry.get('wall_seconds', 0.0):.1f} s")
+    parts.append(f"{entry.wall_seconds:.1f} s")
     return " | ".join(parts)
 
 
-def write_report(directory: str | Path, run_info: dict[str, Any], rounds: list[dict[str, Any]], ledger_summary: dict[str, Any]) -> Path:
+def write_report(directory: str | Path, run_info: dict[str, Any], rounds: list[RoundRecord], ledger_summary: dict[str, Any]) -> Path:
     """Write report.json and curves.png into ``directory``; return the report path."""
     directory = Path(directory)
-    final = rounds[-1] if rounds else {}
     report = {
         **run_info,
         "rounds_completed": len(rounds),
-        "site_failures": site_failures(rounds),
-        "final_pckh": final.get("pckh"),
+        "site_failures": [failure.model_dump() for failure in site_failures(rounds)],
+        "final_pckh": rounds[-1].pckh if rounds else None,
         "sites": ledger_summary.get("sites", []),
         "privacy_note": (
             "Each site's ε is its cumulative spend reported by the site itself (the authority on its budget), "
@@ -157,7 +215,7 @@ def write_report(directory: str | Path, run_info: dict[str, Any], rounds: list[d
             "the masked head regions. ε of different guarantees or units are not comparable. Site selection is "
             "not secret: no amplification claimed."
         ),
-        "rounds": rounds,
+        "rounds": [r.model_dump(mode="json") for r in rounds],
     }
     path = directory / REPORT_FILE
     atomic_write_json(path, _finite(report))
@@ -165,7 +223,7 @@ def write_report(directory: str | Path, run_info: dict[str, Any], rounds: list[d
     return path
 
 
-def save_federation_curves(path: str | Path, rounds: list[dict[str, Any]], initial_pckh: float | None = None) -> None:
+def save_federation_curves(path: str | Path, rounds: list[RoundRecord], initial_pckh: float | None = None) -> None:
     """PCKh@0.5 (server-side, held-out split) and per-site cumulative ε over rounds."""
     import io
 
@@ -175,23 +233,24 @@ def save_federation_curves(path: str | Path, rounds: list[dict[str, Any]], initi
     import matplotlib.pyplot as plt
 
     fig, (ax_pckh, ax_eps) = plt.subplots(1, 2, figsize=(11, 4))
-    xs = [r["round"] for r in rounds if r.get("pckh")]
-    ax_pckh.plot(xs, [r["pckh"]["Mean"] for r in rounds if r.get("pckh")], marker="o", label="Mean")
-    ax_pckh.plot(xs, [r["pckh"].get("Mean@0.1", float("nan")) for r in rounds if r.get("pckh")], marker=".", label="Mean@0.1")
+    evaluated = [(r.round, r.pckh) for r in rounds if r.pckh]
+    xs = [x for x, _ in evaluated]
+    ax_pckh.plot(xs, [p["Mean"] for _, p in evaluated], marker="o", label="Mean")
+    ax_pckh.plot(xs, [p.get("Mean@0.1", float("nan")) for _, p in evaluated], marker=".", label="Mean@0.1")
     if initial_pckh is not None:
         ax_pckh.axhline(initial_pckh, color="gray", ls=":", label="initial model (no site data)")
     ax_pckh.set(title="global model, held-out split", xlabel="round", ylabel="PCKh (%)")
     ax_pckh.legend()
-    sites = sorted({s for r in rounds for s in r.get("sites", {})})
+    sites = sorted({s for r in rounds for s in r.sites})
     for site_id in sites:
-        points = [(r["round"], r["sites"][site_id]) for r in rounds if site_id in r.get("sites", {})]
-        points = [(x, s) for x, s in points if s.get("epsilon") is not None]
+        points = [(r.round, r.sites[site_id]) for r in rounds if site_id in r.sites]
+        points = [(x, s) for x, s in points if s.epsilon is not None]
         if not points:
             continue
         last = points[-1][1]
-        label = (f"{site_id} ({last.get('guarantee')} per {last.get('unit') or 'record'}, δ={last.get('delta'):.0e}, "
-                 f"{str(last.get('accountant')).upper()})")
-        ax_eps.plot([x for x, _ in points], [s["epsilon"] for _, s in points], marker="o", label=label)
+        label = (f"{site_id} ({last.guarantee} per {last.unit or 'record'}, δ={last.delta or 0.0:.0e}, "
+                 f"{str(last.accountant).upper()})")
+        ax_eps.plot([x for x, _ in points], [s.epsilon for _, s in points], marker="o", label=label)
     ax_eps.set(title="cumulative ε per site (as reported)", xlabel="round", ylabel="ε")
     from matplotlib.ticker import MaxNLocator
 

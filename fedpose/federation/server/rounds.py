@@ -41,7 +41,15 @@ from fedpose.federation.basis_transport import BasisMessage
 from fedpose.federation.deployment import CoordinatorRunConfig
 from fedpose.federation.ledger import BudgetLedger, LedgerEntry, LedgerError
 from fedpose.federation.metrics import CoordinatorMetrics
-from fedpose.federation.report import finished_run_note, load_history, round_line, save_history, write_report
+from fedpose.federation.report import (
+    RoundRecord,
+    SiteRoundRecord,
+    finished_run_note,
+    load_history,
+    round_line,
+    save_history,
+    write_report,
+)
 from fedpose.federation.server.basis_service import NO_BASIS, BasisService
 
 log = logging.getLogger("fedpose.coordinator")
@@ -153,7 +161,7 @@ class RoundRunner:
             self.state = CoordinatorState.from_meta(meta["state"])
             self.global_state = arrays
             self.optimizer = load_server_optimizer(self.dir / OPTIMIZER_CHECKPOINT, self.cfg.aggregation)
-            self.history = [r for r in load_history(self.dir) if r["round"] <= self.state.round]
+            self.history = [r for r in load_history(self.dir) if r.round <= self.state.round]
             if recorded > self.state.round:
                 # Killed after recording the ledger but before the model checkpoint: that round's
                 # updates are lost, but sites did spend — never ask them for that round again.
@@ -174,7 +182,7 @@ class RoundRunner:
                 raise ValueError(f"{self.dir} already holds a checkpoint of run '{run.run_id}': resume it or use another checkpoint_dir")
             self.state, self.global_state = self._initial_model()
             self.optimizer = build_server_optimizer(self.cfg.aggregation)
-            self.history = []
+            self.history: list[RoundRecord] = []
         self.basis = BasisService.from_state(self.state.basis, self.cfg.basis.refresh_every_rounds)
 
     # -- model --------------------------------------------------------------------------------------
@@ -318,7 +326,7 @@ class RoundRunner:
         round_seconds = time.perf_counter() - started
 
         entries: list[LedgerEntry] = []
-        sites: dict[str, dict[str, Any]] = {}
+        sites: dict[str, SiteRoundRecord] = {}
         answered: set[int] = set()
         failures: dict[int, str] = {}
         updates: list[NodeReply] = []
@@ -332,12 +340,12 @@ class RoundRunner:
             self.state.node_sites[str(node)] = site_id
             self.basis.mark_held(site_id, site_reply.basis_version)
             privacy = site_reply.privacy
-            info = {"status": site_reply.status, "epsilon": privacy.epsilon if privacy else None,
-                    "delta": privacy.delta if privacy else None, "guarantee": privacy.guarantee if privacy else None,
-                    "accountant": privacy.accountant if privacy else None,
-                    "unit": privacy.protection_unit if privacy else None,
-                    "reason": site_reply.describe() if site_reply.reason else "",
-                    "local_steps": site_reply.local_steps, "bytes_down": bytes_down.get(node, 0), "bytes_up": 0}
+            info = SiteRoundRecord(status=site_reply.status, epsilon=privacy.epsilon if privacy else None,
+                                   delta=privacy.delta if privacy else None, guarantee=privacy.guarantee if privacy else None,
+                                   accountant=privacy.accountant if privacy else None,
+                                   unit=privacy.protection_unit if privacy else None,
+                                   reason=site_reply.describe() if site_reply.reason else "",
+                                   local_steps=site_reply.local_steps, bytes_down=bytes_down.get(node, 0))
             sites[site_id] = info
             regression = self._epsilon_regression(site_reply)
             if regression:
@@ -345,16 +353,16 @@ class RoundRunner:
                 # reset or replaced. Keep the ledger's higher value authoritative and use nothing.
                 log.error("round %d: site %s: %s", round_id, site_id, regression)
                 self.echo(f"round {round_id}: rejected site '{site_id}': {regression}")
-                info.update(status="rejected", reason=regression, reject_reason="epsilon_regressed")
+                info.status, info.reason, info.reject_reason = "rejected", regression, "epsilon_regressed"
                 entries.append(LedgerEntry.from_reply(round_id, site_reply, status="rejected", reason=regression))
                 continue
             if not site_reply.carries_update:
                 # refused: nothing spent; replayed / failed / error: spent (or unknown), nothing to aggregate
-                log.warning("round %d: site %s %s: %s", round_id, site_id, site_reply.status, info["reason"])
+                log.warning("round %d: site %s %s: %s", round_id, site_id, site_reply.status, info.reason)
                 status = "refused" if site_reply.status == "refused" else "missing"
-                entries.append(LedgerEntry.from_reply(round_id, site_reply, status=status, reason=info["reason"]))
+                entries.append(LedgerEntry.from_reply(round_id, site_reply, status=status, reason=info.reason))
                 continue
-            info["bytes_up"] = node_reply.bytes_up
+            info.bytes_up = node_reply.bytes_up
             updates.append(node_reply)
 
         unidentified: list[int] = []
@@ -370,26 +378,26 @@ class RoundRunner:
                 unidentified.append(node)
                 continue
             log.warning("round %d: site %s missing: %s", round_id, site_id, reason)
-            sites[site_id] = {"status": "missing", "epsilon": None, "reason": reason, "bytes_down": bytes_down.get(node, 0), "bytes_up": 0}
+            sites[site_id] = SiteRoundRecord(status="missing", reason=reason, bytes_down=bytes_down.get(node, 0))
             entries.append(LedgerEntry(site_id=site_id, round=round_id, status="missing", reason=reason))
 
         aggregated, accepted, rejected = self._aggregate(round_id, updates, sites, entries)
         self.ledger.record_many(entries)  # 1) ledger
         self.state.round = round_id
-        entry = {
-            "round": round_id, "pckh": self.evaluate(), "aggregated": aggregated, "accepted": accepted,
-            "rejected": rejected, "selected": len(selected), "basis_version": self.basis.current_version,
-            "wall_seconds": time.perf_counter() - started, "exchange_seconds": round_seconds, "sites": sites,
-            "exhausted": len(self.exhausted_sites()), "basis_bytes": basis_bytes, "basis_transport": self.cfg.basis.transport,
-            "unidentified_missing_nodes": unidentified, "node_wait_seconds": self._node_wait_seconds,
-        }
+        entry = RoundRecord(
+            round=round_id, pckh=self.evaluate(), aggregated=aggregated, accepted=accepted, rejected=rejected,
+            selected=len(selected), basis_version=self.basis.current_version, wall_seconds=time.perf_counter() - started,
+            exchange_seconds=round_seconds, sites=sites, exhausted=len(self.exhausted_sites()), basis_bytes=basis_bytes,
+            basis_transport=self.cfg.basis.transport, unidentified_missing_nodes=unidentified,
+            node_wait_seconds=self._node_wait_seconds,
+        )
         self.history.append(entry)
         self._save_checkpoint()  # 2) optimizer, 3) model + state (commit point)
         save_history(self.dir, self.history)
         self.metrics.observe_round(entry)
         self.echo(round_line(entry))
 
-    def _aggregate(self, round_id: int, updates: list[NodeReply], sites: dict[str, dict[str, Any]],
+    def _aggregate(self, round_id: int, updates: list[NodeReply], sites: dict[str, SiteRoundRecord],
                    entries: list[LedgerEntry]) -> tuple[bool, int, int]:
         """Validate + fold the updates (decoded one at a time), step the server optimizer, add their
         ledger rows; → (global model changed, accepted, rejected)."""
@@ -399,13 +407,14 @@ class RoundRunner:
         trainable = {k: self.global_state[k] for k in self._trainable}
         result = aggregate_round(trainable, decoded, self.optimizer, max_norm=self.cfg.update_norm_bound)
         for check in result.accepted + result.rejected:
-            sites[check.site_id]["update_norm"] = check.norm
+            sites[check.site_id].update_norm = check.norm
         for check in result.accepted:
             entries.append(LedgerEntry.from_reply(round_id, replies[check.site_id], status="ok"))
         for check in result.rejected:
             log.warning("round %d: %s", round_id, check)
             self.echo(f"round {round_id}: rejected update from site '{check.site_id}': {check.reason}: {check.detail}")
-            sites[check.site_id].update(status="rejected", reason=f"{check.reason}: {check.detail}", reject_reason=check.reason)
+            site = sites[check.site_id]
+            site.status, site.reason, site.reject_reason = "rejected", f"{check.reason}: {check.detail}", check.reason
             entries.append(LedgerEntry.from_reply(round_id, replies[check.site_id], status="rejected",
                                                   reason=f"{check.reason}: {check.detail}"))
         if result.weights is not None and len(result.accepted) >= self.cfg.min_sites:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -64,3 +65,22 @@ def test_a_ledger_with_rounds_is_never_overwritten_by_a_fresh_start(tmp_path: Pa
     assert ("restore it from a backup" if resume else "--resume") in str(failure.value)
     with BudgetLedger(run.coordinator.ledger_path, read_only=True) as ledger:
         assert [e.round for e in ledger.entries()] == [1, 2]
+
+
+def test_a_history_written_as_plain_dicts_still_loads(tmp_path: Path) -> None:
+    """history.json / report.json from before the typed records: missing fields take defaults,
+    fields no longer recorded are ignored; a file that does not parse is named."""
+    from fedpose.federation.report import HISTORY_FILE, load_history, round_line
+
+    (tmp_path / HISTORY_FILE).write_text(json.dumps({"rounds": [
+        {"round": 1, "pckh": {"Mean": 12.5, "Head": None}, "aggregated": True, "accepted": 1, "wall_seconds": 2.0,
+         "sites": {"site-1": {"status": "ok", "epsilon": 0.7, "delta": 1e-5, "guarantee": "DP", "accountant": "rdp",
+                              "some_retired_field": 3},
+                   "site-2": {"status": "missing", "epsilon": None, "reason": "no reply"}}},
+    ]}))
+    (entry,) = load_history(tmp_path)
+    assert entry.sites["site-1"].unit is None and entry.sites["site-2"].bytes_up == 0 and entry.basis_version == -1
+    assert "site-1: ok, ε = 0.7 (DP" in round_line(entry)
+    (tmp_path / HISTORY_FILE).write_text(json.dumps({"rounds": [{"round": 1, "sites": {"site-1": {"status": "lost"}}}]}))
+    with pytest.raises(ValueError, match=HISTORY_FILE):
+        load_history(tmp_path)

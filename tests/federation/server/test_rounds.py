@@ -82,8 +82,8 @@ def test_a_site_reporting_less_epsilon_than_the_ledger_holds_is_rejected(tmp_pat
     assert summary.epsilon == 2.4 and summary.rounds_joined == 3  # the reset never lowered the ledger's ε
     assert any("round 2: rejected site 'site-1'" in line and "reset or replaced" in line for line in lines), lines
     history = load_history(tmp_path / "coordinator")
-    assert history[1]["sites"]["site-1"]["status"] == "rejected" and not history[1]["aggregated"]
-    assert history[1]["sites"]["site-1"]["reject_reason"] == "epsilon_regressed"
+    assert history[1].sites["site-1"].status == "rejected" and not history[1].aggregated
+    assert history[1].sites["site-1"].reject_reason == "epsilon_regressed"
 
 
 def test_a_site_that_disconnects_is_missing_with_the_true_reason(tmp_path: Path) -> None:
@@ -96,9 +96,9 @@ def test_a_site_that_disconnects_is_missing_with_the_true_reason(tmp_path: Path)
     runner.run_rounds(transport)
 
     history = load_history(tmp_path / "coordinator")
-    assert history[0]["unidentified_missing_nodes"] == [13] and "site-3" not in history[0]["sites"]
-    missing = history[1]["sites"]["site-2"]
-    assert missing["status"] == "missing" and missing["reason"].startswith("no reply: the node disconnected")
+    assert history[0].unidentified_missing_nodes == [13] and "site-3" not in history[0].sites
+    missing = history[1].sites["site-2"]
+    assert missing.status == "missing" and missing.reason.startswith("no reply: the node disconnected")
     round_lines = [line for line in lines if line.startswith("round ")]
     assert "node 13: missing" in round_lines[0] and "site-2: missing (no reply: the node disconnected" in round_lines[1]
     report = json.loads((tmp_path / "coordinator" / "report.json").read_text())
