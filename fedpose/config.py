@@ -78,6 +78,18 @@ class ModelConfig(Strict):
     head_hidden: int = Field(256, ge=0, description="SimCC head hidden width (0 = flatten straight to the bins)")
 
 
+class ModelSpec(Strict):
+    """A built model's architecture: what rebuilding it needs (never its weights). Recorded in
+    checkpoints, and sent with every round's instruction: a site trains the model it is sent."""
+
+    backbone: str
+    scenario: Literal["finetune", "full", "scratch"]
+    input_size: tuple[int, int]  #: (height, width)
+    split_factor: int
+    label_sigma: float
+    head_hidden: int
+
+
 class OptimConfig(Strict):
     name: Literal["adamw", "sgd"] = Field("adamw", description="optimizer")
     lr: float = Field(1e-3, gt=0, description="peak learning rate")

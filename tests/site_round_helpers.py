@@ -8,9 +8,13 @@ from typing import Any
 
 import numpy as np
 
+from fedpose.config import ModelSpec
+
 PER_SITE = 16
 BATCH_SIZE = 4
 INPUT_SIZE = (64, 64)
+#: a well-formed model spec for messages whose model is never built (protocol and egress tests)
+PLACEHOLDER_SPEC = ModelSpec(backbone="x", scenario="scratch", input_size=INPUT_SIZE, split_factor=2, label_sigma=6.0, head_hidden=0)
 
 
 def make_site_data(root: Path) -> Path:

@@ -84,7 +84,7 @@ def test_a_federated_model_is_exported_with_every_site_s_guarantee(tmp_path: Pat
 
     weights, spec = global_model()
     coordinator = tmp_path / "coordinator"
-    save_array_checkpoint(coordinator / "global.npz", weights, {"run_id": "demo", "state": {"model_spec": spec}})
+    save_array_checkpoint(coordinator / "global.npz", weights, {"run_id": "demo", "state": {"model_spec": spec.model_dump(mode="json")}})
     (coordinator / "report.json").write_text(json.dumps({"run_id": "demo", "sites": [
         {"site_id": "site-1", "epsilon": 2.5, "delta": 1e-5, "guarantee": "DP", "rounds_joined": 3}]}))
     assert main(["export", str(coordinator), "--out", str(tmp_path / "release")]) == 0
@@ -159,7 +159,7 @@ def _coordinator_dir(tmp_path: Path, model_round: int) -> Path:
 
     weights, spec = global_model()
     coordinator = tmp_path / "coordinator"
-    save_array_checkpoint(coordinator / "global.npz", weights, {"run_id": "demo", "state": {"model_spec": spec, "round": model_round}})
+    save_array_checkpoint(coordinator / "global.npz", weights, {"run_id": "demo", "state": {"model_spec": spec.model_dump(mode="json"), "round": model_round}})
     return coordinator
 
 

@@ -12,6 +12,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 from fedpose.federation import protocol
 from sites.egress import egress_guard, violations
+from site_round_helpers import PLACEHOLDER_SPEC
 
 
 @pytest.fixture()
@@ -25,7 +26,7 @@ def task_identity():
 def _train_message() -> Message:
     content = RecordDict({
         protocol.GLOBAL_RECORD: ArrayRecord({"head.w": Array(np.zeros((4, 3), np.float32)), "head.b": Array(np.zeros(3, np.float32))}),
-        protocol.CONFIG_RECORD: ConfigRecord(protocol.encode_instruction(protocol.TrainInstruction(run_id="run", round=1, local_steps=2, model_spec={"backbone": "x"}))),
+        protocol.CONFIG_RECORD: ConfigRecord(protocol.encode_instruction(protocol.TrainInstruction(run_id="run", round=1, local_steps=2, model_spec=PLACEHOLDER_SPEC))),
     })
     msg = Message(content, dst_node_id=1, message_type=protocol.MESSAGE_TYPE_TRAIN)
     msg.metadata.__dict__["_message_id"] = "m1"  # a pushed message has an id; replies refer to it

@@ -162,7 +162,7 @@ def test_deployment_grpc_tls_auth_results_ledgers_and_budget_stop(tmp_path: Path
     assert not no_leftover_processes(run_dir), "deploy local left processes running"
 
     # A restarted site (fresh process, state from disk) still refuses, whatever it is asked.
-    from fedpose.config import load_config
+    from fedpose.config import ModelSpec, load_config
     from fedpose.federation.aggregation import load_array_checkpoint
     from fedpose.federation.config import SiteConfig
     from fedpose.federation.local_training import train_site_round
@@ -170,7 +170,7 @@ def test_deployment_grpc_tls_auth_results_ledgers_and_budget_stop(tmp_path: Path
     site = load_config(run_dir / "configs" / "site-2.toml", model=SiteConfig)
     before = site_budget(run_dir, "site-2")
     weights, meta = load_array_checkpoint(run_dir / "coordinator" / "global.npz")
-    result = train_site_round(site, "itest", 3, weights, meta["state"]["model_spec"], local_steps=2)
+    result = train_site_round(site, "itest", 3, weights, ModelSpec.model_validate(meta["state"]["model_spec"]), local_steps=2)
     assert result.reply.status == "refused" and result.reply.reason == "budget-exhausted" and result.update == {}
     assert result.reply.privacy is not None and result.reply.privacy.guarantee == "DP"
     after = site_budget(run_dir, "site-2")

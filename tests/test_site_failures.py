@@ -12,7 +12,7 @@ import pytest
 from fedpose.data.image_check import check_images
 from fedpose.data.loaders import ImageLoadError, load_records
 from fedpose.federation.local_training import IMAGE_CHECK_CACHE, run_site_round
-from site_round_helpers import global_model, make_site_data, site_config
+from site_round_helpers import PLACEHOLDER_SPEC, global_model, make_site_data, site_config
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +106,7 @@ def test_a_broken_site_config_is_reported_under_its_site_id(tmp_path: Path, flow
     config = tmp_path / "site.toml"
     config.write_text(f'site_id = "{site_id}"\neps_max = "secret-value"\n')
     context = Context(run_id=1, node_id=3, node_config={"site-config": str(config)}, state=RecordDict(), run_config={})
-    incoming = Message(RecordDict({protocol.CONFIG_RECORD: ConfigRecord(protocol.encode_instruction(protocol.TrainInstruction(run_id="run", round=4, local_steps=2, model_spec={})))}),
+    incoming = Message(RecordDict({protocol.CONFIG_RECORD: ConfigRecord(protocol.encode_instruction(protocol.TrainInstruction(run_id="run", round=4, local_steps=2, model_spec=PLACEHOLDER_SPEC)))}),
                        dst_node_id=3, message_type=protocol.MESSAGE_TYPE_TRAIN, group_id="4", ttl=30)
     with pytest.raises(ConfigError) as failure:
         site_from_context(context)

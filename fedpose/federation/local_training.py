@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from fedpose.config import ModelSpec
 from fedpose.federation.config import SiteConfig
 from fedpose.federation.protocol import PrivacyReport, ReasonCode, ReplyStatus, SiteReply, error_class_name
 from fedpose.federation.site_budget import BudgetExhausted, SiteBudget
@@ -165,7 +166,7 @@ def load_site_dataset(site: SiteConfig, input_size: tuple[int, int]) -> Any:
     # every file decoded once (cached by size and mtime): a corrupt image is named before any spend
     check_images(records, root, Path(site.state_dir) / IMAGE_CHECK_CACHE)
     return PoseDataset(
-        records, root, input_size=tuple(input_size), train=True, flip=site.data.flip,
+        records, root, input_size=input_size, train=True, flip=site.data.flip,
         scale_jitter=site.data.scale_jitter, rotation=site.data.rotation, seed=site.train.seed,
         public_view=dataset_public_view(site.privacy),  # FDP / FP-DP: ψ(x) once per record, before augmentation
     )
@@ -176,7 +177,7 @@ def train_site_round(
     run_id: str,
     round_id: int,
     global_state: dict[str, np.ndarray],
-    model_spec: dict[str, Any],
+    model_spec: ModelSpec,
     local_steps: int,
     basis_version: int = -1,
     basis_message: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None,
@@ -232,7 +233,7 @@ def train_site_round(
         if fresh_spend:
             # Load (and check) the data before spending: a broken dataset must not cost ε. Only a
             # round the budget already allows gets here, so a refusal still touches no data.
-            dataset = load_site_dataset(site, tuple(model_spec["input_size"]))
+            dataset = load_site_dataset(site, model_spec.input_size)
         try:
             auth = budget.authorize_round(run_id, round_id, sigma, rate, local_steps)
         except BudgetExhausted as refusal:
@@ -265,7 +266,7 @@ def train_site_round(
 
     basis = _site_basis(site, model, basis_version, basis_message)
     if dataset is None:
-        dataset = load_site_dataset(site, tuple(model_spec["input_size"]))
+        dataset = load_site_dataset(site, model_spec.input_size)
     public_dataset = None
     mechanism = get_mechanism(site.privacy.mechanism)
     if basis is None and site.public_data is not None and mechanism.projects:
@@ -273,7 +274,7 @@ def train_site_round(
         from fedpose.data.dataset import PoseDataset, load_records
 
         public_records, public_root = load_records(site.public_data)
-        public_dataset = PoseDataset(public_records, public_root, input_size=tuple(model_spec["input_size"]), train=False)
+        public_dataset = PoseDataset(public_records, public_root, input_size=model_spec.input_size, train=False)
     units = site_units(site, dataset, budget.unit) if budget is not None else None
     engine = build_engine(
         site.privacy, model, dataset_size=len(dataset), batch_size=site.train.batch_size,

@@ -27,6 +27,8 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fedpose.config import ModelSpec
+
 MESSAGE_TYPE_TRAIN = "train"
 
 GLOBAL_RECORD = "global"
@@ -178,7 +180,7 @@ class TrainInstruction(_Wire):
     run_id: str  #: site budgets key rounds by (run, round)
     round: int = Field(ge=1)
     local_steps: int = Field(ge=1)  #: asked for; the site caps it at its own configured local_steps
-    model_spec: dict[str, Any]  #: how to build the global model the arrays belong to
+    model_spec: ModelSpec  #: how to build the global model the arrays belong to
     basis_version: int = -1  #: projection basis of this round (-1: none); sent only to sites lacking it
 
 

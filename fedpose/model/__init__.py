@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedpose.config import ModelConfig
+from fedpose.config import ModelConfig, ModelSpec
 from fedpose.model.backbones import available_backbones, create_backbone
 from fedpose.model.checkpoint import (
     CheckpointError,
@@ -42,16 +43,18 @@ def build_model(cfg: ModelConfig, input_size: tuple[int, int]) -> PoseModel:
     return model
 
 
-def build_model_from_spec(spec: dict[str, Any], scenario: str | None = None) -> PoseModel:
-    """Rebuild the architecture recorded in a checkpoint's ``model_spec`` (weights not loaded)."""
+def build_model_from_spec(spec: ModelSpec | Mapping[str, Any], scenario: str | None = None) -> PoseModel:
+    """Rebuild the architecture of ``spec`` (weights not loaded); a checkpoint's plain ``model_spec``
+    is validated here."""
+    spec = ModelSpec.model_validate(spec)
     model = PoseModel(
-        create_backbone(spec["backbone"]),
-        tuple(spec["input_size"]),  # type: ignore[arg-type]
-        scenario=scenario or spec["scenario"],
-        split_factor=int(spec["split_factor"]),
-        label_sigma=float(spec["label_sigma"]),
-        head_hidden=int(spec["head_hidden"]),
-        backbone_name=spec["backbone"],
+        create_backbone(spec.backbone),
+        spec.input_size,
+        scenario=scenario or spec.scenario,
+        split_factor=spec.split_factor,
+        label_sigma=spec.label_sigma,
+        head_hidden=spec.head_hidden,
+        backbone_name=spec.backbone,
     )
     model.train_mode()
     return model

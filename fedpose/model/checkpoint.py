@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from fedpose.config import ModelSpec
 from fedpose.io import atomic_write
 
 CHECKPOINT_FORMAT = "fedpose-checkpoint"
@@ -32,16 +33,16 @@ class CheckpointError(ValueError):
     """A checkpoint or weights file is missing, unreadable or does not fit the model."""
 
 
-def model_spec(model: nn.Module) -> dict[str, Any]:
+def model_spec(model: nn.Module) -> ModelSpec:
     """What :func:`fedpose.model.build_model_from_spec` needs to rebuild ``model``'s architecture."""
-    return {
-        "backbone": model.backbone_name,
-        "scenario": model.scenario,
-        "input_size": list(model.input_size),
-        "split_factor": model.split_factor,
-        "label_sigma": model.codec.sigma,
-        "head_hidden": model.head.cls_x.in_features if not isinstance(model.head.mlp, nn.Identity) else 0,
-    }
+    return ModelSpec(
+        backbone=model.backbone_name,
+        scenario=model.scenario,
+        input_size=tuple(model.input_size),
+        split_factor=model.split_factor,
+        label_sigma=model.codec.sigma,
+        head_hidden=model.head.cls_x.in_features if not isinstance(model.head.mlp, nn.Identity) else 0,
+    )
 
 
 def rng_state() -> dict[str, Any]:
@@ -83,7 +84,7 @@ def save_checkpoint(
     payload = {
         "format": CHECKPOINT_FORMAT,
         "version": CHECKPOINT_VERSION,
-        "model_spec": model_spec(model),
+        "model_spec": model_spec(model).model_dump(mode="json"),
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict() if optimizer is not None else None,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -112,7 +113,7 @@ def save_weights_only(path: str | Path, model: nn.Module, extra: dict[str, Any] 
     only: no optimizer or scheduler state, config, metrics, step or RNG state (those carry
     statistics of the training data or the run's seed). What ``fedpose export`` publishes."""
     payload = {
-        "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "model_spec": model_spec(model),
+        "format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "model_spec": model_spec(model).model_dump(mode="json"),
         "model": model.state_dict(), "optimizer": None, "scheduler": None, "config": None, "metrics": None,
         "step": 0, "rng": None, "extra": extra or {},
     }

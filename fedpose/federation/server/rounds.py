@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from fedpose.config import ModelSpec
 from fedpose.federation import protocol
 from fedpose.federation.aggregation import (
     aggregate_round,
@@ -99,15 +100,15 @@ class Transport(Protocol):
 class CoordinatorState:
     """Everything the coordinator must remember between rounds (checkpointed every round)."""
 
+    model_spec: ModelSpec  #: the global model's architecture (fixed for the run)
     round: int = 0  #: last finished round
-    model_spec: dict[str, Any] = field(default_factory=dict)
     node_sites: dict[str, str] = field(default_factory=dict)  #: transport node id → site id (learned from replies)
     basis: dict[str, Any] = field(default_factory=dict)  #: BasisService.state_dict()
     stopped_reason: str = ""
     initial_pckh: float | None = None  #: PCKh@0.5 Mean of the initial global model (before any site data)
 
     def to_meta(self) -> dict[str, Any]:
-        return {"round": self.round, "model_spec": self.model_spec, "node_sites": self.node_sites, "basis": self.basis,
+        return {"round": self.round, "model_spec": self.model_spec.model_dump(mode="json"), "node_sites": self.node_sites, "basis": self.basis,
                 "stopped_reason": self.stopped_reason,
                 "initial_pckh": self.initial_pckh}
 
@@ -115,8 +116,9 @@ class CoordinatorState:
     def from_meta(cls, meta: dict[str, Any]) -> "CoordinatorState":
         # checkpoints before the basis service kept its fields at the top level
         basis = meta.get("basis") or {"current_version": meta.get("basis_version", NO_BASIS), "held": meta.get("site_basis", {})}
-        return cls(int(meta["round"]), dict(meta["model_spec"]), dict(meta["node_sites"]), dict(basis),
-                   str(meta.get("stopped_reason", "")), meta.get("initial_pckh"))
+        return cls(model_spec=ModelSpec.model_validate(meta["model_spec"]), round=int(meta["round"]),
+                   node_sites=dict(meta["node_sites"]), basis=dict(basis), stopped_reason=str(meta.get("stopped_reason", "")),
+                   initial_pckh=meta.get("initial_pckh"))
 
 
 # -- the runner --------------------------------------------------------------------------------------
@@ -225,7 +227,7 @@ class RoundRunner:
             from fedpose.data.dataset import PoseDataset, load_records
 
             records, root = load_records(self.cfg.data.val)
-            self._eval_dataset = PoseDataset(records, root, input_size=tuple(self.state.model_spec["input_size"]), train=False)
+            self._eval_dataset = PoseDataset(records, root, input_size=self.state.model_spec.input_size, train=False)
         return {k: float(v) for k, v in evaluate(self.global_model(), self._eval_dataset, batch_size=16).items() if isinstance(v, (int, float))}
 
     # -- selection ------------------------------------------------------------------------------------
@@ -445,7 +447,7 @@ class RoundRunner:
         summary = json.loads(self.ledger.to_json())
         summary.pop("entries", None)
         path = write_report(self.dir, {"run_id": self.run.run_id, "stopped_reason": self.state.stopped_reason,
-                                       "aggregation": self.cfg.aggregation.strategy, "model_spec": self.state.model_spec,
+                                       "aggregation": self.cfg.aggregation.strategy, "model_spec": self.state.model_spec.model_dump(mode="json"),
                                        "initial_pckh": self.state.initial_pckh, "coordinator_device": self.device_text},
                             self.history, summary)
         self.echo(f"report: {path} (curves: {path.with_name('curves.png')})")
