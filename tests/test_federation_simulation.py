@@ -55,7 +55,10 @@ def test_simulation_rejects_a_corrupted_update_and_keeps_going(tmp_path: Path, c
     import tomllib
 
     from fedpose.cli.federation_run import ensure_synthetic
-    from fedpose.cli.simulate import resolve_federation, run_federation_simulation
+    import torch
+
+    from coordinator.simulation import run_federation_simulation
+    from fedpose.cli.simulate import gpus_per_site, resolve_federation
 
     data_dir = tmp_path / "data"
     config = tiny_federation(tmp_path, data_dir, sites=5, rounds=1)
@@ -68,7 +71,8 @@ def test_simulation_rejects_a_corrupted_update_and_keeps_going(tmp_path: Path, c
     records = _Records()
     logging.getLogger("fedpose.coordinator").addHandler(records)
     try:
-        run_federation_simulation(federation, resolved, client_mods=(corrupt_site_2, crash_site_4))
+        run_federation_simulation(federation, resolved, gpus_per_site=gpus_per_site(federation, torch.cuda.device_count()),
+                                  client_mods=(corrupt_site_2, crash_site_4))
     finally:
         logging.getLogger("fedpose.coordinator").removeHandler(records)
 

@@ -81,37 +81,8 @@ def gpus_per_site(federation: Any, visible_gpus: int) -> float:
     return math.floor(min(1.0, visible_gpus / len(federation.sites)) * 10_000) / 10_000
 
 
-def run_federation_simulation(federation: Any, resolved: Path, resume: bool = False, client_mods: tuple = (),
-                              log_path: Path | None = None) -> None:
-    """Run coordinator + one ClientApp per site under Flower's simulation runtime (Ray).
-
-    ``log_path``: Flower's log (its tracebacks of failed ClientApps included) goes to this file
-    instead of the console, and Ray keeps its workers' output in its own session logs; the
-    coordinator's round lines still reach the console."""
-    import torch
-    from flwr.simulation import run_simulation
-
-    from coordinator.server_app import build_server_app
-    from sites.client_app import build_client_app
-
-    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    cpus = os.cpu_count() or 1
-    visible_gpus = torch.cuda.device_count()
-    with _flower_log_to(log_path):
-        run_simulation(
-            server_app=build_server_app(resolved, resume=resume),
-            client_app=build_client_app(resolved, outer_mods=client_mods),
-            num_supernodes=len(federation.sites),
-            backend_config={
-                "client_resources": {"num_cpus": federation.simulation.cpus_per_site,
-                                     "num_gpus": gpus_per_site(federation, visible_gpus)},
-                "init_args": {"num_cpus": cpus, "num_gpus": visible_gpus, "logging_level": "ERROR", "log_to_driver": log_path is None},
-            },
-        )
-
-
 @contextmanager
-def _flower_log_to(path: Path | None) -> Iterator[None]:
+def flower_log_to(path: Path | None) -> Iterator[None]:
     """Flower's logger ("flwr", by name: fedpose imports no Flower) and Python warnings (Ray's among
     them) write to ``path`` only, for the duration of the block (None: leave everything as it is)."""
     if path is None:
@@ -159,12 +130,17 @@ def _handle(args: argparse.Namespace) -> int:
     log_path = checkpoint_dir / SIMULATION_LOG
     import torch
 
+    from coordinator.simulation import run_federation_simulation  # the apps layer: the one place Flower runs
+
     gpus = gpus_per_site(federation, torch.cuda.device_count())
     per_site = f"{federation.simulation.cpus_per_site:g} CPU" + (f" + {gpus:g} GPU" if gpus else "")
     print(f"simulating run '{federation.run_id}': {len(federation.sites)} sites, {federation.coordinator.rounds} rounds, "
           f"{per_site} per site; state in {checkpoint_dir}; Flower's log in {log_path}", flush=True)
     try:
-        run_federation_simulation(federation, resolved, resume=args.resume, log_path=log_path)
+        # Flower's log (its tracebacks of failed ClientApps included) goes to the log file; the
+        # coordinator's round lines still reach the console
+        with flower_log_to(log_path):
+            run_federation_simulation(federation, resolved, gpus_per_site=gpus, resume=args.resume, worker_output_to_console=False)
     except Exception:  # noqa: BLE001 - the coordinator printed its error line; the traceback goes to the log
         with log_path.open("a", encoding="utf-8") as log:
             log.write(f"fedpose simulate: the simulation raised\n{traceback.format_exc()}")
