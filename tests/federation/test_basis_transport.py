@@ -176,7 +176,7 @@ def test_compact_recipe_on_the_pose_model_and_real_public_images():
     from fedpose.data.dataset import PoseDataset, load_records
     from fedpose.model import build_model
 
-    records, root = load_records(Path(__file__).resolve().parents[2] / "shared" / "data" / "mpii-real")
+    records, root = load_records(Path(__file__).resolve().parents[3] / "shared" / "data" / "mpii-real")
     public = PoseDataset(records, root, input_size=(64, 64), train=False)
     torch.manual_seed(0)
     coordinator_model = build_model(ModelConfig(backbone="tiny_vit_test", scenario="full"), (64, 64))
