@@ -403,10 +403,10 @@ def test_mpii_validation_split_defaults_to_images_of_up_to_four_people() -> None
 
 
 def test_the_coordinators_round_line_names_each_sites_unit() -> None:
-    from fedpose.federation.report import round_line
+    from fedpose.federation.report import RoundRecord, round_line
 
-    line = round_line({"round": 3, "sites": {
+    line = round_line(RoundRecord.model_validate({"round": 3, "sites": {
         "a": {"status": "ok", "epsilon": 1.0, "delta": 1e-5, "guarantee": "DP", "accountant": "rdp", "unit": "patient"},
         "b": {"status": "ok", "epsilon": 2.0, "delta": 1e-5, "guarantee": "DP", "accountant": "rdp"},  # history from before units
-    }})
+    }}))
     assert "a: ok, ε = 1 (DP, δ = 1e-05, RDP) per patient" in line and "b: ok, ε = 2 (DP, δ = 1e-05, RDP) per record" in line
