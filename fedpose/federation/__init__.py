@@ -1,6 +1,6 @@
 """Flower-free federation logic used by ``sites/`` and ``coordinator/``.
 
-- :mod:`.config` — SiteConfig, CoordinatorConfig, FederationConfig (pydantic).
+- :mod:`.config` — SiteConfig (only what a site reads), CoordinatorConfig, FederationConfig (pydantic).
 - :mod:`.site_budget` — the site's persisted, crash-safe ε budget guard (refuses rounds past ε_max).
 - :mod:`.ledger` — the coordinator's SQLite mirror of what each site reported.
 - :mod:`.validation` — rejects NaN/Inf, wrong shape/dtype and over-norm updates.
@@ -9,6 +9,7 @@
 - :mod:`.metrics` — per-process Prometheus registries for coordinator and site.
 - :mod:`.protocol` — the round protocol: TrainInstruction, SiteReply, PrivacyReport (the only schema).
 - :mod:`.local_training` — one site's round: budget guard, data, private training, the reply.
+- :mod:`.report` — the typed round history (RoundRecord, SiteRoundRecord), report.json, curves.
 - :mod:`.server` — the coordinator's round runner (over any transport) and its basis service.
 
 Model weights and updates are ``dict[str, np.ndarray]`` ("ArrayDict"): name → float32 array, in
