@@ -14,6 +14,8 @@ from fedpose.cli.export import EXPORT_KEYS, PUBLISHABLE_SECTION_KEYS, SITE_KEYS
 from fedpose.privacy.ldp_slicing import CHANNELS
 from fedpose.privacy.report import PUBLISHABLE_KEYS
 
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
 #: keys of privacy.json / checkpoints that carry private-data statistics or the run's randomness
 FORBIDDEN = {"dataset_size", "loss", "train_loss", "grad_norm_median", "clipped_fraction", "batch_size", "expected_batch_size",
              "seed", "rng", "accountant_state", "rdp_curve", "planned_steps"}
@@ -191,3 +193,52 @@ def test_a_federated_export_with_a_stale_report_and_no_ledger_is_refused(tmp_pat
     assert main(["export", str(coordinator), "--out", str(tmp_path / "x")]) != 0
     err = capsys.readouterr().err
     assert "report.json records rounds up to 2" in err and "after round 3" in err
+
+
+def test_eval_and_predict_read_the_coordinators_global_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The federation's model is a first-class artefact: `fedpose eval` and `fedpose predict` take
+    the coordinator's global.npz (or its directory) and use exactly its weights."""
+    import numpy as np
+
+    from fedpose.federation.aggregation import save_array_checkpoint
+    from fedpose.federation.global_model import load_global_model
+    from site_round_helpers import global_model
+
+    weights, spec = global_model(seed=3)
+    coordinator = tmp_path / "coordinator"
+    save_array_checkpoint(coordinator / "global.npz", weights,
+                          {"run_id": "demo", "state": {"model_spec": spec.model_dump(mode="json"), "round": 4}})
+    loaded = load_global_model(coordinator)
+    assert loaded.round == 4 and loaded.run_id == "demo"
+    assert all(np.array_equal(loaded.model.state_dict()[k].numpy(), v) for k, v in weights.items())
+
+    mpii = SHARED_DATA / "mpii-real"
+    assert main(["eval", "--checkpoint", str(coordinator / "global.npz"), "--data", str(mpii), "--json", "--device", "cpu"]) == 0
+    scores = json.loads(capsys.readouterr().out)
+    assert scores["samples"] > 0 and 0.0 <= scores["Mean"] <= 100.0
+    image = sorted((mpii / "images").iterdir())[0]
+    assert main(["predict", "--checkpoint", str(coordinator), str(image), "--out", str(tmp_path / "pred"), "--device", "cpu"]) == 0
+    predictions = json.loads((tmp_path / "pred" / "predictions.json").read_text())["predictions"]
+    assert len(predictions) == 1 and (tmp_path / "pred" / f"{image.stem}_pose.png").exists()
+
+
+def test_a_damaged_or_foreign_global_model_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fedpose.federation.aggregation import save_array_checkpoint
+    from site_round_helpers import global_model
+
+    mpii = str(SHARED_DATA / "mpii-real")
+    garbage = tmp_path / "garbage" / "global.npz"
+    garbage.parent.mkdir()
+    garbage.write_bytes(b"not a zip archive")
+    assert main(["eval", "--checkpoint", str(garbage), "--data", mpii]) != 0
+    assert f"{garbage}: not a readable coordinator checkpoint" in capsys.readouterr().err
+
+    weights, spec = global_model()
+    weights.pop(sorted(weights)[0])
+    partial = tmp_path / "partial" / "global.npz"
+    save_array_checkpoint(partial, weights, {"state": {"model_spec": spec.model_dump(mode="json")}})
+    assert main(["eval", "--checkpoint", str(partial.parent), "--data", mpii]) != 0
+    assert f"{partial}: its arrays do not fit its model spec" in capsys.readouterr().err
+
+    assert main(["eval", "--checkpoint", str(tmp_path / "nothing.npz"), "--data", mpii]) != 0
+    assert "no coordinator model here" in capsys.readouterr().err

@@ -16,7 +16,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Decode the model's SimCC predictions, map them to the original images and score PCKh "
                     "(MPII protocol, head boxes) on every record that has a head box.",
     )
-    ev.add_argument("--checkpoint", required=True, type=Path, help="fedpose checkpoint (e.g. RUN_DIR/checkpoints/best.pt)")
+    ev.add_argument("--checkpoint", required=True, type=Path,
+                    help="a fedpose checkpoint (e.g. RUN_DIR/checkpoints/best.pt), or a federation's model: the "
+                         "coordinator's global.npz or its checkpoint directory")
     ev.add_argument("--data", required=True, type=Path, help="dataset directory, annotations json or COCO keypoints json")
     ev.add_argument("--batch-size", type=int, default=32)
     ev.add_argument("--max-samples", type=int, default=None, help="evaluate the first N records only")
@@ -31,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Predict the 16 joints on each image (the whole image is taken as the person box) and "
                     "write <name>_pose.png overlays plus predictions.json to --out.",
     )
-    pr.add_argument("--checkpoint", required=True, type=Path)
+    pr.add_argument("--checkpoint", required=True, type=Path,
+                    help="a fedpose checkpoint, or the coordinator's global.npz (or its checkpoint directory)")
     pr.add_argument("images", nargs="+", type=Path, metavar="IMAGE")
     pr.add_argument("--out", required=True, type=Path, help="output directory")
     pr.add_argument("--min-confidence", type=float, default=0.0,
@@ -46,10 +49,15 @@ def _load_model(path: Path, device_setting: str):
     from fedpose.model import CheckpointError, model_from_checkpoint
     from fedpose.runtime import describe_device, resolve_device
 
+    from fedpose.federation.global_model import GlobalModelError, global_checkpoint_path, load_global_model
+
     try:
         device = resolve_device(device_setting, "--device")
-        model, _ = model_from_checkpoint(path)
-    except (CheckpointError, ConfigError) as exc:
+        if global_checkpoint_path(path) is not None:  # a federation's model: the coordinator's global.npz (or its dir)
+            model = load_global_model(path).model
+        else:
+            model, _ = model_from_checkpoint(path)
+    except (CheckpointError, ConfigError, GlobalModelError) as exc:
         raise UserError(str(exc)) from None
     return model.to(device), describe_device(device)
 

@@ -34,12 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from fedpose.cli.common import UserError
+from fedpose.federation.global_model import GLOBAL_CHECKPOINT, GlobalModelError, load_global_model
 
 MODEL_FILE = "model.pt"
 REPORT_FILE = "privacy_report.json"
 TEXT_FILE = "PRIVACY.txt"
 EXPORTED_FILES = (MODEL_FILE, REPORT_FILE, TEXT_FILE)
-GLOBAL_CHECKPOINT = "global.npz"  # fedpose.federation.server.rounds.GLOBAL_CHECKPOINT (kept light: no import)
 COORDINATOR_REPORT = "report.json"  # fedpose.federation.report.REPORT_FILE
 DEFAULT_LEDGER = "ledger.sqlite"  # the coordinator's default ledger_db, inside its checkpoint_dir
 
@@ -165,21 +165,13 @@ def _withhold_seeds(value: Any) -> Any:
 
 
 def _federation(coordinator_dir: Path) -> tuple[Any, dict[str, Any]]:
-    import numpy as np
-    import torch
-
-    from fedpose.federation.aggregation import load_array_checkpoint
     from fedpose.federation.report import epsilon_text
-    from fedpose.model import build_model_from_spec
 
-    checkpoint = coordinator_dir / GLOBAL_CHECKPOINT
-    arrays, meta = load_array_checkpoint(checkpoint)
-    state = meta.get("state") or {}
-    spec, model_round = state.get("model_spec"), int(state.get("round") or 0)
-    if not spec:
-        raise UserError(f"export: {checkpoint} holds no model spec")
-    model = build_model_from_spec(spec)
-    model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in arrays.items()})
+    try:
+        federated = load_global_model(coordinator_dir)
+    except GlobalModelError as exc:
+        raise UserError(f"export: {exc}") from None
+    model, model_round, checkpoint = federated.model, federated.round, federated.path
     summaries, recorded_round, record = _site_summaries(coordinator_dir)
     if recorded_round < model_round:
         # report.json is written when a run finishes: one that stopped early has an older one
@@ -195,7 +187,7 @@ def _federation(coordinator_dir: Path) -> tuple[Any, dict[str, Any]]:
         "epsilon_text": epsilon_text(s.get("epsilon"), s.get("delta"), s.get("guarantee"), s.get("accountant") or "rdp",
                                      s.get("unit")),
     } for s in summaries]
-    report = {"source": "federation", "run_id": meta.get("run_id"), "sites": sites,
+    report = {"source": "federation", "run_id": federated.run_id or None, "sites": sites,
               "guarantee_statement": "each site's guarantee is about its own protection units (protection_unit: record, image or patient), composed over every local step of every round it joined",
               "model_selection": f"global model after round {model_round} (no selection on data)"}
     return model, report

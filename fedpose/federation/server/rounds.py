@@ -51,11 +51,11 @@ from fedpose.federation.report import (
     save_history,
     write_report,
 )
+from fedpose.federation.global_model import GLOBAL_CHECKPOINT
 from fedpose.federation.server.basis_service import NO_BASIS, BasisService
 
 log = logging.getLogger("fedpose.coordinator")
 
-GLOBAL_CHECKPOINT = "global.npz"
 OPTIMIZER_CHECKPOINT = "server_optimizer.npz"
 NODE_WAIT_POLL_S = 1.0
 NODE_SETTLE_S = 5.0  #: a fresh run waits until the connected-node count is stable this long

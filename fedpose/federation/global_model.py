@@ -1,0 +1,65 @@
+"""The federation's model as a file people use: the coordinator's ``global.npz``.
+
+The coordinator checkpoints the global model every round as named float arrays plus JSON meta
+(:func:`fedpose.federation.aggregation.save_array_checkpoint`; no pickle), with the model's
+architecture (its :class:`~fedpose.config.ModelSpec`) and the round in the meta. ``fedpose eval``,
+``fedpose predict`` and ``fedpose export`` read it through :func:`load_global_model`, given the file
+or the coordinator's checkpoint directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: the global model's file in a coordinator's checkpoint directory
+GLOBAL_CHECKPOINT = "global.npz"
+
+
+class GlobalModelError(ValueError):
+    """Not a readable federated model (names the file and what is wrong)."""
+
+
+@dataclass(frozen=True)
+class GlobalModel:
+    model: Any  #: the PoseModel with the global weights
+    path: Path  #: the global.npz it was read from
+    round: int  #: the last round folded into these weights (0: the initial model)
+    run_id: str
+
+
+def global_checkpoint_path(path: str | Path) -> Path | None:
+    """``path`` itself when it is a coordinator's global model file, the one inside it when it is a
+    coordinator's checkpoint directory, else None (not a federated model)."""
+    path = Path(path)
+    if path.is_dir():
+        return path / GLOBAL_CHECKPOINT if (path / GLOBAL_CHECKPOINT).is_file() else None
+    return path if path.suffix == ".npz" else None
+
+
+def load_global_model(path: str | Path) -> GlobalModel:
+    """The federated model in ``path`` (a global.npz or the directory holding it), on the CPU."""
+    import numpy as np
+    import torch
+
+    from fedpose.federation.aggregation import load_array_checkpoint
+    from fedpose.model import build_model_from_spec
+
+    file = global_checkpoint_path(path)
+    if file is None or not file.is_file():
+        raise GlobalModelError(f"{path}: no coordinator model here (expected {GLOBAL_CHECKPOINT} or the directory holding it)")
+    try:
+        arrays, meta = load_array_checkpoint(file)
+    except (OSError, ValueError, KeyError) as exc:  # numpy raises ValueError/OSError for a damaged archive
+        raise GlobalModelError(f"{file}: not a readable coordinator checkpoint ({type(exc).__name__}: {exc})") from None
+    state = meta.get("state") or {}
+    if not state.get("model_spec"):
+        raise GlobalModelError(f"{file}: holds no model spec (not written by a fedpose coordinator)")
+    model = build_model_from_spec(state["model_spec"])
+    try:
+        model.load_state_dict({name: torch.from_numpy(np.array(value)) for name, value in arrays.items()})
+    except RuntimeError as exc:  # missing / unexpected / mis-shaped tensors
+        first = str(exc).splitlines()[0]
+        raise GlobalModelError(f"{file}: its arrays do not fit its model spec ({first})") from None
+    return GlobalModel(model, file, int(state.get("round") or 0), str(meta.get("run_id") or ""))
