@@ -272,16 +272,43 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Set each ``a.b.c=value`` in ``raw``. A list of tables (e.g. ``[[sites]]``) is entered by a
+    0-based index, as validation errors count (``sites.1.eps_max=4``: the second site), or by the
+    ``site_id`` of an entry (``sites.site-2.eps_max=4``)."""
     for item in overrides:
         path, value = parse_override(item)
-        node = raw
-        for part in path[:-1]:
+        node: Any = raw
+        for depth, part in enumerate(path[:-1]):
+            where = ".".join(path[: depth + 1])
+            if isinstance(node, list):
+                node = _list_entry(node, part, item, where)
+                continue
             child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set '{item}': '{part}' is not a section")
+            if not isinstance(child, (dict, list)):
+                raise ConfigError(f"--set '{item}': '{where}' is not a section")
             node = child
+        if isinstance(node, list):
+            raise ConfigError(f"--set '{item}': '{'.'.join(path[:-1])}' is a list of tables; name a key inside one entry")
         node[path[-1]] = value
     return raw
+
+
+def _list_entry(entries: list[Any], part: str, item: str, where: str) -> dict[str, Any]:
+    """The table of ``entries`` named by ``part``: a 0-based index, or an entry's ``site_id``."""
+    if part.isdigit():
+        index = int(part)
+        if index >= len(entries):
+            raise ConfigError(f"--set '{item}': '{where}': index {index} out of range ({len(entries)} entries, counted from 0)")
+        entry = entries[index]
+    else:
+        matches = [e for e in entries if isinstance(e, dict) and e.get("site_id") == part]
+        if not matches:
+            ids = [e.get("site_id") for e in entries if isinstance(e, dict)]
+            raise ConfigError(f"--set '{item}': '{where}': no entry with site_id {part!r} (have {ids}; or use an index from 0)")
+        entry = matches[0]
+    if not isinstance(entry, dict):
+        raise ConfigError(f"--set '{item}': '{where}' is not a section")
+    return entry
 
 
 def format_validation_error(exc: ValidationError, source: str) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import re
+
 import pytest
 
 from fedpose.config import ConfigError, RunConfig, load_config
@@ -79,3 +81,22 @@ def test_a_site_config_rejects_keys_the_site_does_not_use(section: str, key: str
     raw[section] = {**raw.get(section, {}), leaf: 1} if section != key else {"backbone": "tiny_vit_test"}
     with pytest.raises(ConfigError, match=f"{key}: unknown key"):
         validate(SiteConfig, raw, "site.toml")
+
+
+def test_set_reaches_per_site_keys_by_index_or_site_id(tmp_path: Path) -> None:
+    """`fedpose simulate --set sites.1.eps_max=4`: every key a federation file can hold is reachable."""
+    from fedpose.cli.simulate import resolve_federation
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
+    checkpoint = f'coordinator.checkpoint_dir="{tmp_path / "coordinator"}"'
+    federation, _, _ = resolve_federation(config, [checkpoint, "sites.1.eps_max=4", "sites.site-3.privacy.delta=1e-6",
+                                                   "sites.0.train.batch_size=4"])
+    by_id = {site.site_id: site for site in federation.sites}
+    assert by_id["site-2"].eps_max == 4 and by_id["site-1"].eps_max != 4
+    assert by_id["site-3"].privacy.delta == 1e-6 and by_id["site-1"].train.batch_size == 4
+    for bad, message in (("sites.3.eps_max=4", "index 3 out of range (3 entries, counted from 0)"),
+                         ("sites.site-9.eps_max=4", "no entry with site_id 'site-9'"),
+                         ("sites.eps_max=4", "'sites' is a list of tables"),
+                         ("sites.0.colour=1", "sites.0.colour: unknown key")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            resolve_federation(config, [checkpoint, bad])
