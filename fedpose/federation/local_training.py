@@ -264,11 +264,13 @@ def train_site_round(
     trainable = model.trainable_parameters()
     start_weights = {name: p.detach().clone() for name, p in trainable.items()}
 
-    basis = _site_basis(site, model, basis_version, basis_message)
+    mechanism = get_mechanism(site.privacy.mechanism)
+    # The coordinator serves one basis to the whole federation; a site whose mechanism does not
+    # project (dpsgd, fdp, maskdp, none) has no use for it and ignores it.
+    basis = _site_basis(site, model, basis_version, basis_message) if mechanism.projects else None
     if dataset is None:
         dataset = load_site_dataset(site, model_spec.input_size)
     public_dataset = None
-    mechanism = get_mechanism(site.privacy.mechanism)
     if basis is None and site.public_data is not None and mechanism.projects:
         # no coordinator basis: the engine computes its own from the site's copy of S_pub
         from fedpose.data.dataset import PoseDataset, load_records

@@ -11,7 +11,7 @@ import pytest
 
 from fedpose.data.image_check import check_images
 from fedpose.data.loaders import ImageLoadError, load_records
-from fedpose.federation.local_training import IMAGE_CHECK_CACHE, run_site_round
+from fedpose.federation.local_training import IMAGE_CHECK_CACHE, run_site_round, train_site_round
 from site_round_helpers import PLACEHOLDER_SPEC, global_model, make_site_data, site_config
 
 
@@ -137,3 +137,12 @@ def test_damaged_budget_state_is_reported_under_the_site_id_and_nothing_trains(
     reply = run_site_round(site, "run", 2, global_state, spec, 2).reply
     assert (reply.site_id, reply.status, reply.error_class, reply.privacy) == ("site-1", "error", "BudgetStateError", None)
     assert (budget.read_bytes() if budget.exists() else None) == before  # never recreated or reset
+
+
+def test_a_site_that_does_not_project_ignores_the_federations_basis(data_root: Path, tmp_path: Path, weights: tuple) -> None:
+    """The coordinator serves one basis to every site; a dpsgd site trains without it (it used to
+    fail every round with "mechanism 'dpsgd' does not project")."""
+    site = site_config(data_root, tmp_path / "state")
+    state, spec = weights
+    result = train_site_round(site, "run", 1, state, spec, local_steps=2, basis_version=3, basis_message=None)
+    assert result.reply.status == "ok" and result.update
