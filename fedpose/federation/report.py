@@ -51,6 +51,7 @@ class SiteRoundRecord(BaseModel):
     guarantee: str | None = None
     accountant: str | None = None
     unit: str | None = None  #: protection unit; None in records written before units (record-level)
+    eps_max: float | None = None  #: the site's own budget, as it reported it (None: no report this round)
     reason: str = ""
     reject_reason: str | None = None  #: the validation's code when status is "rejected"
     local_steps: int = 0
@@ -224,9 +225,21 @@ def write_report(directory: str | Path, run_info: dict[str, Any], rounds: list[R
 
 
 def save_federation_curves(path: str | Path, rounds: list[RoundRecord], initial_pckh: float | None = None) -> None:
-    """PCKh@0.5 (server-side, held-out split) and per-site cumulative ε over rounds."""
+    """PCKh@0.5 (server-side, held-out split) and per-site cumulative ε over rounds, with each
+    site's ε_max."""
     import io
 
+    import matplotlib.pyplot as plt
+
+    fig = federation_figure(rounds, initial_pckh)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    atomic_write(path, lambda fh: fh.write(buf.getvalue()))
+
+
+def federation_figure(rounds: list[RoundRecord], initial_pckh: float | None = None) -> Any:
+    """The matplotlib figure of :func:`save_federation_curves` (axes: PCKh, ε)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -250,7 +263,10 @@ def save_federation_curves(path: str | Path, rounds: list[RoundRecord], initial_
         last = points[-1][1]
         label = (f"{site_id} ({last.guarantee} per {last.unit or 'record'}, δ={last.delta or 0.0:.0e}, "
                  f"{str(last.accountant).upper()})")
-        ax_eps.plot([x for x, _ in points], [s.epsilon for _, s in points], marker="o", label=label)
+        line, = ax_eps.plot([x for x, _ in points], [s.epsilon for _, s in points], marker="o", label=label)
+        budgets = [s.eps_max for _, s in points if s.eps_max is not None]
+        if budgets:  # the site's own ε_max, in its colour: where its guard refuses
+            ax_eps.axhline(budgets[-1], color=line.get_color(), ls="--", lw=1, label=f"{site_id} ε_max = {budgets[-1]:g}")
     ax_eps.set(title="cumulative ε per site (as reported)", xlabel="round", ylabel="ε")
     from matplotlib.ticker import MaxNLocator
 
@@ -259,7 +275,4 @@ def save_federation_curves(path: str | Path, rounds: list[RoundRecord], initial_
     if sites:
         ax_eps.legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    atomic_write(path, lambda fh: fh.write(buf.getvalue()))
+    return fig

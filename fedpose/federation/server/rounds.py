@@ -346,6 +346,7 @@ class RoundRunner:
                                    delta=privacy.delta if privacy else None, guarantee=privacy.guarantee if privacy else None,
                                    accountant=privacy.accountant if privacy else None,
                                    unit=privacy.protection_unit if privacy else None,
+                                   eps_max=privacy.eps_max if privacy else None,
                                    reason=site_reply.describe() if site_reply.reason else "",
                                    local_steps=site_reply.local_steps, bytes_down=bytes_down.get(node, 0))
             sites[site_id] = info

@@ -154,3 +154,22 @@ def test_the_basis_goes_only_to_sites_lacking_its_version(tmp_path: Path) -> Non
     assert shipped == {(1, "site-1"): (1, True), (1, "site-2"): (1, True),
                        (2, "site-1"): (1, False), (2, "site-2"): (1, False),
                        (3, "site-1"): (3, True), (3, "site-2"): (3, True)}
+
+
+def test_curves_draw_each_sites_reported_eps_max() -> None:
+    """curves.png: every site's ε over rounds with its own ε_max as a dashed line (where its guard refuses)."""
+    import matplotlib.pyplot as plt
+
+    from fedpose.federation.report import RoundRecord, SiteRoundRecord, federation_figure
+
+    def site(epsilon: float, eps_max: float, status: str = "ok") -> SiteRoundRecord:
+        return SiteRoundRecord(status=status, epsilon=epsilon, delta=1e-5, guarantee="DP", accountant="pld",
+                               unit="patient", eps_max=eps_max)
+
+    rounds = [RoundRecord(round=1, sites={"site-1": site(2.0, 8.0), "site-3": site(2.0, 3.0)}),
+              RoundRecord(round=2, sites={"site-1": site(3.5, 8.0), "site-3": site(2.0, 3.0, "refused")})]
+    fig = federation_figure(rounds, initial_pckh=30.0)
+    ax_eps = fig.axes[1]
+    dashed = {line.get_label(): line.get_ydata()[0] for line in ax_eps.get_lines() if line.get_linestyle() == "--"}
+    assert dashed == {"site-1 ε_max = 8": 8.0, "site-3 ε_max = 3": 3.0}
+    plt.close(fig)
