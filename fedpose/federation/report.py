@@ -272,7 +272,7 @@ def federation_figure(rounds: list[RoundRecord], initial_pckh: float | None = No
 
     for ax in (ax_pckh, ax_eps):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    if sites:
+    if ax_eps.get_legend_handles_labels()[0]:  # non-private runs report no ε
         ax_eps.legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -282,7 +282,8 @@ class GradientEngine:
                 if len(arrays) != 1:
                     raise ValueError(f"basis mapping must hold exactly one 2-D array, got keys {list(basis)}")
                 basis = arrays[0]
-            vectors = torch.as_tensor(np.asarray(basis) if not isinstance(basis, Tensor) else basis)
+            # a copy: a received or cached basis may be a read-only buffer (torch warns on those)
+            vectors = torch.as_tensor(np.array(basis) if not isinstance(basis, Tensor) else basis)
             if vectors.dim() != 2 or vectors.shape[1] < 1:
                 raise ValueError(f"basis must be a p × k matrix, got shape {tuple(vectors.shape)}")
             self.basis = projection.Basis(vectors.to(torch.float32), version=int(version))

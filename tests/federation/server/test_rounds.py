@@ -173,3 +173,22 @@ def test_curves_draw_each_sites_reported_eps_max() -> None:
     dashed = {line.get_label(): line.get_ydata()[0] for line in ax_eps.get_lines() if line.get_linestyle() == "--"}
     assert dashed == {"site-1 ε_max = 8": 8.0, "site-3 ε_max = 3": 3.0}
     plt.close(fig)
+
+
+def test_the_in_process_transport_runs_real_site_rounds(tmp_path: Path) -> None:
+    """InProcessTransport (benchmarks/federated_utility) runs the real site round for each node: the
+    sites' budgets and the coordinator's ledger agree after two rounds."""
+    from fedpose.federation.server.in_process import InProcessTransport
+    from site_round_helpers import make_site_data, site_config
+
+    data = make_site_data(tmp_path / "data")
+    site = site_config(data, tmp_path / "site-1")
+    runner = RoundRunner(_run(tmp_path, rounds=2, local_steps=2), echo=lambda _: None)
+    runner.run_rounds(InProcessTransport([site]))
+    history = load_history(tmp_path / "coordinator")
+    assert [r.sites["site-1"].status for r in history] == ["ok", "ok"] and all(r.aggregated for r in history)
+    budget = json.loads((tmp_path / "site-1" / "budget.json").read_text())["payload"]
+    with BudgetLedger(tmp_path / "coordinator" / "ledger.sqlite", read_only=True) as ledger:
+        summary = {s.site_id: s for s in ledger.site_summaries()}["site-1"]
+    assert [e["round"] for e in budget["entries"] if e["status"] == "spent"] == [1, 2]
+    assert summary.epsilon == pytest.approx(history[-1].sites["site-1"].epsilon) and summary.rounds_joined == 2

@@ -1,0 +1,568 @@
+"""Why federate: public-only vs site-alone vs federated vs central, private and non-private.
+
+    python benchmarks/federated_utility/run.py                      # every run, resumes finished ones
+    python benchmarks/federated_utility/run.py --probe federated    # one seed, ε 8, pdp only (tuning)
+    python benchmarks/federated_utility/run.py --report-only        # rewrite results.{json,md,png} from the parts
+
+Protocol (paper 001's public pre-training + private fine-tuning, federated), on fedpose's synthetic
+multi-site data (3 non-IID sites; the test split mixes the three sites' distributions and each test
+record names its source site, so every site has its own held-out test split, and the mixture is
+the union):
+
+* ``public-only``: the warm start — non-private training on the public split (the coordinator's
+  own :func:`fedpose.federation.warm_start.warm_start`), no site data. Every other arm starts from it.
+* ``site-alone``: each site trains alone, same mechanism, ε, δ, unit, rounds and local steps as in
+  the federation (a federation of one site: the same code path).
+* ``federated``: the three sites through the real coordinator round loop
+  (:class:`~fedpose.federation.server.rounds.RoundRunner`: basis service, validation, aggregation,
+  ledger) and the real site round (:func:`~fedpose.federation.local_training.run_site_round`: budget
+  guard, private training). Flower's messaging is bypassed by
+  :class:`~fedpose.federation.server.in_process.InProcessTransport` (same process, no serialization).
+* ``central``: the three sites' data pooled at one "site", same per-unit ε: the same sampling rate q
+  per unit, so the same σ over the same steps, with a 3× larger expected batch (one noise draw per
+  step for all the data — what a trusted curator could do).
+* non-private ``federated`` and ``central``: the same with mechanism "none".
+
+Every run is saved when it finishes (``parts/<key>.json`` in the work dir), so an interrupted
+sweep resumes where it stopped; results.json / results.md / results.png are rewritten from the
+parts after every run. ``--jobs 2`` runs two runs at a time (one torch thread each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+DEFAULT_MECHANISMS = ("pdp", "fpdp")  # the issue's two: record-level DP with projection, and FP-DP
+
+
+class Settings(BaseModel):
+    """Every hyper-parameter of the sweep (written into results.json)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    size: tuple[int, int] = (64, 64)
+    sites: int = 3
+    per_site: int = 120
+    public: int = 96
+    test: int = 240
+    data_seed: int = 0
+    backbone: str = "tiny_vit_test"
+    scenario: str = "full"
+    warm_steps: int = 150
+    warm_lr: float = 2e-3
+    batch_size: int = 16
+    rounds: int = 10
+    local_steps: int = 8
+    site_lr: float = 0.05
+    site_momentum: float = 0.9
+    max_grad_norm: float = 0.1
+    k: int = 16
+    public_samples: int = 32
+    refresh_every_rounds: int = 2
+    public_view_factor: int = 4
+    public_view_bits: int = 3
+    aggregation: str = "fedavg"
+    server_lr: float = 1.0
+    server_momentum: float = 0.9
+    delta: float = 1e-5
+    unit: str = "record"
+    mechanisms: list[str] = Field(default_factory=lambda: list(DEFAULT_MECHANISMS))
+    epsilons: list[float] = Field(default_factory=lambda: [2.0, 8.0])
+    seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
+    threads: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One training run: which sites train, with which mechanism and ε."""
+
+    seed: int
+    mechanism: str  # "none" or a private mechanism
+    epsilon: float | None
+    kind: str  # "public-only" | "site-alone" | "federated" | "central"
+    site: str | None = None  # site-alone: which site
+
+    @property
+    def key(self) -> str:
+        privacy = "nonprivate" if self.mechanism == "none" else f"{self.mechanism}-eps{self.epsilon:g}"
+        if self.kind == "public-only":
+            return f"s{self.seed}/public-only"
+        return f"s{self.seed}/{privacy}/{self.kind}" + (f"/{self.site}" if self.site else "")
+
+
+def all_arms(settings: Settings, only: str | None = None) -> list[Arm]:
+    site_ids = [f"site-{k}" for k in range(1, settings.sites + 1)]
+    arms: list[Arm] = []
+    for seed in settings.seeds:
+        arms.append(Arm(seed, "none", None, "public-only"))
+        for mechanism in settings.mechanisms:
+            for epsilon in sorted(settings.epsilons, reverse=True):  # ε 8 first: the goals are stated there
+                arms.append(Arm(seed, mechanism, epsilon, "federated"))
+                arms.append(Arm(seed, mechanism, epsilon, "central"))
+                arms += [Arm(seed, mechanism, epsilon, "site-alone", s) for s in site_ids]
+        arms.append(Arm(seed, "none", None, "federated"))
+        arms.append(Arm(seed, "none", None, "central"))
+    return [a for a in arms if only is None or a.kind in (only, "public-only")]
+
+
+# -- data ----------------------------------------------------------------------------------------------
+def ensure_data(settings: Settings, work: Path) -> Path:
+    """The synthetic dataset and the pooled site data (central arms)."""
+    from fedpose.data.annotations import ANNOTATIONS_FILE, write_annotations
+    from fedpose.data.loaders import load_records
+    from fedpose.data.synthetic import ensure_dataset
+
+    data = work / "data"
+    ensure_dataset(data, sites=settings.sites, per_site=settings.per_site, public=settings.public, test=settings.test,
+                   size=tuple(settings.size), seed=settings.data_seed, workers=1, progress=False)
+    pooled = work / "pooled"
+    if not (pooled / ANNOTATIONS_FILE).exists():
+        (pooled / "images").mkdir(parents=True, exist_ok=True)
+        records = []
+        for k in range(1, settings.sites + 1):
+            site_records, root = load_records(data / f"site-{k}")
+            for record in site_records:
+                name = f"images/site-{k}-{Path(record.image).name}"
+                shutil.copyfile(root / record.image, pooled / name)
+                records.append(dataclasses.replace(record, image=name))
+        write_annotations(pooled / ANNOTATIONS_FILE, records)
+    return data
+
+
+def test_splits(data: Path, settings: Settings) -> dict[str, Any]:
+    """split name → (records, root): each site's own test split and the mixture."""
+    from fedpose.data.loaders import load_records
+
+    records, root = load_records(data / "test")
+    splits = {f"site-{k}": ([r for r in records if r.extra.get("site") == f"site-{k}"], root) for k in range(1, settings.sites + 1)}
+    splits["mixture"] = (records, root)
+    return splits
+
+
+def evaluate_splits(model: Any, splits: dict[str, Any], size: tuple[int, int]) -> dict[str, dict[str, float]]:
+    from fedpose.data.dataset import PoseDataset
+    from fedpose.train.evaluate import evaluate
+
+    out = {}
+    for name, (records, root) in splits.items():
+        scores = evaluate(model, PoseDataset(records, root, input_size=size, train=False), batch_size=32)
+        out[name] = {"pckh50": round(scores["Mean"], 2), "pckh10": round(scores["Mean@0.1"], 2), "samples": scores["samples"]}
+    return out
+
+
+# -- runs ----------------------------------------------------------------------------------------------
+def warm_start_checkpoint(settings: Settings, data: Path, work: Path, seed: int) -> Path:
+    """The public-only model of ``seed`` (trained once, shared by every arm of that seed)."""
+    import torch
+
+    from fedpose.config import ModelConfig, OptimConfig
+    from fedpose.federation.warm_start import warm_start
+    from fedpose.model import build_model, save_checkpoint
+    from fedpose.runtime import configure_cpu
+
+    path = work / "public" / f"seed{seed}.pt"
+    if path.exists():
+        return path
+    configure_cpu(settings.threads)
+    torch.manual_seed(seed)
+    model = build_model(ModelConfig(backbone=settings.backbone, scenario="scratch"), tuple(settings.size))
+    warm_start(model, data / "public", settings.warm_steps, OptimConfig(lr=settings.warm_lr, warmup_steps=20),
+               settings.batch_size, seed, calibrate=True, echo=lambda _: None)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(path, model)
+    return path
+
+
+def noise_multiplier(settings: Settings, mechanism: str, epsilon: float, sample_rate: float) -> float:
+    """σ that spends exactly ``epsilon`` over all rounds × local steps (the site's accountant: PLD)."""
+    from fedpose.config import PrivacyConfig
+    from fedpose.privacy.engine import resolve_noise_multiplier
+
+    privacy = PrivacyConfig(mechanism=mechanism, target_epsilon=epsilon, delta=settings.delta, sample_rate=sample_rate)
+    return resolve_noise_multiplier(privacy, sample_rate, settings.rounds * settings.local_steps)
+
+
+def site_config(settings: Settings, arm: Arm, site_id: str, train: Path, public: Path, state: Path, batch_size: int,
+                sample_rate: float, sigma: float) -> Any:
+    from fedpose.federation.config import SiteConfig
+
+    privacy: dict[str, Any] = {"mechanism": arm.mechanism}
+    if arm.mechanism != "none":
+        privacy.update(noise_multiplier=sigma, sample_rate=sample_rate, max_grad_norm=settings.max_grad_norm,
+                       delta=settings.delta, unit=settings.unit,
+                       public_view={"kind": "downsample_quantize", "factor": settings.public_view_factor, "bits": settings.public_view_bits})
+    return SiteConfig.model_validate({
+        "site_id": site_id, "data": {"train": str(train)}, "public_data": str(public),
+        "state_dir": str(state), "eps_max": (arm.epsilon or 1.0) * (1 + 1e-6), "local_steps": settings.local_steps,
+        "optim": {"name": "sgd", "lr": settings.site_lr, "momentum": settings.site_momentum, "weight_decay": 0.0},
+        "train": {"batch_size": batch_size, "seed": arm.seed * 100 + int(site_id.rsplit("-", 1)[-1] if site_id[-1].isdigit() else 0),
+                  "threads": settings.threads},
+        "privacy": privacy,
+    })
+
+
+def run_arm(settings: Settings, arm: Arm, data: Path, work: Path) -> dict[str, Any]:
+    """Train one arm through the coordinator's round loop; evaluate it on every test split."""
+    from fedpose.federation.deployment import CoordinatorRunConfig
+    from fedpose.federation.global_model import load_global_model
+    from fedpose.federation.report import load_history
+    from fedpose.federation.server.in_process import InProcessTransport
+    from fedpose.federation.server.rounds import RoundRunner
+    from fedpose.model import model_from_checkpoint
+    from fedpose.privacy.mechanisms import get_mechanism
+    from fedpose.runtime import configure_cpu
+
+    configure_cpu(settings.threads)
+    splits = test_splits(data, settings)
+    load_before = os.getloadavg()
+    started, cpu_started = time.time(), time.process_time()
+    init = warm_start_checkpoint(settings, data, work, arm.seed)
+    result: dict[str, Any] = {"key": arm.key, **dataclasses.asdict(arm)}
+    if arm.kind == "public-only":
+        model, _ = model_from_checkpoint(init)
+        result["scores"] = evaluate_splits(model, splits, tuple(settings.size))
+    else:
+        arm_dir = work / "arms" / arm.key
+        shutil.rmtree(arm_dir, ignore_errors=True)  # an interrupted run starts over (its budgets were spent)
+        if arm.kind == "central":
+            trains = [("pooled", work / "pooled")]
+            batch = settings.batch_size * settings.sites  # same q per unit over 3× the units
+        elif arm.kind == "federated":
+            trains = [(f"site-{k}", data / f"site-{k}") for k in range(1, settings.sites + 1)]
+            batch = settings.batch_size
+        else:
+            trains = [(str(arm.site), data / str(arm.site))]
+            batch = settings.batch_size
+        sample_rate = settings.batch_size / settings.per_site  # declared q: B/N (central: 3B/3N)
+        sigma = noise_multiplier(settings, arm.mechanism, float(arm.epsilon), sample_rate) if arm.mechanism != "none" else 0.0
+        sites = [site_config(settings, arm, site_id, train, data / "public", arm_dir / "sites" / site_id, batch, sample_rate, sigma)
+                 for site_id, train in trains]
+        projects = get_mechanism(arm.mechanism).projects
+        run = CoordinatorRunConfig.model_validate({"run_id": "fedutil", "coordinator": {
+            "rounds": settings.rounds, "min_sites": len(sites), "local_steps": settings.local_steps, "round_timeout_s": 3600,
+            "checkpoint_dir": str(arm_dir / "coordinator"),
+            "data": {"val": str(data / "test"), "input_size": list(settings.size)},
+            "public_data": str(data / "public") if projects else None,
+            "basis": {"transport": "compact", "k": settings.k, "public_samples": settings.public_samples,
+                      "refresh_every_rounds": settings.refresh_every_rounds},
+            "model": {"backbone": settings.backbone, "scenario": settings.scenario, "init_checkpoint": str(init)},
+            "aggregation": {"strategy": settings.aggregation, "server_lr": settings.server_lr, "momentum": settings.server_momentum},
+            "seed": arm.seed,
+        }})
+        lines: list[str] = []
+        RoundRunner(run, echo=lines.append).run_rounds(InProcessTransport(sites))
+        model = load_global_model(arm_dir / "coordinator").model
+        history = load_history(arm_dir / "coordinator")
+        initial = json.loads((arm_dir / "coordinator" / "report.json").read_text()).get("initial_pckh")
+        last_sites = history[-1].sites if history else {}
+        result.update(
+            scores=evaluate_splits(model, splits, tuple(settings.size)),
+            curve_mixture_pckh50=[initial] + [(r.pckh or {}).get("Mean") for r in history],
+            curve_mixture_pckh10=[None] + [(r.pckh or {}).get("Mean@0.1") for r in history],
+            rounds_completed=len(history),
+            site_rounds={s: [r.sites[s].status if s in r.sites else None for r in history] for s, _ in trains},
+            epsilon_spent={s: last_sites[s].epsilon if s in last_sites else None for s, _ in trains},
+            noise_multiplier=sigma, sample_rate=sample_rate if arm.mechanism != "none" else None, batch_size=batch,
+            round_lines=lines,
+        )
+    result.update(wall_seconds=round(time.time() - started, 1), cpu_seconds=round(time.process_time() - cpu_started, 1),
+                  load_before=[round(x, 2) for x in load_before], load_after=[round(x, 2) for x in os.getloadavg()])
+    return result
+
+
+# -- driver --------------------------------------------------------------------------------------------
+def part_path(work: Path, arm: Arm) -> Path:
+    return work / "parts" / (arm.key.replace("/", "__") + ".json")
+
+
+def run_pending(settings: Settings, arms: list[Arm], work: Path, data: Path) -> None:
+    from fedpose.io import atomic_write_json
+
+    for arm in arms:
+        path = part_path(work, arm)
+        if path.exists():
+            continue
+        print(f"[{time.strftime('%H:%M:%S')}] {arm.key} ...", flush=True)
+        result = run_arm(settings, arm, data, work)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(path, result)
+        mixture = result["scores"]["mixture"]["pckh50"]
+        own = result["scores"][arm.site]["pckh50"] if arm.site else None
+        print(f"[{time.strftime('%H:%M:%S')}] {arm.key}: mixture PCKh@0.5 {mixture}" + (f", own split {own}" if own is not None else "")
+              + f" ({result['wall_seconds']} s)", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/fedpose_federated_utility"), help="data, checkpoints, per-run parts")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=JSON",
+                        help="override a setting, e.g. --set rounds=12 --set 'epsilons=[8]'")
+    parser.add_argument("--probe", choices=("federated", "site-alone", "central"), default=None,
+                        help="tuning: only this arm kind (plus public-only), results kept apart in <work>/probe-<hash>")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at a time (separate processes)")
+    parser.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)  # "i/n": run every n-th pending arm
+    parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--out", type=Path, default=HERE, help="where results.{json,md,png} go")
+    args = parser.parse_args()
+
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    raw = {k: json.loads(v) if v[:1] in "[{0123456789-.tfn" else v for k, v in (o.split("=", 1) for o in args.overrides)}
+    settings = Settings.model_validate(raw)
+    work = args.work
+    if args.probe:
+        import hashlib
+
+        work = work / f"probe-{hashlib.sha1(settings.model_dump_json().encode()).hexdigest()[:8]}"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "settings.json").write_text(settings.model_dump_json(indent=1))
+    arms = all_arms(settings, args.probe)
+    if args.report_only:
+        write_results(settings, arms, work, args.out)
+        return 0
+    data = ensure_data(settings, work)
+    if args.worker:
+        index, count = (int(x) for x in args.worker.split("/"))
+        run_pending(settings, [a for i, a in enumerate(a for a in arms if a.kind != "public-only") if i % count == index], work, data)
+        return 0
+    started = time.time()
+    run_pending(settings, [a for a in arms if a.kind == "public-only"], work, data)  # shared by every arm of a seed
+    if args.jobs > 1:
+        base = [sys.executable, str(Path(__file__).resolve()), "--work", str(args.work), *sum((["--set", o] for o in args.overrides), [])]
+        base += ["--probe", args.probe] if args.probe else []
+        workers = [subprocess.Popen([*base, "--worker", f"{i}/{args.jobs}"]) for i in range(args.jobs)]
+        codes = [w.wait() for w in workers]
+        if any(codes):
+            print(f"workers exited with {codes}", flush=True)
+    else:
+        run_pending(settings, arms, work, data)
+    if not args.probe:
+        write_results(settings, arms, work, args.out)
+    else:
+        summarize_probe(arms, work)
+    print(f"done in {time.time() - started:.0f} s", flush=True)
+    return 0
+
+
+# -- results -------------------------------------------------------------------------------------------
+def load_parts(arms: list[Arm], work: Path) -> dict[str, dict[str, Any]]:
+    parts = {}
+    for arm in arms:
+        path = part_path(work, arm)
+        if path.exists():
+            parts[arm.key] = json.loads(path.read_text())
+    return parts
+
+
+def summarize_probe(arms: list[Arm], work: Path) -> None:
+    for key, part in load_parts(arms, work).items():
+        scores = part["scores"]
+        own = [scores[s]["pckh50"] for s in scores if s.startswith("site-")]
+        print(f"{key}: own splits {np.mean(own):.2f} mixture {scores['mixture']['pckh50']:.2f} curve {part.get('curve_mixture_pckh50')}")
+
+
+def arm_table(settings: Settings, parts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (privacy setting, arm): mean ± std over seeds of the own-split and mixture PCKh."""
+    site_ids = [f"site-{k}" for k in range(1, settings.sites + 1)]
+    privacy_settings = [("none", None)] + [(m, e) for m in settings.mechanisms for e in sorted(settings.epsilons)]
+    rows = []
+    for mechanism, epsilon in privacy_settings:
+        kinds = ["site-alone", "federated", "central"] if mechanism != "none" else ["public-only", "federated", "central"]
+        for kind in kinds:
+            per_seed: dict[str, list[float]] = {}
+            for seed in settings.seeds:
+                def get(site: str | None) -> dict[str, Any] | None:
+                    arm = Arm(seed, mechanism if kind != "public-only" else "none", epsilon if kind != "public-only" else None, kind, site)
+                    return parts.get(arm.key)
+
+                if kind == "site-alone":
+                    got = {s: get(s) for s in site_ids}
+                    if any(v is None for v in got.values()):
+                        continue
+                    own = {s: got[s]["scores"][s] for s in site_ids}  # each site's model on its own split
+                    mixture50 = float(np.mean([got[s]["scores"]["mixture"]["pckh50"] for s in site_ids]))
+                    mixture10 = float(np.mean([got[s]["scores"]["mixture"]["pckh10"] for s in site_ids]))
+                else:
+                    part = get(None)
+                    if part is None:
+                        continue
+                    own = {s: part["scores"][s] for s in site_ids}
+                    mixture50, mixture10 = part["scores"]["mixture"]["pckh50"], part["scores"]["mixture"]["pckh10"]
+                values = {"own50": float(np.mean([own[s]["pckh50"] for s in site_ids])),
+                          "own10": float(np.mean([own[s]["pckh10"] for s in site_ids])),
+                          "mixture50": mixture50, "mixture10": mixture10,
+                          **{f"{s}_50": own[s]["pckh50"] for s in site_ids}, **{f"{s}_10": own[s]["pckh10"] for s in site_ids}}
+                for name, value in values.items():
+                    per_seed.setdefault(name, []).append(value)
+            if not per_seed:
+                continue
+            n = len(per_seed["own50"])
+            rows.append({"mechanism": mechanism, "epsilon": epsilon, "arm": kind, "seeds": n,
+                         **{f"{k}_mean": round(float(np.mean(v)), 2) for k, v in per_seed.items()},
+                         **{f"{k}_std": round(float(np.std(v, ddof=1)) if len(v) > 1 else 0.0, 2) for k, v in per_seed.items()},
+                         "per_seed_own50": [round(x, 2) for x in per_seed["own50"]]})
+    return rows
+
+
+def goals(settings: Settings, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's three goals per private setting, with the measured numbers."""
+    def row(mechanism: str, epsilon: float | None, arm: str) -> dict[str, Any] | None:
+        return next((r for r in rows if r["mechanism"] == mechanism and r["epsilon"] == epsilon and r["arm"] == arm), None)
+
+    out = []
+    central_np = row("none", None, "central")
+    fed_np = row("none", None, "federated")
+    public = row("none", None, "public-only")
+    for mechanism in settings.mechanisms:
+        for epsilon in sorted(settings.epsilons):
+            fed, alone, central = row(mechanism, epsilon, "federated"), row(mechanism, epsilon, "site-alone"), row(mechanism, epsilon, "central")
+            if not (fed and alone and central):
+                continue
+            entry: dict[str, Any] = {"mechanism": mechanism, "epsilon": epsilon,
+                                     "fed_minus_alone": round(fed["own50_mean"] - alone["own50_mean"], 2),
+                                     "central_minus_fed": round(central["own50_mean"] - fed["own50_mean"], 2)}
+            entry["fed_beats_alone_by_5"] = entry["fed_minus_alone"] >= 5
+            entry["fed_within_3_of_central"] = entry["central_minus_fed"] <= 3
+            if fed_np:
+                entry["privacy_cost_federated"] = round(fed_np["own50_mean"] - fed["own50_mean"], 2)
+            if central_np and public:
+                gap = central_np["own50_mean"] - public["own50_mean"]
+                entry["gap_public_to_central_nonprivate"] = round(gap, 2)
+                entry["fed_recovers_fraction"] = round((fed["own50_mean"] - public["own50_mean"]) / gap, 3) if gap > 0 else None
+                if epsilon == 8:
+                    entry["fed_recovers_70pct"] = entry["fed_recovers_fraction"] is not None and entry["fed_recovers_fraction"] >= 0.7
+            out.append(entry)
+    return out
+
+
+def write_results(settings: Settings, arms: list[Arm], work: Path, out: Path) -> None:
+    import torch
+
+    from fedpose.io import atomic_write_json, atomic_write_text
+
+    parts = load_parts(arms, work)
+    rows = arm_table(settings, parts)
+    goal_rows = goals(settings, rows)
+    conditions = {
+        "device": f"CPU ({platform.processor() or platform.machine()}), {os.cpu_count()} cores shared with other engineers' jobs; no GPU",
+        "torch": torch.__version__, "torch_threads_per_run": settings.threads,
+        "python": platform.python_version(),
+        "load_average_per_run": {k: {"before": p["load_before"], "after": p["load_after"]} for k, p in parts.items()},
+        "wall_seconds_total_of_runs": round(sum(p["wall_seconds"] for p in parts.values()), 1),
+        "transport": "in-process (fedpose.federation.server.in_process.InProcessTransport): the real RoundRunner "
+                     "(coordinator round loop, basis service, update validation, aggregation, ledger) and the real "
+                     "run_site_round (budget guard, private training); Flower's messaging bypassed",
+        "data": f"synthetic, generator seed {settings.data_seed} for every seed (seeds vary warm start, sampling, augmentation; "
+                "DP noise is always fresh CSPRNG)",
+        "privacy": "pdp: record-level (ε,δ)-DP (add/remove one record), PLD accounting; fpdp: feature-level DP (FDP; "
+                   "replace-one, ψ(x) public), PLD — FDP ε is not comparable with DP ε",
+    }
+    results = {"settings": settings.model_dump(), "conditions": conditions, "table": rows, "goals": goal_rows,
+               "runs": parts, "complete": len(parts) == len(arms), "runs_done": len(parts), "runs_planned": len(arms)}
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "results.json", results)
+    atomic_write_text(out / "results.md", markdown(settings, rows, goal_rows, results))
+    plot(settings, rows, parts, out / "results.png")
+
+
+def _pm(row: dict[str, Any], name: str) -> str:
+    return f"{row[f'{name}_mean']:.1f} ± {row[f'{name}_std']:.1f}"
+
+
+def markdown(settings: Settings, rows: list[dict[str, Any]], goal_rows: list[dict[str, Any]], results: dict[str, Any]) -> str:
+    from fedpose.privacy.mechanisms import get_mechanism
+
+    site_ids = [f"site-{k}" for k in range(1, settings.sites + 1)]
+    lines = ["# Federated utility: why federate (synthetic 3-site data, CPU)", "",
+             f"Runs done: {results['runs_done']} / {results['runs_planned']}. PCKh in %, mean ± std over seeds "
+             f"{settings.seeds}; *own* = mean over the sites of each model on the site's own test split "
+             "(site-alone: each site's own model), *mixture* = the union of the three test splits.", "",
+             "| mechanism | ε per site (δ = 1e-5) | arm | own PCKh@0.5 | own PCKh@0.1 | mixture @0.5 | mixture @0.1 | "
+             + " | ".join(f"{s} @0.5" for s in site_ids) + " |",
+             "|---|---|---|---|---|---|---|" + "---|" * len(site_ids)]
+    for r in rows:
+        guarantee = f"{get_mechanism(r['mechanism']).guarantee.name}, per {settings.unit}"
+        eps = "∞" if r["epsilon"] is None else f"{r['epsilon']:g} ({guarantee}, PLD)"
+        lines.append(f"| {r['mechanism']} | {eps} | {r['arm']} | {_pm(r, 'own50')} | {_pm(r, 'own10')} | {_pm(r, 'mixture50')} | "
+                     f"{_pm(r, 'mixture10')} | " + " | ".join(_pm(r, f"{s}_50") for s in site_ids) + " |")
+    lines += ["", "## Goals (own test splits, mean over sites)", ""]
+    for g in goal_rows:
+        mark = lambda ok: "**met**" if ok else "**missed**"  # noqa: E731
+        text = (f"- {g['mechanism']} ε = {g['epsilon']:g}: federated − site-alone = {g['fed_minus_alone']:+.1f} "
+                f"(≥ 5: {mark(g['fed_beats_alone_by_5'])}); central − federated = {g['central_minus_fed']:+.1f} "
+                f"(≤ 3: {mark(g['fed_within_3_of_central'])})")
+        if g.get("fed_recovers_fraction") is not None:
+            text += f"; federated recovers {100 * g['fed_recovers_fraction']:.0f} % of public-only → central non-private"
+            if "fed_recovers_70pct" in g:
+                text += f" (≥ 70 % at ε 8: {mark(g['fed_recovers_70pct'])})"
+        if "privacy_cost_federated" in g:
+            text += f"; federated non-private − federated private = {g['privacy_cost_federated']:+.1f}"
+        lines.append(text)
+    lines += ["", "## Settings", "", "```json", json.dumps(results["settings"], indent=1), "```", "",
+              "Conditions: " + json.dumps({k: v for k, v in results["conditions"].items() if k != "load_average_per_run"}), ""]
+    return "\n".join(lines)
+
+
+def plot(settings: Settings, rows: list[dict[str, Any]], parts: dict[str, dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = [(m, e) for m in settings.mechanisms for e in sorted(settings.epsilons)]
+    fig, axes = plt.subplots(2, len(configs), figsize=(4.2 * len(configs), 7.5), squeeze=False)
+    colours = {"public-only": "gray", "site-alone": "tab:orange", "federated": "tab:blue", "central": "tab:green",
+               "federated (non-private)": "tab:cyan", "central (non-private)": "tab:olive"}
+    for col, (mechanism, epsilon) in enumerate(configs):
+        ax = axes[0][col]
+        chosen = [r for r in rows if r["mechanism"] == mechanism and r["epsilon"] == epsilon]
+        chosen += [dict(r, arm=f"{r['arm']} (non-private)") for r in rows if r["mechanism"] == "none" and r["arm"] != "public-only"]
+        chosen = [r for r in rows if r["mechanism"] == "none" and r["arm"] == "public-only"] + chosen
+        names = [r["arm"] for r in chosen]
+        ax.bar(range(len(chosen)), [r["own50_mean"] for r in chosen], yerr=[r["own50_std"] for r in chosen], capsize=3,
+               color=[colours.get(n, "k") for n in names])
+        ax.set_xticks(range(len(chosen)), [n.replace(" (", "\n(") for n in names], rotation=45, ha="right", fontsize=7)
+        ax.set(title=f"{mechanism}, ε = {epsilon:g} per site", ylabel="PCKh@0.5, own test splits (%)")
+        ax = axes[1][col]
+        for kind, label in (("site-alone", "site-alone (site-1)"), ("federated", "federated"), ("central", "central")):
+            curves = [parts[k]["curve_mixture_pckh50"] for k in parts
+                      if k.endswith(f"{mechanism}-eps{epsilon:g}/{kind}" + ("/site-1" if kind == "site-alone" else ""))]
+            _curve(ax, curves, label, colours[kind])
+        for kind in ("federated", "central"):
+            curves = [parts[k]["curve_mixture_pckh50"] for k in parts if k.endswith(f"nonprivate/{kind}")]
+            _curve(ax, curves, f"{kind} (non-private)", colours[f"{kind} (non-private)"])
+        ax.set(xlabel="round (0 = public-only)", ylabel="PCKh@0.5, mixture (%)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _curve(ax: Any, curves: list[list[float]], label: str, colour: str) -> None:
+    if not curves:
+        return
+    length = min(len(c) for c in curves)
+    values = np.array([[math.nan if v is None else v for v in c[:length]] for c in curves], dtype=float)
+    mean, std = values.mean(axis=0), values.std(axis=0)
+    xs = np.arange(length)
+    ax.plot(xs, mean, label=label, color=colour)
+    ax.fill_between(xs, mean - std, mean + std, color=colour, alpha=0.15)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

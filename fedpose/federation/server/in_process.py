@@ -1,0 +1,40 @@
+"""An in-process transport for the round runner: every site's round runs in this process.
+
+For benchmarks and tests that need the real coordinator (:class:`~fedpose.federation.server.rounds.RoundRunner`:
+selection, basis service, validation, aggregation, ledger, checkpoints) and the real site round
+(:func:`~fedpose.federation.local_training.run_site_round`: budget guard, private training) without
+Flower's messaging. What it skips is transport only: no serialization of the arrays, no egress
+guard, no ClientApp process per message. Sites run one after the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from fedpose.federation.config import SiteConfig
+from fedpose.federation.local_training import run_site_round
+from fedpose.federation.server.rounds import NodeReply, TrainRequest
+
+
+class InProcessTransport:
+    """Node ``i + 1`` is ``sites[i]``; each request runs that site's round here and now."""
+
+    def __init__(self, sites: Sequence[SiteConfig]):
+        self.sites: Mapping[int, SiteConfig] = {index + 1: site for index, site in enumerate(sites)}
+
+    def node_ids(self) -> list[int]:
+        return list(self.sites)
+
+    def send_and_receive(self, requests: list[TrainRequest], timeout: float) -> list[NodeReply]:
+        replies = []
+        for request in requests:
+            site = self.sites[request.node]
+            instruction = request.instruction
+            basis = (dict(request.basis.arrays), dict(request.basis.config)) if request.basis is not None else None
+            result = run_site_round(site, instruction.run_id, instruction.round, dict(request.global_arrays),
+                                    instruction.model_spec, instruction.local_steps, basis_version=instruction.basis_version,
+                                    basis_message=basis, threads=site.train.threads)
+            update = result.update
+            replies.append(NodeReply(request.node, result.reply, update=(lambda u=update: u) if result.reply.carries_update else None,
+                                     bytes_up=sum(int(a.nbytes) for a in update.values())))
+        return replies
