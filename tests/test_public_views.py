@@ -366,3 +366,15 @@ def test_a_federated_site_round_with_fdp_trains_on_the_public_view(tmp_path: Pat
     weights, spec = global_model()
     result = train_site_round(site, "run", 1, weights, spec, local_steps=2)
     assert result.reply.status == "ok" and result.reply.privacy.guarantee == "FDP"
+
+
+def test_the_public_view_picture_uses_the_block_size_a_site_of_that_size_uses() -> None:
+    """public_view_demo.png of 128×96 data shows 8-px blocks (16 at 256×192), as the demo's sites use."""
+    from fedpose.data.synthetic.preview import default_public_view, default_view_config
+
+    assert default_view_config(256).factor == 16 and default_view_config(128).factor == 8
+    image = np.random.default_rng(0).integers(0, 256, (128, 96, 3), dtype=np.uint8)
+    from fedpose.config import PublicViewConfig
+    from fedpose.privacy.public_views import ImagePublicView
+
+    assert np.array_equal(default_public_view(image), ImagePublicView(PublicViewConfig(factor=8))(image))

@@ -67,12 +67,24 @@ def save_preview(path: Path, root: Path, split_records: dict[str, list[PoseRecor
         _save(path, _grid(tiles, columns=per_split * 2 if len(tiles) > per_split * 3 else per_split, labels=labels))
 
 
+#: the image height the default ψ's block size is stated for (``privacy.public_view.factor``)
+REFERENCE_HEIGHT = 256
+
+
+def default_view_config(height: int) -> PublicViewConfig:
+    """The default ψ for images ``height`` pixels high: the default block size scaled from 256 px
+    (16 at 256×192 = 8 at 128×96, as the config reference states), so the picture shows what a
+    site training at this size treats as public."""
+    default = PublicViewConfig()
+    return default.model_copy(update={"factor": max(2, default.factor * height // REFERENCE_HEIGHT)})
+
+
 def default_public_view(image: np.ndarray) -> np.ndarray:
-    """FDP's default ψ (``privacy.public_view`` defaults) of a uint8 (H, W, 3) image, cropped to
-    whole blocks and padded back (the dataset applies it to block-aligned windows)."""
+    """FDP's default ψ (:func:`default_view_config` for the image's height) of a uint8 (H, W, 3)
+    image, cropped to whole blocks and padded back (the dataset applies it to block-aligned windows)."""
     from fedpose.privacy.public_views import ImagePublicView  # lazy: keeps generator worker start-up light
 
-    view = ImagePublicView(PublicViewConfig())
+    view = ImagePublicView(default_view_config(image.shape[0]))
     h, w = image.shape[:2]
     hb, wb = h - h % view.block, w - w % view.block
     out = image.copy()
@@ -106,7 +118,7 @@ def save_public_view_demo(path: Path, root: Path, split_records: dict[str, list[
         zoom.paste(face.resize((fw * k, fh * k), Image.NEAREST), (0, 0))
         zoom.paste(face_blur.resize((fw * k, fh * k), Image.NEAREST), (w // 2, 0))
         tiles += [Image.fromarray(original), blurred, draw_pose(blurred, record, headbox=False), zoom]
-        view = PublicViewConfig()
+        view = default_view_config(h)
         labels += [f"{name} original", f"psi: {view.factor}x{view.factor} blocks, {view.bits} bits", "pose survives", "face: orig | psi"]
     if tiles:
         _save(path, _grid(tiles, columns=4, labels=labels))
