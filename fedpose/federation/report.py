@@ -76,6 +76,7 @@ class RoundRecord(BaseModel):
     exchange_seconds: float = 0.0
     sites: dict[str, SiteRoundRecord] = {}
     exhausted: int = 0  #: sites the ledger counts as exhausted after the round
+    not_asked_exhausted: list[str] = []  #: sites not asked this round: their own reports said the budget is spent
     basis_bytes: int = 0
     basis_transport: str = "full"
     unidentified_missing_nodes: list[int] = []  #: selected nodes that failed before naming their site
@@ -192,6 +193,8 @@ def round_line(entry: RoundRecord) -> str:
         else:
             eps = epsilon_text(site.epsilon, site.delta, site.guarantee, site.accountant, site.unit)
             parts.append(f"{site_id}: {site.status}{reason}, {eps}")
+    for site_id in entry.not_asked_exhausted:
+        parts.append(f"{site_id}: not asked (its budget is exhausted)")
     for node in entry.unidentified_missing_nodes:
         parts.append(f"node {node}: missing (failed before naming its site)")
     parts.append(f"{entry.wall_seconds:.1f} s")

@@ -391,6 +391,7 @@ class RoundRunner:
             round=round_id, pckh=self.evaluate(), aggregated=aggregated, accepted=accepted, rejected=rejected,
             selected=len(selected), basis_version=self.basis.current_version, wall_seconds=time.perf_counter() - started,
             exchange_seconds=round_seconds, sites=sites, exhausted=len(self.exhausted_sites()), basis_bytes=basis_bytes,
+            not_asked_exhausted=sorted(self.exhausted_sites() - set(sites)),
             basis_transport=self.cfg.basis.transport, unidentified_missing_nodes=unidentified,
             node_wait_seconds=self._node_wait_seconds,
         )

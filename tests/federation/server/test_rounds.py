@@ -107,8 +107,10 @@ def test_a_site_that_disconnects_is_missing_with_the_true_reason(tmp_path: Path)
 
 def test_failures_refusals_and_transport_errors_are_recorded_per_site(tmp_path: Path) -> None:
     """One round, four kinds of answer: ok, a refusal (nothing spent), a site error with its spend,
-    and a transport-level failure of a node already known from round 1."""
-    runner = RoundRunner(_run(tmp_path, 2), echo=lambda *_: None)
+    and a transport-level failure of a node already known from round 1. The refusing site shows as
+    refused in round 2's history and line, and as not asked in round 3's."""
+    lines: list[str] = []
+    runner = RoundRunner(_run(tmp_path, 3), echo=lines.append)
     trainable = list(runner.global_model().trainable_parameters())
 
     def answer(request: TrainRequest) -> NodeReply:
@@ -128,6 +130,12 @@ def test_failures_refusals_and_transport_errors_are_recorded_per_site(tmp_path: 
     assert rows[("site-1", 2)].status == "ok"
     assert rows[("site-2", 2)].status == "refused" and rows[("site-2", 2)].steps == 0 and exhausted == {"site-2"}
     assert rows[("site-3", 2)].status == "missing" and "disk full" in rows[("site-3", 2)].reason
+    history = load_history(tmp_path / "coordinator")
+    assert history[1].sites["site-2"].status == "refused" and "site-2" not in history[2].sites
+    assert history[2].not_asked_exhausted == ["site-2"]
+    round_lines = {line.split("|")[0].strip(): line for line in lines if line.startswith("round")}
+    assert "site-2: refused" in round_lines["round   2"]
+    assert "site-2: not asked (its budget is exhausted)" in round_lines["round   3"]
 
 
 def test_the_basis_goes_only_to_sites_lacking_its_version(tmp_path: Path) -> None:
