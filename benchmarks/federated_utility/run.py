@@ -107,17 +107,19 @@ class Arm:
 
 
 def all_arms(settings: Settings, only: str | None = None) -> list[Arm]:
+    """Every run, in the order they are run: the seed-shared public-only and non-private arms first,
+    then each (ε, mechanism) over all seeds, ε 8 first (the goals are stated there), so a sweep cut
+    short still has complete seeds for what it finished."""
     site_ids = [f"site-{k}" for k in range(1, settings.sites + 1)]
-    arms: list[Arm] = []
+    arms: list[Arm] = [Arm(seed, "none", None, "public-only") for seed in settings.seeds]
     for seed in settings.seeds:
-        arms.append(Arm(seed, "none", None, "public-only"))
+        arms += [Arm(seed, "none", None, "federated"), Arm(seed, "none", None, "central")]
+    for epsilon in sorted(settings.epsilons, reverse=True):
         for mechanism in settings.mechanisms:
-            for epsilon in sorted(settings.epsilons, reverse=True):  # ε 8 first: the goals are stated there
+            for seed in settings.seeds:
                 arms.append(Arm(seed, mechanism, epsilon, "federated"))
                 arms.append(Arm(seed, mechanism, epsilon, "central"))
                 arms += [Arm(seed, mechanism, epsilon, "site-alone", s) for s in site_ids]
-        arms.append(Arm(seed, "none", None, "federated"))
-        arms.append(Arm(seed, "none", None, "central"))
     return [a for a in arms if only is None or a.kind in (only, "public-only")]
 
 
