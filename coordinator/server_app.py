@@ -29,7 +29,7 @@ def _flag(value: object) -> bool:
 
 @contextmanager
 def _console_log() -> Iterator[None]:
-    """fedpose warnings (rejected updates, missing sites, refusals) to stderr for one run; Flower
+    """fedpose warnings (rejected updates, missing sites, site failures) to stderr for one run; Flower
     keeps its own console handler (it must not also propagate to a root handler some library
     installed). Per run, not per process: the handler writes to the stderr of the run that made it
     (a simulation runs several ServerApps in one process)."""
@@ -37,6 +37,7 @@ def _console_log() -> Iterator[None]:
     logger = logging.getLogger("fedpose")
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.WARNING)  # what the round lines already say (e.g. a budget refusal) stays off the console
     previous = logger.level, logger.propagate
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

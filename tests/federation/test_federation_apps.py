@@ -180,3 +180,18 @@ def test_round_line_names_failures_and_unidentified_nodes() -> None:
     lines = failure_summary(site_failures([entry]))
     assert lines[0].startswith("2 site failure(s) in this run (node 77, site-1)")
     assert any("round   3 site-1: error — ImageLoadError" in x for x in lines)
+
+
+def test_the_coordinator_console_shows_warnings_not_what_the_round_lines_say(capfd: pytest.CaptureFixture[str]) -> None:
+    """A budget refusal is logged at INFO (the round line shows it); faults are warnings."""
+    import logging
+
+    from coordinator.server_app import _console_log
+
+    log = logging.getLogger("fedpose.coordinator")
+    with _console_log():
+        log.info("round 6: site site-3 refused: the site's planned steps would pass its ε_max")
+        log.warning("round 6: site site-2 missing: no reply")
+    err = capfd.readouterr().err
+    assert "site-3 refused" not in err
+    assert "WARNING fedpose.coordinator: round 6: site site-2 missing: no reply" in err
