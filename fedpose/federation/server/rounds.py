@@ -361,10 +361,11 @@ class RoundRunner:
                 continue
             if not site_reply.carries_update:
                 # refused: nothing spent; replayed / failed / error: spent (or unknown), nothing to aggregate
+                refused = site_reply.status == "refused"
                 # a budget refusal is the guard working (the round line shows it), not a fault
-                level = logging.INFO if site_reply.status == "refused" else logging.WARNING
-                log.log(level, "round %d: site %s %s: %s", round_id, site_id, site_reply.status, info.reason)
-                status = "refused" if site_reply.status == "refused" else "missing"
+                log.log(logging.INFO if refused else logging.WARNING, "round %d: site %s %s: %s", round_id, site_id,
+                        site_reply.status, info.reason)
+                status = "refused" if refused else "missing"
                 entries.append(LedgerEntry.from_reply(round_id, site_reply, status=status, reason=info.reason))
                 continue
             info.bytes_up = node_reply.bytes_up
