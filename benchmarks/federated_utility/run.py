@@ -82,6 +82,10 @@ class Settings(BaseModel):
     k: int = 48
     public_samples: int = 64
     refresh_every_rounds: int = 2
+    #: None: the coordinator's basis service (a basis per ``refresh_every_rounds`` rounds, at the
+    #: global weights); N: no basis service, each site recomputes V from its own copy of the public
+    #: split every N local steps, at its current local weights (PDP-SGD's own schedule)
+    site_basis_refresh_steps: int | None = None
     public_view_factor: int = 8
     public_view_bits: int = 3
     aggregation: str = "fedavg"
@@ -216,6 +220,9 @@ def site_config(settings: Settings, arm: Arm, site_id: str, train: Path, public:
         privacy.update(noise_multiplier=sigma, sample_rate=sample_rate, max_grad_norm=settings.max_grad_norm,
                        delta=settings.delta, unit=settings.unit,
                        public_view={"kind": "downsample_quantize", "factor": settings.public_view_factor, "bits": settings.public_view_bits})
+        if settings.site_basis_refresh_steps is not None:
+            privacy["basis"] = {"k": settings.k, "public_samples": settings.public_samples,
+                                "refresh_every": settings.site_basis_refresh_steps}
     return SiteConfig.model_validate({
         "site_id": site_id, "data": {"train": str(train)}, "public_data": str(public),
         "state_dir": str(state), "eps_max": (arm.epsilon or 1.0) * (1 + 1e-6), "local_steps": settings.local_steps,
@@ -267,7 +274,7 @@ def run_arm(settings: Settings, arm: Arm, data: Path, work: Path) -> dict[str, A
             "rounds": settings.rounds, "min_sites": len(sites), "local_steps": settings.local_steps, "round_timeout_s": 3600,
             "checkpoint_dir": str(arm_dir / "coordinator"),
             "data": {"val": str(data / "test"), "input_size": list(settings.size)},
-            "public_data": str(data / "public") if projects else None,
+            "public_data": str(data / "public") if projects and settings.site_basis_refresh_steps is None else None,
             "basis": {"transport": "compact", "k": settings.k, "public_samples": settings.public_samples,
                       "refresh_every_rounds": settings.refresh_every_rounds},
             "model": {"backbone": settings.backbone, "scenario": settings.scenario, "init_checkpoint": str(init)},

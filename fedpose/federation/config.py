@@ -58,6 +58,12 @@ class AggregationConfig(Strict):
 class BasisTransportConfig(Strict):
     """How the coordinator ships the public-subspace basis V (p×k) to sites (pdp / fpdp)."""
 
+    source: Literal["coordinator", "sites"] = Field(
+        "coordinator",
+        description="coordinator: one V per refresh at the global weights, shipped to every site; sites: the "
+        "coordinator ships none and each projecting site recomputes V from its own copy of S_pub every "
+        "privacy.basis.refresh_every local steps at its current weights (PDP-SGD's own schedule; site public_data needed)",
+    )
     refresh_every_rounds: int = Field(1, ge=1, description="recompute V every R rounds on the current global model")
     transport: BasisTransport = Field(
         "compact",

@@ -157,7 +157,11 @@ class MetricsServer:
 
 def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0") -> MetricsServer:
     """Serve ``registry`` at http://addr:port/metrics in a daemon thread; port 0 picks a free port."""
-    server, thread = start_http_server(port, addr=addr, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as error:  # e.g. a second coordinator on the same machine
+        raise OSError(error.errno, f"the metrics port {addr}:{port} is not available ({error.strerror}): "
+                      "another coordinator may be using it; set coordinator.metrics_port (0 picks a free port)") from error
     return MetricsServer(server.server_port, server, thread)
 
 

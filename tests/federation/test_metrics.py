@@ -92,3 +92,15 @@ def test_site_exporter_names_missing_training_data_without_a_traceback(tmp_path,
     assert site_metrics(["--site-config", str(config), "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("sites.metrics: error:") and "absent" in err and "Traceback" not in err
+
+
+def test_a_taken_metrics_port_is_named():
+    """A second coordinator on the same port: the error names the port and the setting to change."""
+    from prometheus_client import CollectorRegistry
+
+    first = start_metrics_server(0, CollectorRegistry(), addr="127.0.0.1")
+    try:
+        with pytest.raises(OSError, match=rf"metrics port 127.0.0.1:{first.port} .*coordinator.metrics_port"):
+            start_metrics_server(first.port, CollectorRegistry(), addr="127.0.0.1")
+    finally:
+        first.close()

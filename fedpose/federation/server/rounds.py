@@ -135,7 +135,10 @@ class RoundRunner:
         self.device = resolve_device(self.cfg.device, "coordinator.device")
         configure_device(self.device)
         self.device_text = describe_device(self.device)
-        self.echo(f"coordinator: warm start, basis and evaluation on {self.device_text}")
+        serves_basis = self.cfg.public_data is not None and self.cfg.basis.source == "coordinator"
+        jobs = "warm start, basis and evaluation" if serves_basis else "warm start and evaluation"
+        basis_note = "" if serves_basis or self.cfg.public_data is None else " (no basis service: projecting sites compute their own)"
+        self.echo(f"coordinator: {jobs} on {self.device_text}{basis_note}")
         resuming = resume and (self.dir / GLOBAL_CHECKPOINT).exists()
         ledger_path = Path(self.cfg.ledger_path)
         if resuming and (not ledger_path.exists() or ledger_path.stat().st_size == 0):
@@ -299,7 +302,7 @@ class RoundRunner:
 
     def _basis_for_round(self, round_id: int, selected: list[int]) -> tuple[int, BasisMessage | None]:
         """(version, message) of the projection basis for pdp / fpdp; (-1, None) when none is used."""
-        if self.cfg.public_data is None:
+        if self.cfg.public_data is None or self.cfg.basis.source == "sites":
             return NO_BASIS, None
         from fedpose.federation.public_basis import compute_basis
 

@@ -200,3 +200,20 @@ def test_the_in_process_transport_runs_real_site_rounds(tmp_path: Path) -> None:
         summary = {s.site_id: s for s in ledger.site_summaries()}["site-1"]
     assert [e["round"] for e in budget["entries"] if e["status"] == "spent"] == [1, 2]
     assert summary.epsilon == pytest.approx(history[-1].sites["site-1"].epsilon) and summary.rounds_joined == 2
+
+
+def test_basis_source_sites_ships_no_basis(tmp_path: Path) -> None:
+    """basis.source = "sites": the coordinator keeps its public data for the warm start but serves no
+    basis; every request says so (version -1), and projecting sites compute V from their own S_pub copy."""
+    from fedpose.data.synthetic import ensure_dataset
+    from fedpose.federation.server.basis_service import NO_BASIS
+
+    data = tmp_path / "data"
+    ensure_dataset(data, sites=1, per_site=4, public=8, test=4, size=(64, 64), seed=0, progress=False)
+    run = _run(tmp_path, 2, public_data=str(data / "public"), basis={"source": "sites", "k": 2, "public_samples": 4})
+    runner = RoundRunner(run, echo=lambda *_: None)
+    trainable = list(runner.global_model().trainable_parameters())
+    transport = ScriptedTransport([11, 12], lambda request: ok_reply(request, trainable, 1.0 * request.instruction.round))
+    runner.run_rounds(transport)
+    assert len(transport.sent) == 4
+    assert all(r.basis is None and r.instruction.basis_version == NO_BASIS for r in transport.sent)
