@@ -146,3 +146,16 @@ def test_a_site_that_does_not_project_ignores_the_federations_basis(data_root: P
     state, spec = weights
     result = train_site_round(site, "run", 1, state, spec, local_steps=2, basis_version=3, basis_message=None)
     assert result.reply.status == "ok" and result.update
+
+
+def test_a_projecting_site_without_a_shipped_basis_computes_its_own(data_root: Path, tmp_path: Path, weights: tuple) -> None:
+    """basis.source = "sites": no basis arrives, so a pdp site builds V from its own S_pub copy at its
+    current weights, every privacy.basis.refresh_every local steps (here 4 steps → 2 bases)."""
+    site = site_config(data_root, tmp_path / "state", mechanism="pdp", basis={"k": 2, "public_samples": 4, "refresh_every": 2},
+                       local_steps=4).model_copy(update={"public_data": data_root / "public"})
+    state, spec = weights
+    engines: list = []
+    result = train_site_round(site, "run", 1, state, spec, local_steps=4, engine_hook=engines.append)
+    assert result.reply.status == "ok" and result.update
+    (engine,) = engines
+    assert len(engine.basis_seconds) == 2 and engine.basis is not None and engine.basis.vectors.shape[1] == 2
