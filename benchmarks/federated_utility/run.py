@@ -83,8 +83,8 @@ class Settings(BaseModel):
     public_samples: int = 64
     refresh_every_rounds: int = 2
     #: None: the coordinator's basis service (a basis per ``refresh_every_rounds`` rounds, at the
-    #: global weights); N: no basis service, each site recomputes V from its own copy of the public
-    #: split every N local steps, at its current local weights (PDP-SGD's own schedule)
+    #: global weights); N: coordinator basis.source = "sites", each site recomputes V from its own
+    #: copy of the public split every N local steps, at its current local weights (PDP-SGD's schedule)
     site_basis_refresh_steps: int | None = None
     public_view_factor: int = 8
     public_view_bits: int = 3
@@ -274,8 +274,9 @@ def run_arm(settings: Settings, arm: Arm, data: Path, work: Path) -> dict[str, A
             "rounds": settings.rounds, "min_sites": len(sites), "local_steps": settings.local_steps, "round_timeout_s": 3600,
             "checkpoint_dir": str(arm_dir / "coordinator"),
             "data": {"val": str(data / "test"), "input_size": list(settings.size)},
-            "public_data": str(data / "public") if projects and settings.site_basis_refresh_steps is None else None,
-            "basis": {"transport": "compact", "k": settings.k, "public_samples": settings.public_samples,
+            "public_data": str(data / "public") if projects else None,
+            "basis": {"source": "coordinator" if settings.site_basis_refresh_steps is None else "sites",
+                      "transport": "compact", "k": settings.k, "public_samples": settings.public_samples,
                       "refresh_every_rounds": settings.refresh_every_rounds},
             "model": {"backbone": settings.backbone, "scenario": settings.scenario, "init_checkpoint": str(init)},
             "aggregation": {"strategy": settings.aggregation, "server_lr": settings.server_lr, "momentum": settings.server_momentum},

@@ -135,9 +135,8 @@ class RoundRunner:
         self.device = resolve_device(self.cfg.device, "coordinator.device")
         configure_device(self.device)
         self.device_text = describe_device(self.device)
-        serves_basis = self.cfg.public_data is not None and self.cfg.basis.source == "coordinator"
-        jobs = "warm start, basis and evaluation" if serves_basis else "warm start and evaluation"
-        basis_note = "" if serves_basis or self.cfg.public_data is None else " (no basis service: projecting sites compute their own)"
+        jobs = "warm start, basis and evaluation" if self.serves_basis else "warm start and evaluation"
+        basis_note = "" if self.serves_basis or self.cfg.public_data is None else " (no basis service: projecting sites compute their own)"
         self.echo(f"coordinator: {jobs} on {self.device_text}{basis_note}")
         resuming = resume and (self.dir / GLOBAL_CHECKPOINT).exists()
         ledger_path = Path(self.cfg.ledger_path)
@@ -300,9 +299,14 @@ class RoundRunner:
             self.ledger.close()
             self.metrics.close()
 
+    @property
+    def serves_basis(self) -> bool:
+        """Whether this coordinator computes and ships V (it needs S_pub and basis.source = "coordinator")."""
+        return self.cfg.public_data is not None and self.cfg.basis.source == "coordinator"
+
     def _basis_for_round(self, round_id: int, selected: list[int]) -> tuple[int, BasisMessage | None]:
         """(version, message) of the projection basis for pdp / fpdp; (-1, None) when none is used."""
-        if self.cfg.public_data is None or self.cfg.basis.source == "sites":
+        if not self.serves_basis:
             return NO_BASIS, None
         from fedpose.federation.public_basis import compute_basis
 
