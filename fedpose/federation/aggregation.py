@@ -15,6 +15,10 @@ pseudo-gradient, pointing *uphill* of the loss decrease the sites found) to a se
               w ← w + η_t m / (√v + τ),  η_t = η √(1−β₂ᵗ) / (1−β₁ᵗ)   (Reddi et al. 2021 with Adam's
               bias correction in the step size, as Flower's FedAdam does; t = server steps taken)
 
+With ``lr_schedule = "cosine"`` η is the round's step size η_t = η (f + (1 − f) ½ (1 + cos π (t−1)/(T−1)))
+over the T = ``coordinator.rounds`` server steps (f = ``final_lr_fraction``): a decaying step lowers
+the floor at which noisy (DP) updates leave the model wandering.
+
 Server-optimizer state (moments, step count, hyper-parameters) round-trips through
 ``state_dict()`` / :func:`build_server_optimizer` and :func:`save_array_checkpoint`, for
 coordinator checkpoints and resume. Aggregating DP updates is post-processing: it spends nothing.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -77,6 +82,17 @@ class ServerOptimizer(ABC):
     def __init__(self, server_lr: float = 1.0):
         self.server_lr = float(server_lr)
         self.steps = 0
+        self.lr_schedule = "constant"
+        self.final_lr_fraction = 1.0
+        self.rounds = 1  # the schedule's length T (set by build_server_optimizer)
+
+    def scheduled_lr(self) -> float:
+        """η for the step being taken (``steps`` already counts it)."""
+        if self.lr_schedule == "constant" or self.rounds <= 1:
+            return self.server_lr
+        progress = min(max(self.steps - 1, 0) / (self.rounds - 1), 1.0)
+        f = self.final_lr_fraction
+        return self.server_lr * (f + (1 - f) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     @abstractmethod
     def _direction(self, pseudo_gradient: ArrayDict) -> ArrayDict:
@@ -91,8 +107,14 @@ class ServerOptimizer(ABC):
         direction = self._direction({k: np.asarray(v, dtype=np.float32) for k, v in pseudo_gradient.items()})
         return {k: (weights[k] + direction[k]).astype(weights[k].dtype, copy=False) for k in weights}
 
-    def hyper_parameters(self) -> dict[str, float]:
-        return {"server_lr": self.server_lr}
+    def hyper_parameters(self) -> dict[str, Any]:
+        return {"server_lr": self.server_lr, **self._schedule_parameters()}
+
+    def _schedule_parameters(self) -> dict[str, Any]:
+        # absent for a constant rate, so checkpoints written before schedules existed still resume
+        if self.lr_schedule == "constant":
+            return {}
+        return {"lr_schedule": self.lr_schedule, "final_lr_fraction": self.final_lr_fraction}
 
     def _arrays(self) -> dict[str, ArrayDict]:
         return {}
@@ -116,7 +138,8 @@ class FedAvgServer(ServerOptimizer):
     name = "fedavg"
 
     def _direction(self, pseudo_gradient: ArrayDict) -> ArrayDict:
-        return {k: self.server_lr * d for k, d in pseudo_gradient.items()}
+        lr = self.scheduled_lr()
+        return {k: lr * d for k, d in pseudo_gradient.items()}
 
 
 class FedAvgM(ServerOptimizer):
@@ -127,14 +150,15 @@ class FedAvgM(ServerOptimizer):
         self.momentum = float(momentum)
         self.velocity: ArrayDict = {}
 
-    def hyper_parameters(self) -> dict[str, float]:
-        return {"server_lr": self.server_lr, "momentum": self.momentum}
+    def hyper_parameters(self) -> dict[str, Any]:
+        return {"server_lr": self.server_lr, "momentum": self.momentum, **self._schedule_parameters()}
 
     def _direction(self, pseudo_gradient: ArrayDict) -> ArrayDict:
         for k, d in pseudo_gradient.items():
             v = self.velocity.get(k)
             self.velocity[k] = d.copy() if v is None else self.momentum * v + d
-        return {k: self.server_lr * self.velocity[k] for k in pseudo_gradient}
+        lr = self.scheduled_lr()
+        return {k: lr * self.velocity[k] for k in pseudo_gradient}
 
     def _arrays(self) -> dict[str, ArrayDict]:
         return {"velocity": self.velocity}
@@ -152,12 +176,12 @@ class FedAdam(ServerOptimizer):
         self.m: ArrayDict = {}
         self.v: ArrayDict = {}
 
-    def hyper_parameters(self) -> dict[str, float]:
-        return {"server_lr": self.server_lr, "beta1": self.beta1, "beta2": self.beta2, "tau": self.tau}
+    def hyper_parameters(self) -> dict[str, Any]:
+        return {"server_lr": self.server_lr, "beta1": self.beta1, "beta2": self.beta2, "tau": self.tau, **self._schedule_parameters()}
 
     def _direction(self, pseudo_gradient: ArrayDict) -> ArrayDict:
         t = self.steps
-        lr_t = self.server_lr * np.sqrt(1 - self.beta2**t) / (1 - self.beta1**t)
+        lr_t = self.scheduled_lr() * np.sqrt(1 - self.beta2**t) / (1 - self.beta1**t)
         out = {}
         for k, d in pseudo_gradient.items():
             m = self.m.get(k, np.zeros_like(d))
@@ -178,8 +202,9 @@ class FedAdam(ServerOptimizer):
 SERVER_OPTIMIZERS: dict[str, type[ServerOptimizer]] = {cls.name: cls for cls in (FedAvgServer, FedAvgM, FedAdam)}
 
 
-def build_server_optimizer(cfg: AggregationConfig, state: Mapping[str, Any] | None = None) -> ServerOptimizer:
-    """The server optimizer named by ``cfg.strategy`` (restored from ``state`` when given)."""
+def build_server_optimizer(cfg: AggregationConfig, state: Mapping[str, Any] | None = None, rounds: int = 1) -> ServerOptimizer:
+    """The server optimizer named by ``cfg.strategy`` (restored from ``state`` when given); a
+    ``cfg.lr_schedule`` runs over ``rounds`` server steps."""
     cls = SERVER_OPTIMIZERS[cfg.strategy]
     lr = {} if cfg.server_lr is None else {"server_lr": cfg.server_lr}  # None: the class default
     if cls is FedAdam:
@@ -188,6 +213,7 @@ def build_server_optimizer(cfg: AggregationConfig, state: Mapping[str, Any] | No
         optimizer = FedAvgM(momentum=cfg.momentum, **lr)
     else:
         optimizer = FedAvgServer(**lr)
+    optimizer.lr_schedule, optimizer.final_lr_fraction, optimizer.rounds = cfg.lr_schedule, cfg.final_lr_fraction, int(rounds)
     if state is not None:
         if state.get("hyper") and dict(state["hyper"]) != optimizer.hyper_parameters():
             raise ValueError(
@@ -272,10 +298,10 @@ def save_server_optimizer(path: str | Path, optimizer: ServerOptimizer) -> None:
                                          "slots": sorted(state["arrays"])})
 
 
-def load_server_optimizer(path: str | Path, cfg: AggregationConfig) -> ServerOptimizer:
+def load_server_optimizer(path: str | Path, cfg: AggregationConfig, rounds: int = 1) -> ServerOptimizer:
     arrays, meta = load_array_checkpoint(path)
     slots: dict[str, ArrayDict] = {slot: {} for slot in meta.get("slots", [])}
     for key, arr in arrays.items():
         slot, name = key.split("/", 1)
         slots.setdefault(slot, {})[name] = arr
-    return build_server_optimizer(cfg, {"name": meta["name"], "hyper": meta["hyper"], "steps": meta["steps"], "arrays": slots})
+    return build_server_optimizer(cfg, {"name": meta["name"], "hyper": meta["hyper"], "steps": meta["steps"], "arrays": slots}, rounds)

@@ -53,6 +53,12 @@ class AggregationConfig(Strict):
     beta1: float = Field(0.9, ge=0, lt=1, description="fedadam: first-moment decay")
     beta2: float = Field(0.99, ge=0, lt=1, description="fedadam: second-moment decay")
     tau: float = Field(1e-3, gt=0, description="fedadam: adaptivity (ε in the denominator)")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant",
+        description="cosine: η decays from server_lr to final_lr_fraction × server_lr over coordinator.rounds "
+        "(DP noise leaves a model wandering at a floor proportional to the step; raising rounds on resume stretches the decay)",
+    )
+    final_lr_fraction: float = Field(0.1, gt=0, le=1, description="cosine: η in the last round, as a fraction of server_lr")
 
 
 class BasisTransportConfig(Strict):

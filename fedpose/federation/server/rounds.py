@@ -164,7 +164,7 @@ class RoundRunner:
                 raise ValueError(f"checkpoint in {self.dir} is of run '{meta.get('run_id')}', config says '{run.run_id}'")
             self.state = CoordinatorState.from_meta(meta["state"])
             self.global_state = arrays
-            self.optimizer = load_server_optimizer(self.dir / OPTIMIZER_CHECKPOINT, self.cfg.aggregation)
+            self.optimizer = load_server_optimizer(self.dir / OPTIMIZER_CHECKPOINT, self.cfg.aggregation, self.cfg.rounds)
             self.history = [r for r in load_history(self.dir) if r.round <= self.state.round]
             if recorded > self.state.round:
                 # Killed after recording the ledger but before the model checkpoint: that round's
@@ -185,7 +185,7 @@ class RoundRunner:
             elif (self.dir / GLOBAL_CHECKPOINT).exists():
                 raise ValueError(f"{self.dir} already holds a checkpoint of run '{run.run_id}': resume it or use another checkpoint_dir")
             self.state, self.global_state = self._initial_model()
-            self.optimizer = build_server_optimizer(self.cfg.aggregation)
+            self.optimizer = build_server_optimizer(self.cfg.aggregation, rounds=self.cfg.rounds)
             self.history: list[RoundRecord] = []
         self.basis = BasisService.from_state(self.state.basis, self.cfg.basis.refresh_every_rounds)
 

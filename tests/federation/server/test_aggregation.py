@@ -120,6 +120,28 @@ def test_server_optimizer_state_round_trips(tmp_path, strategy):
         np.testing.assert_array_equal(w_resumed[k], w_straight[k])
 
 
+@pytest.mark.parametrize("strategy", ["fedavg", "fedavgm"])
+def test_cosine_server_schedule_decays_to_its_final_fraction_and_resumes_where_it_was(tmp_path, strategy):
+    cfg = AggregationConfig(strategy=strategy, server_lr=2.0, momentum=0.0, lr_schedule="cosine", final_lr_fraction=0.1)
+    opt = build_server_optimizer(cfg, rounds=5)
+    w, one = {"x": np.zeros(1, np.float32)}, {"x": np.ones(1, np.float32)}
+    moves = []
+    for _ in range(3):
+        new = opt.step(w, one)
+        moves.append(float(new["x"][0] - w["x"][0]))
+        w = new
+    save_server_optimizer(tmp_path / "opt.npz", opt)
+    resumed = load_server_optimizer(tmp_path / "opt.npz", cfg, rounds=5)  # a restarted coordinator
+    for _ in range(2):
+        new = resumed.step(w, one)
+        moves.append(float(new["x"][0] - w["x"][0]))
+        w = new
+    # η_t = 2 (0.1 + 0.9 · ½ (1 + cos π (t−1)/4)): 2, 1.7364, 1.1, 0.4636, 0.2
+    np.testing.assert_allclose(moves, [2.0, 1.73640, 1.1, 0.46360, 0.2], rtol=1e-4)
+    with pytest.raises(ValueError, match="config asks"):  # the schedule is part of the optimizer's identity
+        load_server_optimizer(tmp_path / "opt.npz", AggregationConfig(strategy=strategy, server_lr=2.0, momentum=0.0), rounds=5)
+
+
 def test_resume_with_other_hyper_parameters_is_refused(tmp_path):
     opt = build_server_optimizer(AggregationConfig(strategy="fedadam"))
     opt.step({"x": np.zeros(2, np.float32)}, {"x": np.ones(2, np.float32)})

@@ -217,3 +217,23 @@ def test_basis_source_sites_ships_no_basis(tmp_path: Path) -> None:
     runner.run_rounds(transport)
     assert len(transport.sent) == 4
     assert all(r.basis is None and r.instruction.basis_version == NO_BASIS for r in transport.sent)
+
+
+def test_the_server_step_follows_its_cosine_schedule_over_the_rounds(tmp_path: Path) -> None:
+    """aggregation.lr_schedule = "cosine" over coordinator.rounds = 3 (final 0.1×): every site sends
+    the same update u, so the global weights move by η_t·u with η = 1, 0.55, 0.1."""
+    run = _run(tmp_path, 3, aggregation={"strategy": "fedavg", "lr_schedule": "cosine", "final_lr_fraction": 0.1})
+    runner = RoundRunner(run, echo=lambda *_: None)
+    trainable = list(runner.global_model().trainable_parameters())
+    name = trainable[0]
+    starts: dict[int, float] = {}
+
+    def answer(request: TrainRequest) -> NodeReply:
+        starts[request.instruction.round] = float(request.global_arrays[name].flat[0])
+        reply = ok_reply(request, trainable, 1.0 * request.instruction.round)
+        return NodeReply(reply.node, reply.reply, update=lambda: {k: np.full_like(request.global_arrays[k], 1e-2) for k in trainable})
+
+    runner.run_rounds(ScriptedTransport([11, 12], answer))
+    ends = [starts[2], starts[3], float(runner.global_state[name].flat[0])]
+    moves = np.diff([starts[1], *ends])
+    np.testing.assert_allclose(moves, [1e-2, 0.55e-2, 0.1e-2], rtol=1e-3)
