@@ -297,3 +297,32 @@ def test_a_reader_without_a_unit_sees_the_states_own_unit(tmp_path):
     reader = SiteBudget(tmp_path / "s", "s", eps_max=10.0, delta=DELTA, guarantee="DP")
     assert reader.unit == "image" and reader.epsilon == pytest.approx(_eps_after(1))
     assert SiteBudget(tmp_path / "new", "n", eps_max=10.0, delta=DELTA, guarantee="DP").unit == "record"
+
+
+def test_the_demo_config_spends_what_the_readme_says(tmp_path):
+    """configs/demo.toml through the real guard: sites 1–2 spend all 8 rounds and stay within ε 8;
+    site-3's own guard refuses round 6 (the README's main job shows that refusal)."""
+    from pathlib import Path
+
+    from fedpose.cli.simulate import resolve_federation
+    from fedpose.federation.local_training import declared_noise, open_budget
+
+    demo = Path(__file__).resolve().parents[3] / "configs" / "demo.toml"
+    paths = [f'sites.{i}.state_dir="{tmp_path / str(i)}"' for i in range(3)]
+    federation, _, _ = resolve_federation(demo, [f'coordinator.checkpoint_dir="{tmp_path / "c"}"', *paths])
+    outcomes: dict[str, list[str]] = {}
+    for site in federation.sites:
+        budget = open_budget(site)
+        sigma, q = declared_noise(site, site.local_steps)
+        outcomes[site.site_id] = []
+        for round_id in range(1, federation.coordinator.rounds + 1):
+            try:
+                budget.authorize_round("demo", round_id, sigma, q, site.local_steps)
+                outcomes[site.site_id].append("spent")
+            except BudgetExhausted:
+                outcomes[site.site_id].append("refused")
+                break
+        assert site.privacy.mechanism == "pdp" and budget.unit == "record" and budget.guarantee == "DP"
+        assert budget.epsilon <= min(site.eps_max, 8.0)
+    assert outcomes["site-1"] == outcomes["site-2"] == ["spent"] * 8
+    assert outcomes["site-3"] == ["spent"] * 5 + ["refused"]
