@@ -75,8 +75,14 @@ def free_base_port() -> int:
 
 
 def _free(port: int) -> bool:
+    # bind, not connect: a port held by an outgoing connection (the ephemeral range overlaps ours)
+    # or in TIME_WAIT has no listener to answer a connect, yet a server cannot bind it
     with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) != 0
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def flower_env(**extra: str) -> dict[str, str]:
