@@ -132,14 +132,15 @@ def _load(path: Path, cfg: RunConfig, train: bool) -> Any:
 
 
 def _dataset(records: list[Any], root: Path, cfg: RunConfig, train: bool) -> Any:
-    """A training set (``train``) also computes ψ(x) where the mechanism reads it (fdp, fpdp), as `fedpose train`'s does."""
+    """A training set (``train``) is built for the mechanism's public view as `fedpose train`'s is (ψ(x) for
+    fdp / fpdp, full-size decodes for maskdp)."""
     from fedpose.data.dataset import PoseDataset
-    from fedpose.privacy.public_views import dataset_public_view
+    from fedpose.privacy.public_views import dataset_view_options
 
     data = cfg.data
     return PoseDataset(records, root, input_size=data.input_size, train=train, flip=data.flip,
                        scale_jitter=data.scale_jitter, rotation=data.rotation, seed=cfg.train.seed,
-                       public_view=dataset_public_view(cfg.privacy) if train else None)
+                       **(dataset_view_options(cfg.privacy) if train else {}))
 
 
 def _check_auditable(cfg: RunConfig) -> None:

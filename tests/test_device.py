@@ -221,6 +221,7 @@ class TensorPoseSet(torch.utils.data.Dataset):
             "weight": (torch.rand(16, generator=g) > 0.2).float(),
             "index": i,
             "head_boxes": head, "head_count": torch.tensor(1), "face_boxes": head, "face_count": torch.tensor(1),
+            "private_reach": torch.tensor([1.5, 1.5]),
         }
 
 

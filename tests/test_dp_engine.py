@@ -67,6 +67,7 @@ class TensorPoseSet(torch.utils.data.Dataset):
             "index": i,
             "face_box": head[0],
             "head_boxes": head, "head_count": torch.tensor(1), "face_boxes": head, "face_count": torch.tensor(1),
+            "private_reach": torch.tensor([1.5, 1.5]),  # as if the crop were the source image
         }
 
 
@@ -341,7 +342,7 @@ def test_maskdp_public_input_has_no_private_region_pixels_real_mpii(model) -> No
     from fedpose.data.loaders import load_records
 
     records, root = load_records(SHARED_DATA / "mpii-real")
-    dataset = PoseDataset(records, root, input_size=SIZE, train=False)
+    dataset = PoseDataset(records, root, input_size=SIZE, train=False, reduced_decode=False)
     batch = engine_module.collate([dataset[i] for i in range(len(dataset))])
     cfg = dp_config(mechanism="maskdp", mask={"region": "head", "margin": 0.1, "fill": "mean"})
     engine = build_engine(cfg, model, len(dataset), 2, 10)
@@ -350,18 +351,20 @@ def test_maskdp_public_input_has_no_private_region_pixels_real_mpii(model) -> No
     (inputs,) = rec.inputs
     size = len(dataset)
     public = inputs[size:]
-    assert torch.equal(public, mask_boxes(batch["image"], batch["head_boxes"], 0.1, "mean", batch["head_count"]))
-    # Every annotated head box of the image (from the real annotations) is entirely filled in the public input.
+    assert torch.equal(public, mask_boxes(batch["image"], batch["head_boxes"], 0.1, "mean", batch["head_count"],
+                                          reach=batch["private_reach"]))
+    # Every crop pixel centred in an annotated head box of the image (from the real annotations) is filled in the public input.
     for i in range(size):
         for x1, y1, x2, y2 in batch["head_boxes"][i, : int(batch["head_count"][i])].tolist():
             assert x2 > x1 and y2 > y1
-            inside = public[i, :, max(0, math.floor(y1)): max(0, math.ceil(y2)), max(0, math.floor(x1)): max(0, math.ceil(x2))]
+            inside = public[i, :, max(0, math.ceil(y1)): max(0, math.floor(y2) + 1), max(0, math.ceil(x1)): max(0, math.floor(x2) + 1)]
             assert torch.all(inside == 0)
     # Changing pixels inside the record's own head box cannot change the public input.
     altered = dict(batch, image=batch["image"].clone())
     x1, y1, x2, y2 = batch["face_box"][0].tolist()
-    altered["image"][0, :, math.floor(y1): math.ceil(y2), math.floor(x1): math.ceil(x2)] += 5.0
-    assert torch.equal(mask_boxes(altered["image"], batch["head_boxes"], 0.1, "mean", batch["head_count"]), public)
+    altered["image"][0, :, math.ceil(y1): math.floor(y2) + 1, math.ceil(x1): math.floor(x2) + 1] += 5.0
+    assert torch.equal(mask_boxes(altered["image"], batch["head_boxes"], 0.1, "mean", batch["head_count"],
+                                  reach=batch["private_reach"]), public)
     assert engine.privacy_report()["guarantee"] == "MaskDP"
 
 

@@ -57,27 +57,34 @@ def test_blur_keeps_constants_and_removes_fine_detail() -> None:
 
 
 def test_box_masks_cover_the_enlarged_box_only() -> None:
-    masks = box_masks(torch.tensor([[4.0, 2.0, 8.0, 6.0]]), 12, 16, margin=0.25)  # +1 px each side → [3, 9] × [1, 7]
+    # margin +1 px each side → [3, 9] × [1, 7]; reach +0.5 (x), +1.5 (y) → [2.5, 9.5] × [-0.5, 8.5]
+    masks = box_masks(torch.tensor([[4.0, 2.0, 8.0, 6.0]]), 12, 16, margin=0.25, reach=torch.tensor([[0.5, 1.5]]))
     expected = torch.zeros(12, 16, dtype=torch.bool)
-    expected[1:8, 3:10] = True  # pixel centres less than 1 px from the box: their bilinear support meets it
+    expected[0:9, 3:10] = True  # pixel centres inside the grown box (boundary included), clipped to the image
     assert torch.equal(masks[0], expected)
+    # an unbounded reach (a crop whose resampling no box describes) masks everything
+    assert bool(box_masks(torch.tensor([[4.0, 2.0, 8.0, 6.0]]), 12, 16, 0.0, reach=torch.tensor([[float("inf"), 1.0]])).all())
+    with pytest.raises(ValueError, match="reach"):
+        box_masks(torch.tensor([[4.0, 2.0, 8.0, 6.0]]), 12, 16, 0.0, reach=torch.tensor([1.0, 1.0]))
+    with pytest.raises(ValueError, match="reach"):
+        box_masks(torch.tensor([[4.0, 2.0, 8.0, 6.0]]), 12, 16, 0.0, reach=-1.0)
 
 
 def test_mask_removes_every_private_pixel_and_keeps_the_rest() -> None:
     images = torch.randn(2, 3, 20, 16)
     boxes = torch.tensor([[2.5, 3.0, 9.2, 11.0], [0.0, 0.0, 16.0, 5.0]])
-    out = mask_boxes(images, boxes, margin=0.0, fill="mean")
-    masks = box_masks(boxes, 20, 16, 0.0)
+    out = mask_boxes(images, boxes, margin=0.0, fill="mean", reach=0.5)
+    masks = box_masks(boxes, 20, 16, 0.0, reach=0.5)
     assert torch.all(out.permute(0, 2, 3, 1)[masks] == 0)
     assert torch.equal(out.permute(0, 2, 3, 1)[~masks], images.permute(0, 2, 3, 1)[~masks])
     # the public view does not depend on the private pixels at all
     changed = images.clone()
     changed.permute(0, 2, 3, 1)[masks] = torch.randn(int(masks.sum()), 3)
-    assert torch.equal(mask_boxes(changed, boxes, 0.0, "mean"), out)
+    assert torch.equal(mask_boxes(changed, boxes, 0.0, "mean", reach=0.5), out)
 
 
 def test_undeclared_region_masks_the_whole_image() -> None:
-    out = mask_boxes(torch.randn(1, 3, 8, 8), torch.zeros(1, 4), margin=0.1, fill="zero")
+    out = mask_boxes(torch.randn(1, 3, 8, 8), torch.zeros(1, 4), margin=0.1, fill="zero", reach=0.5)
     assert torch.allclose(out, fill_value("zero").view(1, 3, 1, 1).expand(1, 3, 8, 8))
     black = fill_value("zero") * torch.tensor([0.229, 0.224, 0.225]) + torch.tensor([0.485, 0.456, 0.406])
     assert torch.allclose(black, torch.zeros(3), atol=1e-6)  # 'zero' is a black pixel after un-normalising
@@ -89,6 +96,7 @@ def test_mask_view_masks_every_box_of_the_configured_region() -> None:
         "image": torch.randn(1, 3, 16, 16),
         "head_boxes": heads, "head_count": torch.tensor([2]),
         "face_boxes": torch.tensor([[[1.0, 1.0, 4.0, 4.0]]]), "face_count": torch.tensor([1]),
+        "private_reach": torch.tensor([[0.5, 0.5]]),  # the image is its own source: pixels touching a box
     }
     head = mask_view(batch, PrivacyConfig(mask={"region": "head", "margin": 0.0}))
     face = mask_view(batch, PrivacyConfig(mask={"region": "face", "margin": 0.0}))
@@ -96,11 +104,13 @@ def test_mask_view_masks_every_box_of_the_configured_region() -> None:
     assert torch.equal(head[0, :, 0:5, 0:5], batch["image"][0, :, 0:5, 0:5])  # the padding slot masks nothing
     assert torch.all(face[0, :, 1:5, 1:5] == 0) and torch.equal(face[0, :, 9:12, 9:12], batch["image"][0, :, 9:12, 9:12])
     # no declared box at all: nothing of the image is public
-    assert bool(union_box_masks(heads, torch.tensor([0]), 16, 16, 0.0).all())
+    assert bool(union_box_masks(heads, torch.tensor([0]), 16, 16, 0.0, reach=0.5).all())
     with pytest.raises(KeyError, match="face_boxes"):
         private_region_boxes({"image": batch["image"]}, "face")
+    with pytest.raises(KeyError, match="private_reach"):
+        mask_view({k: v for k, v in batch.items() if k != "private_reach"}, PrivacyConfig(mask={"region": "head"}))
     with pytest.raises(ValueError, match="counts"):
-        union_box_masks(heads, torch.tensor([4]), 16, 16, 0.0)
+        union_box_masks(heads, torch.tensor([4]), 16, 16, 0.0, reach=0.5)
 
 
 # -- FDP's ψ: many-to-one, with a known null space ------------------------------------------
@@ -310,11 +320,12 @@ def test_no_mpii_validation_crop_shows_part_of_an_annotated_head() -> None:
         for aug in (Augmentation(), Augmentation(float(rng.uniform(0.75, 1.25)), float(rng.uniform(-30, 30)), bool(rng.random() < 0.5))):
             matrix = crop_transform(record.center, record.scale * dataset.padding, size, aug)
             boxes = dataset.private_boxes(index, matrix)
-            masks = union_box_masks(boxes["head_boxes"][None], boxes["head_count"][None], *size, margin=0.0)[0]
+            masks = union_box_masks(boxes["head_boxes"][None], boxes["head_count"][None], *size, margin=0.0,
+                                    reach=boxes["private_reach"][None])[0]
             leaks += unmasked_head_pixels(masks, matrix, np.stack(by_image[record.image])) > 0
             if aug == Augmentation():
                 own_box = torch.from_numpy(np.concatenate(list(map(np.ravel, _own_box_in_crop(record, matrix)))))[None]
-                own_mask = box_masks(own_box, *size, 0.0)[0]
+                own_mask = box_masks(own_box, *size, 0.0, reach=1.0)[0]
                 own_only_leaks += unmasked_head_pixels(own_mask, matrix, np.stack(by_image[record.image])) > 0
     assert leaks == 0
     print(f"MPII val, 444 multi-person records: crops with an unmasked head pixel: all heads {leaks}, own head only {own_only_leaks}")
@@ -341,7 +352,7 @@ def test_no_real_multi_person_crop_shows_part_of_a_head_after_masking() -> None:
     size = (256, 192)
     cfg = PrivacyConfig(mechanism="maskdp", noise_multiplier=1.0, mask={"margin": 0.0})
     for train in (False, True):
-        dataset = PoseDataset(records, root, input_size=size, train=train, seed=1)
+        dataset = PoseDataset(records, root, input_size=size, train=train, seed=1, reduced_decode=False)
         for index, record in enumerate(records):
             sample = dataset[index]
             batch = {k: v[None] if isinstance(v, torch.Tensor) else v for k, v in sample.items()}

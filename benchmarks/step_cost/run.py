@@ -93,6 +93,7 @@ class RandomPoseSet(torch.utils.data.Dataset):
             # MaskDP's private region: every head box of the image (one person here)
             "head_boxes": torch.tensor([[w * 0.35, h * 0.05, w * 0.65, h * 0.25]]),
             "head_count": torch.tensor(1),
+            "private_reach": torch.tensor([1.5, 1.5]),  # the crop is its own source: bilinear support + half a pixel
         }
 
 

@@ -15,7 +15,8 @@ x1, y1, x2, y2 in the crop frame (zeros if neither ``extra["face_box"]`` nor a h
 ``joints_original`` (16, 2) and ``joints_vis`` (16,) in the original frame, for PCKh;
 ``head_boxes`` (K, 4) / ``head_count`` and ``face_boxes`` (K, 4) / ``face_count``: the private
 boxes of *every* annotated person of the image, crop frame, padded to the dataset's K (see
-:meth:`PoseDataset.private_boxes`); with a ``public_view``, ``public_image`` (3, H, W): ψ of the
+:meth:`PoseDataset.private_boxes`); ``private_reach`` (2,): how far (crop pixels, x and y) the
+pixels of a box reach beyond its crop-frame box in this crop (see below); with a ``public_view``, ``public_image`` (3, H, W): ψ of the
 record computed once, before augmentation, then warped with this sample's augmentation.
 
 **ψ before augmentation.** ψ (FDP's public view) must be a property of the record, not of an
@@ -31,6 +32,16 @@ of an image: every record's ``headbox`` plus ``extra["image_head_boxes"]`` (COCO
 box per person annotation of the image, see :mod:`fedpose.data.coco`). A person with no head
 annotation contributes their whole padded person box (the region this dataset would crop for
 them), which contains their head: conservative, never less private.
+
+**Reach.** A crop pixel is a bilinear sample of the source image, so it depends on every source
+pixel whose centre is less than 1 *source* pixel from its sample point, and a pixel that touches a
+box has its centre up to half a pixel outside it: a box's pixels reach 1.5 source pixels past it,
+which in the crop is 1.5 × the zoom (× |cos| + |sin| under rotation) — many crop pixels when a small
+person is upsampled. ``private_reach`` is that distance for this sample's crop, flip and rotation
+(MaskDP masks it around every box). A JPEG decoded at a reduced size (``reduced_decode``, the
+speed-up for large people) mixes a whole 8×8 or 16×16 block of the file into each pixel, which no
+box-shaped reach describes: such a sample's reach is infinite (its crop is masked entirely), and
+MaskDP's datasets decode at full size (:func:`fedpose.privacy.public_views.dataset_view_options`).
 """
 
 from __future__ import annotations
@@ -50,11 +61,13 @@ from fedpose.data.loaders import ImageLoadError, load_records, resolve_image_or_
 from fedpose.data.transforms import (
     Augmentation,
     PIXEL_STD,
+    WARP_SUPPORT,
     affine_points,
     compose,
     crop_transform,
     invert,
     inside_crop,
+    reach_in_crop,
     sample_augmentation,
     warp_affine,
 )
@@ -65,6 +78,11 @@ IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
 
 # HRNet enlarges the annotated person box by 25% so limbs at its border stay inside the crop.
 DEFAULT_PADDING = 1.25
+
+#: Source pixels a box's pixels reach past the box in a crop: half a pixel (a pixel touching the box
+#: has its centre up to 0.5 px outside it) + the warp's bilinear support, + 1e-3 px so float rounding
+#: (ours or PIL's) never puts a sample point that reads a box pixel outside the mask.
+PRIVATE_PIXEL_REACH = 0.5 + WARP_SUPPORT + 1e-3
 
 #: memory cap of a dataset's cache of compact public views (downsample_quantize at f 16: ~2 KB a record)
 PUBLIC_CACHE_BYTES = 256 * 2**20
@@ -155,11 +173,23 @@ def denormalize(image_tensor: torch.Tensor) -> np.ndarray:
 
 
 def _box_in_crop(corners: np.ndarray, matrix: np.ndarray) -> np.ndarray:
-    """Axis-aligned box (x1, y1, x2, y2) around the 4 transformed corners of an original-frame box."""
-    (x1, y1), (x2, y2) = corners
+    """Axis-aligned box (x1, y1, x2, y2) around the 4 transformed corners of an original-frame box,
+    rounded outwards to float32 (a private box never shrinks by rounding)."""
+    (x1, y1), (x2, y2) = np.asarray(corners, dtype=np.float64)
     quad = np.array([[x1, y1], [x2, y1], [x1, y2], [x2, y2]], dtype=np.float64)
-    mapped = affine_points(quad, matrix)
-    return np.concatenate([mapped.min(axis=0), mapped.max(axis=0)]).astype(np.float32)
+    mapped = quad @ np.asarray(matrix, dtype=np.float64)[:, :2].T + np.asarray(matrix, dtype=np.float64)[:, 2]
+    low, high = mapped.min(axis=0), mapped.max(axis=0)
+    return np.concatenate([_round_down_f32(low), _round_up_f32(high)])
+
+
+def _round_up_f32(values: np.ndarray) -> np.ndarray:
+    rounded = np.asarray(values, dtype=np.float64).astype(np.float32)
+    return np.where(rounded < values, np.nextafter(rounded, np.float32(np.inf)), rounded).astype(np.float32)
+
+
+def _round_down_f32(values: np.ndarray) -> np.ndarray:
+    rounded = np.asarray(values, dtype=np.float64).astype(np.float32)
+    return np.where(rounded > values, np.nextafter(rounded, np.float32(-np.inf)), rounded).astype(np.float32)
 
 
 class PoseDataset(Dataset):
@@ -178,6 +208,7 @@ class PoseDataset(Dataset):
         padding: float = DEFAULT_PADDING,
         cache_images: bool = False,
         public_view: PublicImageView | None = None,
+        reduced_decode: bool = True,
     ) -> None:
         if len(input_size) != 2 or min(input_size) <= 0:
             raise ValueError(f"input_size must be (H, W) with positive sides, got {input_size}")
@@ -195,6 +226,8 @@ class PoseDataset(Dataset):
         self.seed = seed
         self.padding = padding
         self.cache_images = cache_images
+        # Decode JPEGs of large people at a reduced size (faster); MaskDP turns it off (see "Reach").
+        self.reduced_decode = reduced_decode
         self._cache: dict[str, Image.Image] = {}
         # Augmentation RNG per process: DataLoader workers re-seed from their own torch seed.
         self._rng: np.random.Generator = np.random.default_rng(seed)
@@ -233,11 +266,14 @@ class PoseDataset(Dataset):
         cx, cy = (float(v) for v in record.center)
         return np.array([[cx - width / 2, cy - height / 2], [cx + width / 2, cy + height / 2]])
 
-    def private_boxes(self, index: int, matrix: np.ndarray) -> dict[str, torch.Tensor]:
+    def private_boxes(self, index: int, matrix: np.ndarray, reduction: int = 1) -> dict[str, torch.Tensor]:
         """Every person's head and face box of record ``index``'s image mapped by the original→crop
-        ``matrix`` (axis-aligned hulls of the mapped corners), padded to ``max_private_boxes``."""
+        ``matrix`` (axis-aligned hulls of the mapped corners), padded to ``max_private_boxes``, and
+        ``private_reach``: how far their pixels reach past those boxes in the crop (module docstring;
+        infinite for an image decoded ``reduction``× smaller)."""
         name = self.records[index].image
-        out: dict[str, torch.Tensor] = {}
+        reach = reach_in_crop(matrix, PRIVATE_PIXEL_REACH) if reduction == 1 else np.full(2, np.inf)
+        out: dict[str, torch.Tensor] = {"private_reach": torch.from_numpy(_round_up_f32(reach))}
         for key, boxes in (("head", self._image_heads[name]), ("face", self._image_faces[name])):
             padded = np.zeros((self.max_private_boxes, 4), np.float32)
             for slot, box in enumerate(boxes):
@@ -313,7 +349,7 @@ class PoseDataset(Dataset):
 
         # The crop's zoom (output px per original px) lets JPEGs decode at a reduced size.
         zoom = self.input_size[0] / (PIXEL_STD * scale * aug.scale_factor)
-        image, reduction = self._image(index, zoom)
+        image, reduction = self._image(index, zoom if self.reduced_decode else 1.0)
         image_matrix = matrix if reduction == 1 else compose(matrix, invert(reduction_matrix(reduction)))
         crop = warp_affine(image, image_matrix, self.input_size)
         joints = affine_points(record.joints, matrix)
@@ -346,7 +382,7 @@ class PoseDataset(Dataset):
             "face_box": torch.from_numpy(face_box),
             "joints_original": torch.from_numpy(np.asarray(record.joints, dtype=np.float32).copy()),
             "joints_vis": torch.from_numpy(np.asarray(record.joints_vis, dtype=np.float32).copy()),
-            **self.private_boxes(index, matrix),
+            **self.private_boxes(index, matrix, reduction),
         }
         if self.public_view is not None:
             public_window, window_matrix = self.public_context(index)

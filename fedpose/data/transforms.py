@@ -133,6 +133,20 @@ def warp_affine(image: Image.Image, matrix: np.ndarray, output_size: tuple[int, 
     )
 
 
+#: Source pixels (along x and along y) a pixel's value reaches in an image warped by
+#: :func:`warp_affine`: bilinear sampling reads the source pixels whose centres are less than 1 px
+#: from the sample point, whatever the zoom (PIL's affine transform does not antialias).
+WARP_SUPPORT = 1.0
+
+
+def reach_in_crop(matrix: np.ndarray, distance: float) -> np.ndarray:
+    """(x, y) half-extents, in crop pixels, of a source square of half-side ``distance`` mapped by
+    ``matrix`` (its bounding box: rotation, zoom and flip included). A source region grown by
+    ``distance`` maps inside its mapped bounding box grown by this much on each side."""
+    linear = np.abs(np.asarray(matrix, dtype=np.float64)[:, :2])
+    return distance * linear.sum(axis=1)
+
+
 def flip_joints(joints: np.ndarray, vis: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
     """Mirror joints in a frame ``width`` pixels wide and swap left/right labels."""
     perm = flip_permutation()

@@ -155,7 +155,7 @@ def load_site_dataset(site: SiteConfig, input_size: tuple[int, int]) -> Any:
     """The site's training set (after input privacy, if configured) at the global model's input size."""
     from fedpose.data.dataset import PoseDataset, load_records
     from fedpose.privacy.input_privacy import prepare_site_input
-    from fedpose.privacy.public_views import dataset_public_view
+    from fedpose.privacy.public_views import dataset_view_options
 
     from fedpose.data.image_check import check_images
 
@@ -168,7 +168,8 @@ def load_site_dataset(site: SiteConfig, input_size: tuple[int, int]) -> Any:
     return PoseDataset(
         records, root, input_size=input_size, train=True, flip=site.data.flip,
         scale_jitter=site.data.scale_jitter, rotation=site.data.rotation, seed=site.train.seed,
-        public_view=dataset_public_view(site.privacy),  # FDP / FP-DP: ψ(x) once per record, before augmentation
+        # FDP / FP-DP: ψ(x) once per record, before augmentation; MaskDP: full-size decodes
+        **dataset_view_options(site.privacy),
     )
 
 

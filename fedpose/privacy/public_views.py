@@ -21,9 +21,12 @@ The batch carries it as ``public_image``; the engine's public path reads that ke
   they are (almost) the same image: the FDP relation is degenerate. Kept only to compare against.
 
 **MaskDP** — :func:`mask_boxes` replaces every declared private box of each sample (all
-annotated heads of the image, mapped into the crop: ``head_boxes`` + ``head_count``) by a
-constant, so no pixel inside any of them reaches the public path. The boxes come from the
-annotations, never from the pixels. A sample whose boxes are unknown is masked entirely.
+annotated heads of the image, mapped into the crop: ``head_boxes`` + ``head_count``), grown by
+``privacy.mask.margin`` × its size and by the sample's ``private_reach`` (how far a source pixel's
+value reaches in this crop: 1.5 *source* pixels × the zoom, see :mod:`fedpose.data.dataset`), by a
+constant, so no crop pixel that any pixel of a box contributes to reaches the public path. The
+boxes come from the annotations, never from the pixels. A sample whose boxes are unknown is
+masked entirely.
 
 The ``*_view(batch, privacy_cfg)`` functions are what the mechanism registry calls.
 """
@@ -119,43 +122,59 @@ def fill_value(fill: str, dtype: torch.dtype = torch.float32) -> Tensor:
     raise ValueError(f"privacy.mask.fill must be 'mean' or 'zero', got {fill!r}")
 
 
-def box_masks(boxes: Tensor, height: int, width: int, margin: float) -> Tensor:
+def _reach_rows(reach: Tensor | float, batch: int) -> list[tuple[float, float]]:
+    """``reach`` — a number, or (B, 2) per-sample (x, y) crop pixels — as B (x, y) pairs, checked."""
+    rows = torch.as_tensor(reach, dtype=torch.float64).detach().cpu()
+    if rows.dim() == 0:
+        rows = rows.expand(batch, 2)
+    if tuple(rows.shape) != (batch, 2):
+        raise ValueError(f"expected a mask reach per sample (B, 2) = ({batch}, 2) as x, y crop pixels, got shape {tuple(rows.shape)}")
+    if bool(torch.isnan(rows).any()) or bool((rows < 0).any()):
+        raise ValueError(f"mask reach must be >= 0 crop pixels (inf: mask everything), got {rows.tolist()}")
+    return [(float(x), float(y)) for x, y in rows.tolist()]
+
+
+def box_masks(boxes: Tensor, height: int, width: int, margin: float, reach: Tensor | float) -> Tensor:
     """(B, 4) x1, y1, x2, y2 boxes → (B, H, W) bool masks, True = private pixel.
 
-    Each box is enlarged by ``margin`` × its width/height on every side. Pixel centres sit on
-    integers (the convention of :mod:`fedpose.data.transforms`), and a crop pixel is bilinearly
-    interpolated from source points up to 1 px away, so a pixel is private if its centre is less
-    than 1 px (in x and in y) from the enlarged box. Degenerate boxes (zero area, e.g. no
-    annotation) mark the whole image private.
+    Each box is enlarged by ``margin`` × its width/height on every side, then by the sample's
+    ``reach`` (x, y crop pixels: how far the box's source pixels reach in the crop, the dataset's
+    ``private_reach``). Pixel centres sit on integers (the convention of
+    :mod:`fedpose.data.transforms`); a pixel is private if its centre lies in the enlarged box
+    (boundary included). Degenerate boxes (zero area, e.g. no annotation) and an infinite reach
+    mark the whole image private.
     """
     if boxes.dim() != 2 or boxes.shape[1] != 4:
         raise ValueError(f"expected boxes (B, 4) as x1, y1, x2, y2, got shape {tuple(boxes.shape)}")
     if margin < 0:
         raise ValueError(f"mask margin must be >= 0, got {margin}")
+    reaches = _reach_rows(reach, boxes.shape[0])
     masks = torch.zeros(boxes.shape[0], height, width, dtype=torch.bool)
     for index, box in enumerate(boxes.detach().cpu().to(torch.float64).tolist()):
-        _mark_box(masks[index], box, margin)
+        _mark_box(masks[index], box, margin, reaches[index])
     return masks.to(boxes.device)
 
 
-def _mark_box(mask: Tensor, box: list[float], margin: float) -> None:
+def _mark_box(mask: Tensor, box: list[float], margin: float, reach: tuple[float, float]) -> None:
     """Set the pixels of one (H, W) mask that :func:`box_masks` calls private for ``box``."""
     height, width = mask.shape
     x1, y1, x2, y2 = box
-    if not all(math.isfinite(v) for v in box) or x2 <= x1 or y2 <= y1:
-        mask.fill_(True)  # undeclared or degenerate: the private region is unknown
+    if not all(math.isfinite(v) for v in (*box, *reach)) or x2 <= x1 or y2 <= y1:
+        mask.fill_(True)  # undeclared or degenerate box, or an unbounded reach: the private region is unknown
         return
     box_w, box_h = x2 - x1, y2 - y1
-    x1, x2 = x1 - margin * box_w, x2 + margin * box_w
-    y1, y2 = y1 - margin * box_h, y2 + margin * box_h
-    # Pixel j (centre j, bilinear support (j − 1, j + 1)) is private iff j + 1 > x1 and j − 1 < x2.
-    c0, c1 = max(0, math.floor(x1 - 1) + 1), min(width, math.ceil(x2 + 1))
-    r0, r1 = max(0, math.floor(y1 - 1) + 1), min(height, math.ceil(y2 + 1))
+    x1, x2 = x1 - margin * box_w - reach[0], x2 + margin * box_w + reach[0]
+    y1, y2 = y1 - margin * box_h - reach[1], y2 + margin * box_h + reach[1]
+    # Pixel j is private iff x1 <= j <= x2.
+    c0, c1 = max(0, math.ceil(x1)), min(width, math.floor(x2) + 1)
+    r0, r1 = max(0, math.ceil(y1)), min(height, math.floor(y2) + 1)
     if c0 < c1 and r0 < r1:
         mask[r0:r1, c0:c1] = True
 
 
-def union_box_masks(boxes: Tensor, counts: Tensor, height: int, width: int, margin: float) -> Tensor:
+def union_box_masks(
+    boxes: Tensor, counts: Tensor, height: int, width: int, margin: float, reach: Tensor | float
+) -> Tensor:
     """(B, K, 4) boxes of which the first ``counts[b]`` are real → (B, H, W) union masks.
 
     Each real box is handled as in :func:`box_masks` (a degenerate real box masks everything);
@@ -169,22 +188,27 @@ def union_box_masks(boxes: Tensor, counts: Tensor, height: int, width: int, marg
         raise ValueError(f"{counts.shape[0]} box counts for {batch} samples")
     if bool((counts < 0).any()) or bool((counts > slots).any()):
         raise ValueError(f"box counts must be in 0..{slots}, got {counts.tolist()}")
+    if margin < 0:
+        raise ValueError(f"mask margin must be >= 0, got {margin}")
+    reaches = _reach_rows(reach, batch)
     masks = torch.zeros(batch, height, width, dtype=torch.bool)
     rows = boxes.detach().cpu().to(torch.float64).tolist()
     for index, count in enumerate(counts.tolist()):
         if count == 0:
             masks[index] = True  # no declared region: nothing of the image is public
         for box in rows[index][:count]:
-            _mark_box(masks[index], box, margin)
+            _mark_box(masks[index], box, margin, reaches[index])
     return masks.to(boxes.device)
 
 
 def mask_boxes(
-    images: Tensor, boxes: Tensor, margin: float = 0.0, fill: str = "mean", counts: Tensor | None = None
+    images: Tensor, boxes: Tensor, margin: float = 0.0, fill: str = "mean", counts: Tensor | None = None,
+    *, reach: Tensor | float,
 ) -> Tensor:
     """``images`` with every (enlarged) private box replaced by the ``fill`` value.
 
-    ``boxes`` is (B, 4) — one box per sample — or (B, K, 4) with ``counts`` (B,) real boxes each.
+    ``boxes`` is (B, 4) — one box per sample — or (B, K, 4) with ``counts`` (B,) real boxes each;
+    ``reach`` as in :func:`box_masks` (no default: it depends on how each crop was resampled).
     """
     if images.dim() != 4 or images.shape[1] != 3:
         raise ValueError(f"expected images (B, 3, H, W), got shape {tuple(images.shape)}")
@@ -192,11 +216,11 @@ def mask_boxes(
         raise ValueError(f"{boxes.shape[0]} boxes for {images.shape[0]} images")
     height, width = images.shape[2], images.shape[3]
     if boxes.dim() == 2:
-        masks = box_masks(boxes, height, width, margin)
+        masks = box_masks(boxes, height, width, margin, reach)
     else:
         if counts is None:
             raise ValueError("mask_boxes: (B, K, 4) boxes need counts (how many of the K are real)")
-        masks = union_box_masks(boxes, counts, height, width, margin)
+        masks = union_box_masks(boxes, counts, height, width, margin, reach)
     value = fill_value(fill, images.dtype).to(images.device).view(1, 3, 1, 1)
     return torch.where(masks.to(images.device)[:, None], value, images)
 
@@ -305,6 +329,19 @@ def dataset_public_view(privacy: PrivacyConfig) -> ImagePublicView | None:
     return ImagePublicView(privacy.public_view)
 
 
+def dataset_view_options(privacy: PrivacyConfig) -> dict[str, Any]:
+    """The :class:`~fedpose.data.dataset.PoseDataset` arguments a training set needs for
+    ``privacy.mechanism``'s public view: ψ (FDP / FP-DP), and a full-size decode for MaskDP (a
+    reduced JPEG decode mixes whole 8×8 / 16×16 blocks of the file into each pixel, so a head's
+    pixels would reach past any box-shaped mask; the dataset would mask such crops entirely)."""
+    from fedpose.privacy.mechanisms import get_mechanism
+
+    return {
+        "public_view": dataset_public_view(privacy),
+        "reduced_decode": get_mechanism(privacy.mechanism).public_view != "mask",
+    }
+
+
 def public_view_report(cfg: PublicViewConfig) -> dict[str, Any]:
     """privacy.json's ``public_view`` entry for FDP / FP-DP."""
     kind = public_view_kind(cfg)
@@ -337,28 +374,31 @@ def precomputed_view(batch: dict, privacy: PrivacyConfig) -> Tensor:
 REGION_KEYS: dict[str, tuple[str, str]] = {"head": ("head_boxes", "head_count"), "face": ("face_boxes", "face_count")}
 
 
-def private_region_boxes(batch: dict, region: str) -> tuple[Tensor, Tensor]:
-    """(boxes (B, K, 4), counts (B,)) of ``privacy.mask.region`` for every person of each image.
+#: batch key of how far (x, y crop pixels) a box's source pixels reach past it in each crop
+REACH_KEY = "private_reach"
+
+
+def private_region_boxes(batch: dict, region: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(boxes (B, K, 4), counts (B,), reach (B, 2)) of ``privacy.mask.region`` for every person of each image.
 
     'head': every annotated head box of the image; 'face': every face box (a person without one
-    contributes their head box). Both in the crop frame, as the dataset maps them.
+    contributes their head box). Both in the crop frame, as the dataset maps them, with the crop's
+    ``private_reach``.
     """
     if region not in REGION_KEYS:
         raise ValueError(f"privacy.mask.region must be one of {sorted(REGION_KEYS)}, got {region!r}")
     boxes_key, count_key = REGION_KEYS[region]
-    for key in (boxes_key, count_key):
+    for key, what in ((boxes_key, f"every person's {region} box in the crop frame"), (count_key, f"how many {region} boxes are real"),
+                      (REACH_KEY, "how far a source pixel reaches in each crop")):
         if key not in batch:
-            raise KeyError(
-                f"MaskDP needs batch['{key}'] (every person's {region} box in the crop frame, from PoseDataset) "
-                "to know the private region"
-            )
-    return torch.as_tensor(batch[boxes_key]), torch.as_tensor(batch[count_key])
+            raise KeyError(f"MaskDP needs batch['{key}'] ({what}, from PoseDataset) to know the private region")
+    return torch.as_tensor(batch[boxes_key]), torch.as_tensor(batch[count_key]), torch.as_tensor(batch[REACH_KEY])
 
 
 def mask_view(batch: dict, privacy: PrivacyConfig) -> Tensor:
     """MaskDP's ψ: every person's private region (``privacy.mask``) masked out."""
-    boxes, counts = private_region_boxes(batch, privacy.mask.region)
-    return mask_boxes(batch["image"], boxes, privacy.mask.margin, privacy.mask.fill, counts)
+    boxes, counts, reach = private_region_boxes(batch, privacy.mask.region)
+    return mask_boxes(batch["image"], boxes, privacy.mask.margin, privacy.mask.fill, counts, reach=reach)
 
 
 #: the noise-free public input of each :data:`fedpose.privacy.mechanisms.PublicViewSource`

@@ -127,9 +127,10 @@ class RunState:
 
 
 def _load_dataset(path: Path, cfg: RunConfig, train: bool, seed: int, with_public_view: bool = False) -> Any:
-    """``with_public_view``: the training set of FDP / FP-DP also computes ψ(x) (before augmentation)."""
+    """``with_public_view``: the training set of FDP / FP-DP also computes ψ(x) (before augmentation),
+    MaskDP's decodes every image at full size (see :func:`~fedpose.privacy.public_views.dataset_view_options`)."""
     from fedpose.data.dataset import PoseDataset, load_records
-    from fedpose.privacy.public_views import dataset_public_view
+    from fedpose.privacy.public_views import dataset_view_options
 
     records, root = load_records(path)
     if not records:
@@ -137,7 +138,7 @@ def _load_dataset(path: Path, cfg: RunConfig, train: bool, seed: int, with_publi
     data = cfg.data
     return PoseDataset(records, root, input_size=data.input_size, train=train, flip=data.flip,
                        scale_jitter=data.scale_jitter, rotation=data.rotation, seed=seed,
-                       public_view=dataset_public_view(cfg.privacy) if with_public_view else None)
+                       **(dataset_view_options(cfg.privacy) if with_public_view else {}))
 
 
 def resolve_protection_unit(

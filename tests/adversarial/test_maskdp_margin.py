@@ -1,0 +1,186 @@
+"""Adversarial: no head pixel reaches MaskDP's noise-free masked view, at any zoom (issue 24, item 5).
+
+MaskDP sends the gradient of the masked crop without noise, so the masked crop must be a function
+of the non-head pixels only. The attacker (a coordinator, or anyone who sees the site's updates)
+holds two source images that differ only in head pixels — every pixel touching an annotated head
+box (grown by ``privacy.mask.margin``), filled with fresh random values — and checks whether the
+site's masked view of any record changes. Small people make it hard: their crops are *upsampled*
+(zoom 2–7 at 256×192), and one source pixel's bilinear support then spans several crop pixels.
+
+Every path from a head pixel to the masked view is exercised with the site's own code (the
+``PoseDataset`` built with the options a site uses, ``mask_view`` as the engine calls it): bilinear
+resampling at every zoom, the training augmentation (scale jitter, rotation, flip, drawn by the
+dataset), crops that run past the image border, several heads per crop (four people close
+together), non-integer box corners, and real MPII photographs scaled down to small people.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fedpose.config import DataConfig, PrivacyConfig
+from fedpose.data.annotations import PoseRecord
+from fedpose.data.dataset import PoseDataset
+from fedpose.data.loaders import load_records, resolve_image_or_raise
+from fedpose.privacy.engine import collate
+from fedpose.privacy.public_views import dataset_view_options, mask_boxes, mask_view
+
+SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+INPUT_SIZE = (256, 192)
+#: person scales relative to a 200-px-tall person (MPII scale 1): zoom at 256×192 ≈ 1.02 / factor
+PERSON_SCALES = (1.0, 0.5, 0.25, 0.15)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """The ops here are tiny (one 256×192 crop at a time): threads only add contention on a shared CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def head_pixels(box: np.ndarray, margin: float, shape: tuple[int, int]) -> tuple[slice, slice]:
+    """Rows and columns of every pixel (centre on an integer) that touches ``box`` grown by ``margin`` × its size."""
+    (x1, y1), (x2, y2) = np.asarray(box, dtype=np.float64)
+    grow_x, grow_y = margin * (x2 - x1), margin * (y2 - y1)
+    x1, x2, y1, y2 = x1 - grow_x, x2 + grow_x, y1 - grow_y, y2 + grow_y
+    height, width = shape
+    r0, r1 = np.clip([np.ceil(y1 - 0.5), np.floor(y2 + 0.5) + 1], 0, height).astype(int)  # clipped: no negative index
+    c0, c1 = np.clip([np.ceil(x1 - 0.5), np.floor(x2 + 0.5) + 1], 0, width).astype(int)
+    return slice(r0, max(r0, r1)), slice(c0, max(c0, c1))
+
+
+def randomize_heads(image: np.ndarray, boxes: list[np.ndarray], margin: float, rng: np.random.Generator) -> np.ndarray:
+    """``image`` with every head pixel replaced by a random value (and nothing else changed)."""
+    altered = image.copy()
+    for box in boxes:
+        rows, cols = head_pixels(box, margin, image.shape[:2])
+        altered[rows, cols] = rng.integers(0, 256, altered[rows, cols].shape, dtype=np.uint8)
+    return altered
+
+
+def write_pair(tmp: Path, name: str, image: np.ndarray, boxes: list[np.ndarray], margin: float,
+               rng: np.random.Generator) -> None:
+    """The original image under ``tmp/original`` and its head-randomized twin under ``tmp/heads``."""
+    for folder, pixels in (("original", image), ("heads", randomize_heads(image, boxes, margin, rng))):
+        (tmp / folder).mkdir(parents=True, exist_ok=True)
+        Image.fromarray(pixels).save(tmp / folder / name, compress_level=0)  # fast; lossless either way
+
+
+def site_dataset(records: list[PoseRecord], root: Path, privacy: PrivacyConfig, seed: int) -> PoseDataset:
+    """The training set as a site builds it (fedpose.federation.local_training.load_site_dataset)."""
+    data = DataConfig(input_size=INPUT_SIZE)
+    return PoseDataset(records, root, input_size=data.input_size, train=True, flip=data.flip,
+                       scale_jitter=data.scale_jitter, rotation=data.rotation, seed=seed,
+                       **dataset_view_options(privacy))
+
+
+def attack(tmp: Path, records: list[PoseRecord], privacy: PrivacyConfig, draws: int) -> dict[str, int]:
+    """Draw every record ``draws`` times from both sources (the same augmentation each time) and count
+    the samples whose masked view changes, whose crop shows the change, and that the old 1-crop-pixel
+    reach (today's main before the fix) would have leaked."""
+    original = site_dataset(records, tmp / "original", privacy, seed=7)
+    heads = site_dataset(records, tmp / "heads", privacy, seed=7)
+    counts = {"samples": 0, "changed": 0, "visible": 0, "old_rule_changed": 0, "rotated": 0, "flipped": 0}
+    for _ in range(draws):
+        for index in range(len(records)):
+            a, b = collate([original[index]]), collate([heads[index]])
+            assert (a["rotation"], a["scale"], a["flipped"]) == (b["rotation"], b["scale"], b["flipped"])
+            counts["samples"] += 1
+            counts["rotated"] += bool(a["rotation"][0] != 0)
+            counts["flipped"] += bool(a["flipped"][0])
+            counts["visible"] += not torch.equal(a["image"], b["image"])
+            counts["changed"] += not torch.equal(mask_view(a, privacy), mask_view(b, privacy))
+            mask = privacy.mask
+            old = [mask_boxes(s["image"], s["head_boxes"], mask.margin, mask.fill, s["head_count"], reach=1.0) for s in (a, b)]
+            counts["old_rule_changed"] += not torch.equal(*old)
+    return counts
+
+
+def synthetic_scene(tmp: Path, factor: float, margin: float, seed: int) -> list[PoseRecord]:
+    """4 noise images × 4 people close together (heads in each other's crops, some past the image
+    border), people ``factor`` × 200 px tall; head boxes at non-integer corners."""
+    rng = np.random.default_rng(seed)
+    scale = factor  # MPII scale: the person is 200·scale px tall
+    side = int(260 * scale) + 24
+    records: list[PoseRecord] = []
+    for image_index in range(4):
+        name = f"scene{image_index}.png"
+        image = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
+        boxes = []
+        for _ in range(4):
+            cx, cy = rng.uniform(0.1, 0.9, 2) * side
+            size = 36 * scale * rng.uniform(0.8, 1.2)
+            hx, hy = cx + rng.uniform(-12, 12) * scale, cy - 70 * scale
+            box = np.array([[hx - size / 2, hy - size / 2], [hx + size / 2, hy + size * 0.6]], np.float32)
+            joints = np.stack([rng.uniform(cx - 40 * scale, cx + 40 * scale, 16),
+                               rng.uniform(cy - 90 * scale, cy + 90 * scale, 16)], 1).astype(np.float32)
+            records.append(PoseRecord(name, joints, np.ones(16, np.float32), np.array([cx, cy], np.float32), scale, box))
+            boxes.append(box)
+        write_pair(tmp, name, image, boxes, margin, rng)
+    return records
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.15])
+def test_head_pixels_never_change_the_masked_view_of_small_upsampled_people(tmp_path: Path, margin: float) -> None:
+    privacy = PrivacyConfig(mechanism="maskdp", noise_multiplier=1.0, mask={"region": "head", "margin": margin})
+    for factor in PERSON_SCALES:
+        records = synthetic_scene(tmp_path / f"x{factor}", factor, margin, seed=int(factor * 100))
+        counts = attack(tmp_path / f"x{factor}", records, privacy, draws=2)
+        assert counts["changed"] == 0, (factor, counts)
+        # not vacuous: the heads are in (most) crops, the augmentation rotates and flips them ...
+        assert counts["visible"] >= counts["samples"] * 3 // 4, (factor, counts)
+        assert counts["rotated"] > 0 and counts["flipped"] > 0, (factor, counts)
+        # ... and the attack catches a reach of one crop pixel (main before the fix) once crops are upsampled
+        if factor <= 0.25:
+            assert counts["old_rule_changed"] > 0, (factor, counts)
+
+
+def test_head_pixels_never_change_the_masked_view_of_real_mpii_people_at_any_scale(tmp_path: Path) -> None:
+    records, root = load_records(SHARED_DATA / "mpii-real")
+    assert len(records) == 5 and all(r.headbox is not None for r in records)
+    margin = 0.0  # the annotated head box itself: the strictest case
+    privacy = PrivacyConfig(mechanism="maskdp", noise_multiplier=1.0, mask={"region": "head", "margin": margin})
+    rng = np.random.default_rng(3)
+    by_image = {r.image: np.asarray(Image.open(resolve_image_or_raise(root, r.image)).convert("RGB")) for r in records}
+    old_rule_leaks = 0
+    for factor in PERSON_SCALES:
+        tmp = tmp_path / f"x{factor}"
+        scaled: list[PoseRecord] = []
+        for name, full in by_image.items():
+            size = (max(1, round(full.shape[1] * factor)), max(1, round(full.shape[0] * factor)))
+            small = np.asarray(Image.fromarray(full).resize(size, Image.Resampling.LANCZOS))
+            people = [replace(r, image=Path(name).stem + ".png", joints=r.joints * factor, center=r.center * factor,
+                              scale=r.scale * factor, headbox=r.headbox * factor)
+                      for r in records if r.image == name]
+            write_pair(tmp, Path(name).stem + ".png", small, [p.headbox for p in people], margin, rng)
+            scaled += people
+        counts = attack(tmp, scaled, privacy, draws=4)
+        assert counts["changed"] == 0, (factor, counts)
+        assert counts["visible"] == counts["samples"], (factor, counts)
+        old_rule_leaks += counts["old_rule_changed"]
+    assert old_rule_leaks > 0  # the real people, scaled down, leak under the old reach
+
+
+def test_a_maskdp_site_decodes_at_full_size_and_a_reduced_decode_masks_the_whole_crop() -> None:
+    """A JPEG decoded at a reduced size mixes whole 8×8 / 16×16 blocks of the file into each pixel:
+    no box-shaped mask describes that, so MaskDP's datasets never do it, and a crop that was
+    decoded that way anyway is masked entirely rather than leak."""
+    records, root = load_records(SHARED_DATA / "mpii-real")
+    big = max(range(len(records)), key=lambda i: records[i].scale)  # zoom ≈ 0.2: a reduced decode kicks in
+    privacy = PrivacyConfig(mechanism="maskdp", noise_multiplier=1.0)
+    assert dataset_view_options(privacy)["reduced_decode"] is False
+    assert dataset_view_options(PrivacyConfig(mechanism="dpsgd", noise_multiplier=1.0))["reduced_decode"] is True
+    site = collate([PoseDataset(records, root, INPUT_SIZE, **dataset_view_options(privacy))[big]])
+    assert bool(torch.isfinite(site["private_reach"]).all())
+    assert not bool((mask_view(site, privacy) == 0).all())
+    reduced = collate([PoseDataset(records, root, INPUT_SIZE, reduced_decode=True)[big]])
+    assert bool(torch.isinf(reduced["private_reach"]).all())
+    assert bool((mask_view(reduced, privacy) == 0).all())  # fill 'mean' is 0 in normalized space
