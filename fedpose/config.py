@@ -159,7 +159,11 @@ class PublicViewConfig(Strict):
 
 class MaskConfig(Strict):
     region: Literal["head", "face"] = Field("head", description="MaskDP private region taken from the annotation")
-    margin: float = Field(0.15, ge=0, description="box enlargement, fraction of its size")
+    margin: float = Field(
+        0.15, ge=0,
+        description="box enlargement in the source image, fraction of its size; the crop pixels resampling spreads the box's "
+        "pixels into (1.5 source px × the crop's zoom) are masked on top",
+    )
     fill: Literal["mean", "zero"] = Field("mean", description="value written into the masked region")
 
 

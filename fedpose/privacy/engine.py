@@ -524,6 +524,9 @@ class GradientEngine:
             report["public_view"] = {
                 "map": "mask", "region": mask.region, "margin": mask.margin, "fill": mask.fill,
                 "covers": f"every annotated {mask.region} of the image inside the crop (all people, not only the record's own)",
+                "reach": "every crop pixel that any source pixel touching a box (grown by the margin) contributes to: "
+                         "1.5 source pixels past the box (bilinear support + half a pixel) × the crop's zoom, rotation and flip "
+                         "included; images decoded at full size",
             }
         return report
 
