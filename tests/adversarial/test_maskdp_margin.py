@@ -16,6 +16,7 @@ together), non-integer box corners, and real MPII photographs scaled down to sma
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fedpose.config import DataConfig, PrivacyConfig
+from fedpose.config import PrivacyConfig
 from fedpose.data.annotations import PoseRecord
 from fedpose.data.dataset import PoseDataset
 from fedpose.data.loaders import load_records, resolve_image_or_raise
@@ -66,55 +67,59 @@ def randomize_heads(image: np.ndarray, boxes: list[np.ndarray], margin: float, r
     return altered
 
 
-def write_pair(tmp: Path, name: str, image: np.ndarray, boxes: list[np.ndarray], margin: float,
-               rng: np.random.Generator) -> None:
-    """The original image under ``tmp/original`` and its head-randomized twin under ``tmp/heads``."""
-    for folder, pixels in (("original", image), ("heads", randomize_heads(image, boxes, margin, rng))):
-        (tmp / folder).mkdir(parents=True, exist_ok=True)
-        Image.fromarray(pixels).save(tmp / folder / name, compress_level=0)  # fast; lossless either way
+def write_sites(tmp: Path, images: dict[str, np.ndarray], records: list[PoseRecord], margin: float,
+                rng: np.random.Generator) -> None:
+    """Two copies of one site's training data: ``tmp/original/site-1`` and ``tmp/heads/site-1``, where
+    every head pixel (of the boxes as the site reads them back) is random; nothing else differs."""
+    for folder in ("original", "heads"):
+        (tmp / folder / "site-1").mkdir(parents=True)
+        (tmp / folder / "site-1" / "annotations.json").write_text(json.dumps([r.to_json() for r in records]))
+    stored, _ = load_records(tmp / "original" / "site-1")
+    for name, image in images.items():
+        boxes = [r.headbox for r in stored if r.image == name]
+        for folder, pixels in (("original", image), ("heads", randomize_heads(image, boxes, margin, rng))):
+            Image.fromarray(pixels).save(tmp / folder / "site-1" / name, compress_level=0)  # fast; lossless either way
 
 
-def site_dataset(records: list[PoseRecord], root: Path, privacy: PrivacyConfig, seed: int) -> PoseDataset:
-    """The training set as a site builds it (fedpose.federation.local_training.load_site_dataset)."""
-    data = DataConfig(input_size=INPUT_SIZE)
-    return PoseDataset(records, root, input_size=data.input_size, train=True, flip=data.flip,
-                       scale_jitter=data.scale_jitter, rotation=data.rotation, seed=seed,
-                       **dataset_view_options(privacy))
+def attack(tmp: Path, privacy: dict, draws: int) -> dict[str, int]:
+    """Draw every record ``draws`` times from both sites' training sets (built by the site's own
+    ``load_site_dataset``, same seed: the same augmentation each time) and count the samples whose
+    masked view changes, whose crop shows the change, and that the old one-crop-pixel reach (main
+    before the fix) would have leaked."""
+    from site_round_helpers import site_config
 
+    from fedpose.federation.local_training import load_site_dataset
 
-def attack(tmp: Path, records: list[PoseRecord], privacy: PrivacyConfig, draws: int) -> dict[str, int]:
-    """Draw every record ``draws`` times from both sources (the same augmentation each time) and count
-    the samples whose masked view changes, whose crop shows the change, and that the old 1-crop-pixel
-    reach (today's main before the fix) would have leaked."""
-    original = site_dataset(records, tmp / "original", privacy, seed=7)
-    heads = site_dataset(records, tmp / "heads", privacy, seed=7)
+    sites = {folder: site_config(tmp / folder, tmp / f"state-{folder}", mechanism="maskdp", noise_multiplier=1.0, mask=privacy)
+             for folder in ("original", "heads")}
+    original, heads = (load_site_dataset(sites[folder], INPUT_SIZE) for folder in ("original", "heads"))
+    mask = sites["original"].privacy.mask
     counts = {"samples": 0, "changed": 0, "visible": 0, "old_rule_changed": 0, "rotated": 0, "flipped": 0}
     for _ in range(draws):
-        for index in range(len(records)):
+        for index in range(len(original)):
             a, b = collate([original[index]]), collate([heads[index]])
             assert (a["rotation"], a["scale"], a["flipped"]) == (b["rotation"], b["scale"], b["flipped"])
             counts["samples"] += 1
             counts["rotated"] += bool(a["rotation"][0] != 0)
             counts["flipped"] += bool(a["flipped"][0])
             counts["visible"] += not torch.equal(a["image"], b["image"])
-            counts["changed"] += not torch.equal(mask_view(a, privacy), mask_view(b, privacy))
-            mask = privacy.mask
+            counts["changed"] += not torch.equal(mask_view(a, sites["original"].privacy), mask_view(b, sites["heads"].privacy))
             old = [mask_boxes(s["image"], s["head_boxes"], mask.margin, mask.fill, s["head_count"], reach=1.0) for s in (a, b)]
             counts["old_rule_changed"] += not torch.equal(*old)
     return counts
 
 
-def synthetic_scene(tmp: Path, factor: float, margin: float, seed: int) -> list[PoseRecord]:
+def synthetic_site(tmp: Path, factor: float, margin: float, seed: int) -> None:
     """4 noise images × 4 people close together (heads in each other's crops, some past the image
     border), people ``factor`` × 200 px tall; head boxes at non-integer corners."""
     rng = np.random.default_rng(seed)
     scale = factor  # MPII scale: the person is 200·scale px tall
     side = int(260 * scale) + 24
     records: list[PoseRecord] = []
+    images: dict[str, np.ndarray] = {}
     for image_index in range(4):
         name = f"scene{image_index}.png"
-        image = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
-        boxes = []
+        images[name] = rng.integers(0, 256, (side, side, 3), dtype=np.uint8)
         for _ in range(4):
             cx, cy = rng.uniform(0.1, 0.9, 2) * side
             size = 36 * scale * rng.uniform(0.8, 1.2)
@@ -123,17 +128,14 @@ def synthetic_scene(tmp: Path, factor: float, margin: float, seed: int) -> list[
             joints = np.stack([rng.uniform(cx - 40 * scale, cx + 40 * scale, 16),
                                rng.uniform(cy - 90 * scale, cy + 90 * scale, 16)], 1).astype(np.float32)
             records.append(PoseRecord(name, joints, np.ones(16, np.float32), np.array([cx, cy], np.float32), scale, box))
-            boxes.append(box)
-        write_pair(tmp, name, image, boxes, margin, rng)
-    return records
+    write_sites(tmp, images, records, margin, rng)
 
 
 @pytest.mark.parametrize("margin", [0.0, 0.15])
 def test_head_pixels_never_change_the_masked_view_of_small_upsampled_people(tmp_path: Path, margin: float) -> None:
-    privacy = PrivacyConfig(mechanism="maskdp", noise_multiplier=1.0, mask={"region": "head", "margin": margin})
     for factor in PERSON_SCALES:
-        records = synthetic_scene(tmp_path / f"x{factor}", factor, margin, seed=int(factor * 100))
-        counts = attack(tmp_path / f"x{factor}", records, privacy, draws=2)
+        synthetic_site(tmp_path / f"x{factor}", factor, margin, seed=int(factor * 100))
+        counts = attack(tmp_path / f"x{factor}", {"region": "head", "margin": margin}, draws=2)
         assert counts["changed"] == 0, (factor, counts)
         # not vacuous: the heads are in (most) crops, the augmentation rotates and flips them ...
         assert counts["visible"] >= counts["samples"] * 3 // 4, (factor, counts)
@@ -147,22 +149,18 @@ def test_head_pixels_never_change_the_masked_view_of_real_mpii_people_at_any_sca
     records, root = load_records(SHARED_DATA / "mpii-real")
     assert len(records) == 5 and all(r.headbox is not None for r in records)
     margin = 0.0  # the annotated head box itself: the strictest case
-    privacy = PrivacyConfig(mechanism="maskdp", noise_multiplier=1.0, mask={"region": "head", "margin": margin})
     rng = np.random.default_rng(3)
     by_image = {r.image: np.asarray(Image.open(resolve_image_or_raise(root, r.image)).convert("RGB")) for r in records}
     old_rule_leaks = 0
     for factor in PERSON_SCALES:
-        tmp = tmp_path / f"x{factor}"
-        scaled: list[PoseRecord] = []
+        small: dict[str, np.ndarray] = {}
         for name, full in by_image.items():
             size = (max(1, round(full.shape[1] * factor)), max(1, round(full.shape[0] * factor)))
-            small = np.asarray(Image.fromarray(full).resize(size, Image.Resampling.LANCZOS))
-            people = [replace(r, image=Path(name).stem + ".png", joints=r.joints * factor, center=r.center * factor,
-                              scale=r.scale * factor, headbox=r.headbox * factor)
-                      for r in records if r.image == name]
-            write_pair(tmp, Path(name).stem + ".png", small, [p.headbox for p in people], margin, rng)
-            scaled += people
-        counts = attack(tmp, scaled, privacy, draws=4)
+            small[Path(name).stem + ".png"] = np.asarray(Image.fromarray(full).resize(size, Image.Resampling.LANCZOS))
+        scaled = [replace(r, image=Path(r.image).stem + ".png", joints=r.joints * factor, center=r.center * factor,
+                          scale=r.scale * factor, headbox=r.headbox * factor) for r in records]
+        write_sites(tmp_path / f"x{factor}", small, scaled, margin, rng)
+        counts = attack(tmp_path / f"x{factor}", {"region": "head", "margin": margin}, draws=4)
         assert counts["changed"] == 0, (factor, counts)
         assert counts["visible"] == counts["samples"], (factor, counts)
         old_rule_leaks += counts["old_rule_changed"]
