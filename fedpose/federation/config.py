@@ -4,9 +4,10 @@ A site's config holds only what the site itself reads: its data and augmentation
 (:class:`SiteDataConfig`), how its steps run (:class:`~fedpose.config.StepConfig`), its optimizer,
 privacy and input privacy (the sections of :mod:`fedpose.config`, so a site's steps are
 ``fedpose train``'s steps), plus what only a federation has: a stable site id, a persisted state
-directory and a per-site ε budget. The model and its input size are not a site's to choose: the
-coordinator's instruction carries the global model's spec every round. The coordinator adds rounds,
-aggregation and the basis transport.
+directory and a per-site ε budget. The coordinator's instruction carries the global model's spec
+every round; what of it changes what the site's guarantee means (the input size under FDP and
+MaskDP) the site pins in its state and checks (:mod:`fedpose.federation.site_pins`). The
+coordinator adds rounds, aggregation and the basis transport.
 
 Privacy note: ``eps_max`` is a bound on the guarantee named by ``privacy.mechanism`` (record-level
 (ε,δ)-DP for dpsgd/pdp, feature-level DP for fdp/fpdp, MaskDP for maskdp), at δ = ``privacy.delta``,
@@ -91,7 +92,8 @@ class SiteOptimConfig(OptimConfig):
 
 class SiteDataConfig(AugmentationConfig):
     """A site's training data and its augmentation. No input size: the site trains at the global
-    model's (``input_size`` of the coordinator's model spec); no validation split: the coordinator
+    model's (``input_size`` of the coordinator's model spec, pinned in the site's state under FDP
+    and MaskDP: :mod:`fedpose.federation.site_pins`); no validation split: the coordinator
     evaluates."""
 
     train: Path = Field(..., description="the site's training data (dataset directory or COCO json)")
@@ -114,10 +116,19 @@ class SiteConfig(Strict):
     aggregation_weight: float = Field(
         1.0, gt=0, description="declared FedAvg weight of this site's update (a public setting: the dataset size is never sent)"
     )
+    max_basis_k: int = Field(
+        128, ge=1,
+        description="largest projection dimension k the site accepts in a coordinator's basis V (p × k floats in memory: "
+        "k = 128 at p = 4.7 M is 2.4 GB); a larger V is refused before any spend",
+    )
 
     @model_validator(mode="after")
     def _private_at_the_boundary(self) -> "SiteConfig":
         """What a site must declare so that nothing it sends depends on its data beyond the guarantee."""
+        # Before the mechanism's early return: LDP-Slicing at the input is a guarantee of its own, also
+        # at a site whose gradient mechanism is "none".
+        if getattr(self.input_privacy, "insecure_seed", None) is not None:
+            raise ValueError(f"site '{self.site_id}': input_privacy.insecure_seed is for tests only; a site refuses to federate with it")
         if not get_mechanism(self.privacy.mechanism).noisy:
             return self
         if self.privacy.sample_rate is None:
@@ -131,8 +142,6 @@ class SiteConfig(Strict):
                 f"site '{self.site_id}': privacy.insecure_seeded_noise is for tests only (anyone who knows train.seed "
                 "can remove the noise); a site refuses to federate with it"
             )
-        if getattr(self.input_privacy, "insecure_seed", None) is not None:
-            raise ValueError(f"site '{self.site_id}': input_privacy.insecure_seed is for tests only; a site refuses to federate with it")
         return self
 
     @property

@@ -30,6 +30,7 @@ from fedpose.config import ModelSpec
 from fedpose.federation.config import SiteConfig
 from fedpose.federation.protocol import PrivacyReport, ReasonCode, ReplyStatus, SiteReply, error_class_name
 from fedpose.federation.site_budget import BudgetExhausted, SiteBudget
+from fedpose.federation.site_pins import check_global_arrays, check_pinned_settings
 from fedpose.privacy.mechanisms import get_mechanism
 
 log = logging.getLogger(__name__)
@@ -82,14 +83,18 @@ def open_budget(site: SiteConfig) -> SiteBudget | None:
                       site.privacy.accountant, site_protection_unit(site))
 
 
-def declared_noise(site: SiteConfig, local_steps: int) -> tuple[float, float]:
-    """(σ, q) of this round, from the site's config only (q is declared, so N stays secret)."""
+def declared_noise(site: SiteConfig) -> tuple[float, float]:
+    """(σ, q) of a round, from the site's config only (q is declared, so N stays secret).
+
+    A ``privacy.target_epsilon`` is calibrated for the site's own ``local_steps``, whatever a
+    round runs: otherwise a coordinator asking for one step would buy a σ that spends a whole
+    round's ε on that step."""
     from fedpose.privacy.engine import resolve_noise_multiplier
 
     if site.privacy.sample_rate is None:  # SiteConfig's validator forbids this for noisy mechanisms
         raise ValueError(f"site '{site.site_id}': privacy.sample_rate must be declared")
     rate = float(site.privacy.sample_rate)
-    return resolve_noise_multiplier(site.privacy, rate, local_steps), rate
+    return resolve_noise_multiplier(site.privacy, rate, site.local_steps), rate
 
 
 def privacy_report(site: SiteConfig, budget: SiteBudget | None, next_round_affordable: bool = True) -> PrivacyReport:
@@ -127,18 +132,25 @@ def cached_basis_version(site: SiteConfig) -> int:
 
 
 def _site_basis(site: SiteConfig, model: Any, version: int, message: tuple[dict, dict] | None) -> np.ndarray | None:
-    """V for this round: decode/rebuild the coordinator's message, or load the cached copy."""
+    """V for this round: decode/rebuild the coordinator's message, or load the cached copy; checked
+    (:func:`~fedpose.federation.site_pins.check_basis`) before it is cached or used."""
     from fedpose.federation.basis_transport import BasisCache, BasisTransportError
     from fedpose.federation.public_basis import receive_basis
+    from fedpose.federation.site_pins import COARSEST_WIRE_DTYPE, check_basis
 
     if version < 0:
         return None
+    num_params = model.num_trainable()
     if message is not None:
-        return receive_basis(message[0], message[1], model, site.public_data, basis_cache_dir(site))
+        # a recipe is rebuilt here in float32; a full V was rounded to its wire dtype
+        wire = str(message[1].get("basis.dtype", "float32")) if message[1].get("basis.transport") == "full" else "float32"
+        return receive_basis(message[0], message[1], model, site.public_data, basis_cache_dir(site),
+                             check=lambda v: check_basis(v, num_params, site.max_basis_k, wire, f"basis v{version}"))
     cached = BasisCache(basis_cache_dir(site)).load()
     if cached is None or cached[0] != version:
         raise BasisTransportError(f"site '{site.site_id}': basis v{version} was neither sent nor cached")
-    return np.asarray(cached[1], dtype=np.float32)
+    # checked when it arrived, in its wire dtype (not kept): again here, at the coarsest one's tolerance
+    return check_basis(cached[1], num_params, site.max_basis_k, COARSEST_WIRE_DTYPE, f"cached basis v{version}")
 
 
 # -- the round ---------------------------------------------------------------------------------------
@@ -193,11 +205,14 @@ def train_site_round(
     ``engine_hook`` (``fedpose audit`` only; never set by the ClientApp) receives the round's
     gradient engine before the first step, to attach audit canaries.
 
-    The budget decision comes first, from declared values only, before any data or basis work:
-    a refused round (status "refused") spends nothing and touches no data. An affordable round
-    loads and checks its data next, then records the spend durably, then trains — so a corrupt
-    image fails the round before anything is spent. Raises on operational failures (bad weights, unreadable data);
-    :func:`run_site_round` turns those into a sanitized "error" reply.
+    First the settings that change what the guarantee means are checked against those pinned in
+    the site's state (:mod:`fedpose.federation.site_pins`), then the budget decision is made, from
+    declared values only, before any data or basis work: a refused round (status "refused") spends
+    nothing and touches no data. An affordable round loads and checks its data, builds the global
+    model (its arrays checked) and receives the basis (V checked) next, then records the spend
+    durably, then trains — so a corrupt image, a non-finite weight or a bad V fails the round
+    before anything is spent. Raises on operational failures (bad weights, unreadable data, a
+    refused setting); :func:`run_site_round` turns those into a sanitized "error" reply.
     """
     import torch
 
@@ -215,6 +230,10 @@ def train_site_round(
     # Before any spend: a device this machine lacks must fail the round, not cost ε every round.
     device = resolve_device(site.train.device, f"site '{site.site_id}' train.device")
     budget = open_budget(site)
+    mechanism = get_mechanism(site.privacy.mechanism)
+    # Before any data work or spend: what changes the guarantee's meaning is the site's, not the coordinator's.
+    check_pinned_settings(site.state_dir, site.site_id, mechanism.guarantee.name, site.privacy, model_spec,
+                          state_has_rounds=budget is not None and bool(budget.entries))
     if budget is not None and site.privacy.accountant is None:
         # σ calibration and the engine's report use the accountant the budget enforces (an existing
         # budget keeps its own, e.g. RDP), so a target ε means the same thing to both.
@@ -225,15 +244,34 @@ def train_site_round(
                          privacy=privacy_report(site, budget, affordable), basis_version=cached_basis_version(site),
                          local_steps=local_steps, aggregation_weight=site.aggregation_weight)
 
+    model: Any = None
+    basis: np.ndarray | None = None
+
+    def prepare_model() -> None:
+        """The coordinator's model at its global weights (checked), on the device, and V (checked)."""
+        nonlocal model, basis
+        configure_device(device, threads)
+        model = build_model_from_spec(model_spec)
+        expected = model.state_dict()
+        check_global_arrays(expected, global_state)
+        model.load_state_dict({k: torch.from_numpy(np.asarray(global_state[k])).to(expected[k].dtype) for k in expected})
+        model.to(device)
+        model.train_mode()
+        # The coordinator serves one basis to the whole federation; a site whose mechanism does not
+        # project (dpsgd, fdp, maskdp, none) has no use for it and ignores it.
+        basis = _site_basis(site, model, basis_version, basis_message) if mechanism.projects else None
+
     affordable = True
     dataset = None
     if budget is not None:
-        sigma, rate = declared_noise(site, local_steps)
+        sigma, rate = declared_noise(site)
         earlier = budget.entry(run_id, round_id)
         fresh_spend = (earlier is None or earlier.status != "spent") and budget.planned_epsilon(sigma, rate, local_steps) <= budget.eps_max
         if fresh_spend:
-            # Load (and check) the data before spending: a broken dataset must not cost ε. Only a
-            # round the budget already allows gets here, so a refusal still touches no data.
+            # Check the global arrays and V, then load (and check) the data, before spending: a bad
+            # input or a broken dataset must not cost ε. Only a round the budget already allows
+            # gets here, so a refusal still touches no data.
+            prepare_model()
             dataset = load_site_dataset(site, model_spec.input_size)
         try:
             auth = budget.authorize_round(run_id, round_id, sigma, rate, local_steps)
@@ -252,23 +290,12 @@ def train_site_round(
                 return SiteRoundResult(reply("ok", "resent-earlier-release", affordable), released)
             return SiteRoundResult(reply("replayed", "no-earlier-release", affordable))
 
-    configure_device(device, threads)
-    model = build_model_from_spec(model_spec)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(global_state))
-    if missing:
-        raise ValueError(f"global model lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    model.load_state_dict({k: torch.from_numpy(np.asarray(global_state[k])).to(expected[k].dtype) for k in expected})
-    model.to(device)
-    model.train_mode()
+    if model is None:
+        prepare_model()
     log.info("site %s round %d: training on %s", site.site_id, round_id, describe_device(device))
     trainable = model.trainable_parameters()
     start_weights = {name: p.detach().clone() for name, p in trainable.items()}
 
-    mechanism = get_mechanism(site.privacy.mechanism)
-    # The coordinator serves one basis to the whole federation; a site whose mechanism does not
-    # project (dpsgd, fdp, maskdp, none) has no use for it and ignores it.
-    basis = _site_basis(site, model, basis_version, basis_message) if mechanism.projects else None
     if dataset is None:
         dataset = load_site_dataset(site, model_spec.input_size)
     public_dataset = None
@@ -281,7 +308,8 @@ def train_site_round(
     units = site_units(site, dataset, budget.unit) if budget is not None else None
     engine = build_engine(
         site.privacy, model, dataset_size=len(dataset), batch_size=site.train.batch_size,
-        planned_steps=local_steps, public_dataset=public_dataset,
+        planned_steps=site.local_steps,  # σ's calibration: the site's own round length (declared_noise)
+        public_dataset=public_dataset,
         seed=site.train.seed * 1_000_003 + int(round_id),  # public choices only (S_pub samples); DP noise is CSPRNG
         chunk_size=site.train.chunk_size, units=units,
     )

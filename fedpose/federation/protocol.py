@@ -175,7 +175,10 @@ def _problems(exc: ValidationError) -> str:
 
 # -- coordinator → site -----------------------------------------------------------------------------
 class TrainInstruction(_Wire):
-    """What the coordinator asks of a site for one round (the ``config`` record, one JSON key)."""
+    """What the coordinator asks of a site for one round (the ``config`` record, one JSON key).
+
+    Every field (and every field of the model spec) is classified in
+    :mod:`fedpose.federation.site_pins`: pinned by the site, or unable to change its guarantee."""
 
     run_id: str  #: site budgets key rounds by (run, round)
     round: int = Field(ge=1)

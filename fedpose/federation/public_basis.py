@@ -14,7 +14,7 @@ costs no privacy budget (DESIGN.md, PDP-SGD / FP-DP).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -48,13 +48,17 @@ def compute_basis(model: Any, public_dir: str | Path, k: int, m: int, version: i
 
 
 def receive_basis(
-    arrays: dict[str, np.ndarray], config: dict[str, Any], model: Any, public_dir: str | Path | None, cache_dir: str | Path
+    arrays: dict[str, np.ndarray], config: dict[str, Any], model: Any, public_dir: str | Path | None, cache_dir: str | Path,
+    check: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> np.ndarray:
-    """Site: V from the coordinator's message (rebuilt from the local public copy if compact), cached."""
+    """Site: V from the coordinator's message (rebuilt from the local public copy if compact),
+    passed through ``check`` (which raises on a V the site refuses) and only then cached."""
     model.train_mode()
     gradients = bt.public_gradient_fn(model, _public_dataset(public_dir, model.input_size)) if public_dir is not None else None
     digest = trainable_digest(model)
     basis = bt.receive_basis(arrays, config, digest, gradients, Path(public_dir).name if public_dir is not None else None)
+    if check is not None:
+        basis = check(basis)
     version = bt.message_version(config)
     assert version is not None
     bt.BasisCache(cache_dir).store(version, np.asarray(basis, dtype=np.float32), digest)

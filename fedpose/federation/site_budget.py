@@ -77,7 +77,7 @@ STATE_FORMAT = "fedpose.site-budget/1"
 GENESIS_FILE = "site_state.json"
 GENESIS_FORMAT = "fedpose.site-state/1"
 #: what else a site keeps in its state_dir: any of it without a genesis marker means state was lost
-OTHER_STATE = ("basis", "released_update.npz", "ldp-sliced", "ldp_release.json", "rounds.jsonl")
+OTHER_STATE = ("basis", "released_update.npz", "ldp-sliced", "ldp_release.json", "rounds.jsonl", "site_pins.json")
 
 EntryStatus = Literal["spent", "refused"]
 

@@ -90,7 +90,7 @@ def test_every_reply_kind_of_the_real_site_code(data_root: Path, tmp_path: Path)
 
     broken = {k: v for k, v in weights.items() if not k.startswith("head.")}  # a malformed instruction
     error = run_site_round(site_config(data_root, tmp_path / "error"), "run", 1, broken, spec, 2)
-    assert error.reply.status == "error" and error.reply.error_class == "ValueError" and not error.update
+    assert error.reply.status == "error" and error.reply.error_class == "GlobalModelRejected" and not error.update
     wire = _check(error.reply)
     assert "head." not in json.dumps(wire)  # the exception's text stays in the site's log
     log = [json.loads(line) for line in (tmp_path / "error" / "rounds.jsonl").read_text().splitlines()]

@@ -313,7 +313,7 @@ def test_the_demo_config_spends_what_the_readme_says(tmp_path):
     outcomes: dict[str, list[str]] = {}
     for site in federation.sites:
         budget = open_budget(site)
-        sigma, q = declared_noise(site, site.local_steps)
+        sigma, q = declared_noise(site)
         outcomes[site.site_id] = []
         for round_id in range(1, federation.coordinator.rounds + 1):
             try:

@@ -1,0 +1,312 @@
+"""A malicious coordinator against the real site code: whatever it sends that would change what the
+site's guarantee means, or cost budget without training, is refused before any data work or spend.
+
+Each attack runs through :func:`~fedpose.federation.local_training.run_site_round` (the ClientApp's
+whole round, minus Flower) and checks what a site must keep: the refusal names the setting or the
+problem in the site's own log (the exception), the wire carries only the class name, and nothing is
+spent (budget file unchanged, no released update, no basis cached).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fedpose.config import ConfigError, ModelSpec, validate
+from fedpose.federation import basis_transport as bt
+from fedpose.federation.config import SiteConfig
+from fedpose.federation.local_training import cached_basis_version, open_budget, run_site_round, train_site_round
+from fedpose.federation.protocol import TrainInstruction
+from fedpose.federation.site_pins import (
+    INSTRUCTION_FIELDS,
+    MODEL_SPEC_FIELDS,
+    PINS_FILE,
+    SITE_CONFIG_PINS,
+    BasisRejected,
+    GlobalModelRejected,
+    PinnedSettingMismatch,
+    check_basis,
+    orthonormality_tolerance,
+)
+from site_round_helpers import global_model, make_site_data, site_config
+
+#: ε_max below one round's cost: the site refuses every round (budget-exhausted) without training,
+#: which is enough to pin its settings (they are checked before the budget decision)
+TOO_SMALL_BUDGET = 0.01
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory) -> Path:
+    return make_site_data(tmp_path_factory.mktemp("site-data"))
+
+
+@pytest.fixture(scope="module")
+def weights() -> tuple[dict, ModelSpec]:
+    return global_model()
+
+
+def _global_at(spec: ModelSpec, input_size: tuple[int, int]) -> tuple[dict, ModelSpec]:
+    """A well-formed global model at another input size (what a coordinator changing the size sends)."""
+    import torch
+
+    from fedpose.model import build_model_from_spec
+
+    torch.manual_seed(0)
+    other = spec.model_copy(update={"input_size": input_size})
+    model = build_model_from_spec(other)
+    return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}, other
+
+
+class _Unspent:
+    """The site's spend-relevant state before an attack, to assert the attack changed none of it
+    (a new site's state is created first, with its empty budget, as its first message does)."""
+
+    def __init__(self, site: SiteConfig):
+        open_budget(site)
+        self.state = state = Path(site.state_dir)
+        self.budget = (state / "budget.json").read_bytes() if (state / "budget.json").exists() else None
+        self.released = (state / "released_update.npz").exists()
+
+    def check(self) -> None:
+        now = (self.state / "budget.json").read_bytes() if (self.state / "budget.json").exists() else None
+        assert now == self.budget, "the budget changed"
+        assert (self.state / "released_update.npz").exists() == self.released, "an update was released"
+
+
+def _refused_on_the_wire(result, error_class: str) -> None:
+    reply = result.reply
+    assert (reply.status, reply.reason, reply.error_class, result.update) == ("error", "site-error", error_class, {})
+    assert reply.privacy is not None  # the ledger still learns what the site has spent
+
+
+# -- 1. the site decides what its guarantee means ----------------------------------------------------
+def test_every_instruction_and_model_spec_field_is_classified() -> None:
+    """A field added to the instruction or the model spec fails here until site_pins.py says whether
+    it changes what a guarantee means (pinned) or cannot, and why."""
+    assert set(INSTRUCTION_FIELDS) == set(TrainInstruction.model_fields)
+    assert set(MODEL_SPEC_FIELDS) == set(ModelSpec.model_fields)
+    guarantees = {"DP", "FDP", "MaskDP"}
+    for name, rule in {**INSTRUCTION_FIELDS, **MODEL_SPEC_FIELDS, **SITE_CONFIG_PINS}.items():
+        assert len(rule.why) > 20, name
+        assert (rule.kind == "site-pinned") == bool(rule.pinned_for), name
+        assert rule.pinned_for <= guarantees, name
+    assert INSTRUCTION_FIELDS["model_spec"].kind == "field by field"
+    assert MODEL_SPEC_FIELDS["input_size"].pinned_for == {"FDP", "MaskDP"}
+
+
+def test_an_fdp_site_refuses_a_new_input_size_after_its_first_release(data_root, weights, tmp_path) -> None:
+    """The audit's attack: the same FDP site at 64 and then 32 pixels would release a ψ of each record
+    on a 4× coarser block grid relative to the person (another view of the same records) under an
+    unchanged ε. The size of the first round is pinned; the second is refused before its data is
+    even read (the data directory is gone) and before any spend."""
+    global_state, spec = weights
+    state = tmp_path / "state"
+    site = site_config(data_root, state, mechanism="fdp")
+    first = run_site_round(site, "run", 1, global_state, spec, 2)
+    assert first.reply.status == "ok" and first.update
+    unspent = _Unspent(site)
+
+    small_state, small_spec = _global_at(spec, (32, 32))
+    no_data = site.model_copy(update={"data": site.data.model_copy(update={"train": tmp_path / "gone"})})
+    with pytest.raises(PinnedSettingMismatch, match=r"model_spec.input_size is pinned to \[64, 64\].*asks for \[32, 32\]"):
+        train_site_round(no_data, "run", 2, small_state, small_spec, 2)
+    result = run_site_round(no_data, "run", 2, small_state, small_spec, 2)
+    _refused_on_the_wire(result, "PinnedSettingMismatch")
+    assert "input_size" not in result.reply.model_dump_json()  # no free text on the wire
+    unspent.check()
+    # the pinned size still trains
+    assert run_site_round(site, "run", 2, global_state, spec, 2).reply.status == "ok"
+
+
+def test_a_dp_site_may_train_at_another_input_size(data_root, weights, tmp_path) -> None:
+    """Record-level DP protects the whole crop at any resolution: the size is not pinned there."""
+    global_state, spec = weights
+    site = site_config(data_root, tmp_path / "state")
+    assert run_site_round(site, "run", 1, global_state, spec, 1).reply.status == "ok"
+    assert run_site_round(site, "run", 2, *_global_at(spec, (32, 32)), 1).reply.status == "ok"
+    assert not (tmp_path / "state" / PINS_FILE).exists()
+
+
+@pytest.mark.parametrize("mechanism, setting, change", [
+    ("fdp", "privacy.public_view", {"public_view": {"factor": 8}}),
+    ("fdp", "privacy.public_view", {"public_view": {"bits": 4}}),
+    ("maskdp", "privacy.mask", {"mask": {"margin": 0.0}}),
+    ("maskdp", "model_spec.input_size", {}),
+])
+def test_the_public_part_of_a_guarantee_cannot_change_between_rounds(data_root, weights, tmp_path, mechanism, setting, change) -> None:
+    """ψ's parameters and the mask never come from the coordinator; the site's own config cannot
+    silently change them between releases of the same records either."""
+    global_state, spec = weights
+    state = tmp_path / "state"
+    site = site_config(data_root, state, mechanism=mechanism, eps_max=TOO_SMALL_BUDGET)
+    assert run_site_round(site, "run", 1, global_state, spec, 2).reply.status == "refused"
+    unspent = _Unspent(site)
+    changed = site_config(data_root, state, mechanism=mechanism, eps_max=TOO_SMALL_BUDGET, **change)
+    asked = _global_at(spec, (32, 32)) if setting == "model_spec.input_size" else (global_state, spec)
+    with pytest.raises(PinnedSettingMismatch, match=rf"{setting} is pinned to"):
+        train_site_round(changed, "run", 2, *asked, 2)
+    _refused_on_the_wire(run_site_round(changed, "run", 2, *asked, 2), "PinnedSettingMismatch")
+    unspent.check()
+
+
+def test_a_state_from_before_pins_adopts_them_and_keeps_everything(data_root, weights, tmp_path, caplog) -> None:
+    """A site whose state predates the pins keeps working: the values of its next round are adopted
+    (with a log line), nothing saved changes, and from then on a change is refused."""
+    global_state, spec = weights
+    state = tmp_path / "state"
+    site = site_config(data_root, state, mechanism="fdp", eps_max=TOO_SMALL_BUDGET)
+    assert run_site_round(site, "run", 1, global_state, spec, 2).reply.status == "refused"
+    (state / PINS_FILE).unlink()  # as written before pins existed
+    budget_entries = json.loads((state / "budget.json").read_text())["payload"]["entries"]
+    with caplog.at_level(logging.WARNING, logger="fedpose"):
+        assert run_site_round(site, "run", 2, global_state, spec, 2).reply.status == "refused"
+    assert any("adopting" in r.getMessage() and "model_spec.input_size = [64, 64]" in r.getMessage() for r in caplog.records)
+    entries = json.loads((state / "budget.json").read_text())["payload"]["entries"]
+    assert entries[: len(budget_entries)] == budget_entries and len(entries) == 2
+    assert run_site_round(site, "run", 3, *_global_at(spec, (32, 32)), 2).reply.error_class == "PinnedSettingMismatch"
+
+
+def test_asking_for_fewer_steps_never_buys_a_lower_sigma(data_root, weights, tmp_path) -> None:
+    """With privacy.target_epsilon, σ was calibrated for the steps the coordinator asked: one step
+    got the σ that spends a whole round's ε on it. σ now comes from the site's own local_steps."""
+    from fedpose.federation.site_budget import SiteBudget
+    from fedpose.privacy.engine import resolve_noise_multiplier
+
+    global_state, spec = weights
+    state = tmp_path / "state"
+    site = site_config(data_root, state, noise_multiplier=None, target_epsilon=3.0, accountant="rdp", local_steps=4)
+    result = run_site_round(site, "run", 1, global_state, spec, 1)
+    assert result.reply.status == "ok" and result.reply.local_steps == 1
+    (entry,) = SiteBudget(state, "site-1", 50.0, 1e-5, "DP").entries
+    assert entry.steps == 1
+    assert entry.noise_multiplier == resolve_noise_multiplier(site.privacy, site.privacy.sample_rate, 4)
+    assert result.reply.privacy.epsilon < 3.0  # one step of a 4-step round costs less than the round
+
+
+# -- the global arrays ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("attack", ["nan-weight", "missing-tensor", "wrong-shape"])
+def test_a_broken_global_model_is_refused_before_the_spend(data_root, weights, tmp_path, attack) -> None:
+    """A NaN weight used to make the round diverge after its spend (a coordinator burning the
+    site's budget); a missing or misshapen tensor failed it there."""
+    global_state, spec = weights
+    state = tmp_path / "state"
+    site = site_config(data_root, state)
+    hostile = dict(global_state)
+    name = next(k for k in global_state if k.startswith("head.") and global_state[k].dtype.kind == "f")
+    if attack == "nan-weight":
+        hostile[name] = np.full_like(global_state[name], np.nan)
+    elif attack == "missing-tensor":
+        del hostile[name]
+    else:
+        hostile[name] = np.zeros(global_state[name].shape + (1,), dtype=np.float32)
+    unspent = _Unspent(site)
+    with pytest.raises(GlobalModelRejected, match=name.replace(".", r"\.")):
+        train_site_round(site, "run", 1, hostile, spec, 2)
+    _refused_on_the_wire(run_site_round(site, "run", 1, hostile, spec, 2), "GlobalModelRejected")
+    unspent.check()
+
+
+# -- 2. the projection basis ---------------------------------------------------------------------------
+K = 2
+
+
+@pytest.fixture(scope="module")
+def basis_messages(data_root, weights) -> dict[str, bt.BasisMessage]:
+    """The real coordinator's basis messages (full and compact, k = 2) at the global weights."""
+    import torch
+
+    from fedpose.federation.public_basis import compute_basis
+    from fedpose.model import build_model_from_spec
+
+    global_state, spec = weights
+    model = build_model_from_spec(spec)
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in global_state.items()})
+    return {transport: compute_basis(model, data_root / "public", K, 4, 1, transport, "float32")
+            for transport in ("full", "compact")}
+
+
+def _pdp_site(data_root: Path, state: Path, **settings) -> SiteConfig:
+    site = site_config(data_root, state, mechanism="pdp", basis={"k": K, "public_samples": 4})
+    return site.model_copy(update={"public_data": data_root / "public", **settings})
+
+
+def _tampered(messages: dict[str, bt.BasisMessage], attack: str) -> tuple[dict, dict]:
+    full = messages["full"]
+    v = bt.decode(full.arrays, full.config)
+    assert isinstance(v, np.ndarray)
+    weights_version = str(full.config["basis.weights"])
+    rng = np.random.default_rng(0)
+    if attack == "compact-nan-mixing":
+        compact = messages["compact"]
+        return {**compact.arrays, bt.MIX_KEY: np.full_like(compact.arrays[bt.MIX_KEY], np.nan)}, dict(compact.config)
+    bad = {
+        "scaled-x1000": lambda: v * 1000,
+        "nan": lambda: np.where(np.arange(v.shape[0])[:, None] == 7, np.nan, v),
+        "wrong-shape": lambda: np.vstack([v, np.zeros((1, K), np.float32)]),
+        "k-above-the-site-limit": lambda: np.linalg.qr(rng.standard_normal((v.shape[0], K + 1)))[0],
+        "not-orthonormal": lambda: v * 1.01,
+        "dependent-columns": lambda: np.hstack([v[:, :1], v[:, :1]]),
+    }[attack]()
+    message = bt.encode_full(bad.astype(np.float32), 1, weights_version, "float32")
+    return message.arrays, message.config
+
+
+@pytest.mark.parametrize("attack", ["scaled-x1000", "nan", "wrong-shape", "k-above-the-site-limit", "not-orthonormal",
+                                    "dependent-columns", "compact-nan-mixing"])
+def test_a_bad_basis_is_refused_before_any_spend(data_root, weights, basis_messages, tmp_path, attack) -> None:
+    """The audit's attacks on V (× 1000 was accepted and turned an update norm of 0.037 into 39 346;
+    NaN failed the round after its spend): each is refused naming the problem, with nothing spent,
+    nothing trained, and nothing cached (the site asks for the basis again)."""
+    global_state, spec = weights
+    state = tmp_path / "state"
+    site = _pdp_site(data_root, state, max_basis_k=K)
+    message = _tampered(basis_messages, attack)
+    unspent = _Unspent(site)
+    problem = {"scaled-x1000": "not orthonormal", "nan": "non-finite", "wrong-shape": "shape", "k-above-the-site-limit": "max_basis_k",
+               "not-orthonormal": "not orthonormal", "dependent-columns": "not orthonormal", "compact-nan-mixing": "non-finite"}[attack]
+    with pytest.raises(BasisRejected, match=problem):
+        train_site_round(site, "run", 1, global_state, spec, 2, basis_version=1, basis_message=message)
+    result = run_site_round(site, "run", 1, global_state, spec, 2, basis_version=1, basis_message=message)
+    _refused_on_the_wire(result, "BasisRejected")
+    assert result.reply.basis_version == -1 and cached_basis_version(site) == -1
+    unspent.check()
+
+
+@pytest.mark.parametrize("transport", ["full", "compact"])
+def test_the_coordinators_own_basis_is_accepted(data_root, weights, basis_messages, tmp_path, transport) -> None:
+    global_state, spec = weights
+    site = _pdp_site(data_root, tmp_path / "state", max_basis_k=K)
+    message = basis_messages[transport]
+    result = run_site_round(site, "run", 1, global_state, spec, 2, basis_version=1, basis_message=(message.arrays, message.config))
+    assert result.reply.status == "ok" and result.reply.basis_version == 1 and result.update
+
+
+@pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
+def test_the_orthonormality_tolerance_admits_wire_rounding_and_nothing_much_more(wire: str) -> None:
+    """An orthonormal V rounded to each wire dtype passes; the same V scaled by (1 + 2·tolerance)
+    does not. Derived from the dtypes' eps, not from one CPU's rounding."""
+    p, k = 20_000, 8
+    v = np.linalg.qr(np.random.default_rng(1).standard_normal((p, k)))[0].astype(np.float32)
+    message = bt.encode_full(v, 1, "w", wire)  # type: ignore[arg-type]
+    received = bt.decode(message.arrays, message.config)
+    check_basis(received, p, k, wire)
+    tolerance = orthonormality_tolerance(wire, p)
+    with pytest.raises(BasisRejected, match="not orthonormal"):
+        check_basis(received * np.float32(1 + 2 * tolerance), p, k, wire)
+
+
+# -- 7. seeded input privacy ---------------------------------------------------------------------------
+def test_a_site_without_gradient_noise_still_refuses_seeded_input_privacy() -> None:
+    """LDP-Slicing at the input is the guarantee of a site whose gradient mechanism is "none"; with
+    a seed anyone who knows it undoes the flips. The validator used to return before this check."""
+    raw = {"site_id": "site-1", "data": {"train": "data/site-1"}, "state_dir": "state", "eps_max": 8.0,
+           "privacy": {"mechanism": "none"},
+           "input_privacy": {"mechanism": "ldp-slicing", "epsilon": 4.0, "insecure_seed": 3}}
+    with pytest.raises(ConfigError, match="insecure_seed is for tests only"):
+        validate(SiteConfig, raw, "site.toml")
+    del raw["input_privacy"]["insecure_seed"]
+    validate(SiteConfig, raw, "site.toml")
