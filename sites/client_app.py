@@ -30,11 +30,12 @@ from fedpose.config import ConfigError, load_config
 from fedpose.federation import protocol
 from fedpose.federation.config import FederationConfig, SiteConfig
 from fedpose.federation.local_training import run_site_round
+from fedpose.federation.site_budget import SITE_LOG_FILE
 from sites.egress import egress_guard
 
 log = logging.getLogger("fedpose.site")
 
-SITE_LOG = "site.log"  #: the site's local log, in its state_dir (error details stay here)
+SITE_LOG = SITE_LOG_FILE  #: the site's local log, in its state_dir (error details stay here)
 
 SiteResolver = Callable[[Context], SiteConfig]
 
