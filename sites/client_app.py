@@ -109,6 +109,7 @@ def handle_train(msg: Message, context: Context, site: SiteConfig) -> Message:
     result = run_site_round(
         site, instruction.run_id, instruction.round, _arrays(msg.content[protocol.GLOBAL_RECORD]), instruction.model_spec,
         instruction.local_steps, basis_version=instruction.basis_version, basis_message=basis_message, threads=site.train.threads,
+        ledger_records=instruction.ledger_records,
     )
     content = RecordDict({protocol.REPLY_RECORD: ConfigRecord(protocol.encode_reply(result.reply))})
     if result.reply.carries_update:

@@ -72,7 +72,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -454,12 +454,18 @@ class SiteBudget:
                 return e
         return None
 
-    def report(self) -> dict[str, Any]:
+    def report(self, extra_events: Sequence[tuple[float, float, int]] = ()) -> dict[str, Any]:
         """What the site tells the coordinator (cumulative): ε, δ, guarantee, accountant, steps, RDP per order.
 
         The RDP curve is sent at the orders where it is finite: dp-accounting excludes (as ∞) the
-        fractional orders near 1 whose series does not converge, and JSON has no ∞."""
+        fractional orders near 1 whose series does not converge, and JSON has no ∞.
+        ``extra_events`` ((σ, q, steps) the budget does not hold, e.g. spends on the federation's
+        record a restored state lacks) are composed in: the report then states the larger spend."""
         acc = self._state.accountant
+        if extra_events:
+            acc = PrivacyLedger.from_dict(acc.to_dict())
+            for sigma, rate, steps in extra_events:
+                acc.step(sigma, rate, steps)
         curve = acc.rdp()
         finite = np.isfinite(curve)
         return {
@@ -467,11 +473,11 @@ class SiteBudget:
             "guarantee": self.guarantee,
             "unit": self.unit,
             "accountant": acc.accountant,
-            "epsilon": self.epsilon,
+            "epsilon": acc.get_epsilon(self.delta)[0],
             "delta": self.delta,
             "eps_max": self.eps_max,
             "steps": acc.steps,
-            "rounds_spent": sum(e.status == "spent" for e in self._state.entries),
+            "rounds_spent": sum(e.status == "spent" for e in self._state.entries) + len(extra_events),
             "orders": [float(a) for a, ok in zip(acc.orders, finite) if ok],
             "rdp": [float(x) for x in curve[finite]],
         }
@@ -733,7 +739,7 @@ def adopt_spends(state_dir: str | Path, spends: list[JournaledSpend], source: st
                                       spend.sample_rate, new_state.accountant.get_epsilon(state.delta)[0], state.delta,
                                       time.time(), f"adopted from {candidates[spend.key][1]}", new_state.accountant.accountant))
         after = new_state.accountant.get_epsilon(state.delta)[0]
-        result = {"site_id": state.site_id, "guarantee": state.guarantee, "delta": state.delta,
+        result = {"site_id": state.site_id, "guarantee": state.guarantee, "delta": state.delta, "unit": state.unit,
                   "accountant": state.accountant.accountant, "epsilon_before": before, "epsilon_after": after,
                   "adopted": [{"run_id": e.run_id, "round": e.round, "noise_multiplier": e.noise_multiplier,
                                "sample_rate": e.sample_rate, "steps": e.steps, "from": candidates[e.key][1]} for e in adopted],
