@@ -112,7 +112,7 @@ def _adopt(state_dir: Path) -> str:
     import contextlib
     import io
 
-    from fedpose.cli.__main__ import main
+    from fedpose.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -152,7 +152,7 @@ def test_a_state_dir_restored_one_round_older_refuses_until_adopted(data_root: P
     assert ledger_eps == pytest.approx(true_epsilon(2), rel=1e-9)  # the witness
 
     out = _adopt(state)
-    assert "adopted run 'r' round 2" in out and "per record" in out
+    assert "adopted run 'r' round 2" in out and "(DP, δ = 1e-05, PLD) per patient" in out
     _rounds(tmp_path, Renumbered([site], offset=200), upto=4)
     assert load_history(tmp_path / "coordinator")[-1].sites["site-1"].status == "ok"
     assert log.trained_rounds() == [1, 2, 4] and _released_round(state) == 4
