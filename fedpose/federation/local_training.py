@@ -244,8 +244,13 @@ def train_site_round(
         if shortfall is not None:
             log.warning(shortfall.message)
             _log_round(site, run_id, round_id, "refused", started, note=shortfall.message)
-            return SiteRoundResult(reply("refused", "behind-federation-record", False,
-                                         [(e.noise_multiplier, e.sample_rate, e.steps) for e in shortfall.events]))
+            larger = [(e.noise_multiplier, e.sample_rate, e.steps) for e in shortfall.events]
+            ledger = budget.accountant()
+            for event in larger:
+                ledger.step(*event)
+            sigma, rate = declared_noise(site, local_steps)
+            fits = bool(ledger.epsilon_if(sigma, rate, local_steps, budget.delta) <= budget.eps_max)  # by the larger books
+            return SiteRoundResult(reply("refused", "behind-federation-record", fits, larger))
         sigma, rate = declared_noise(site, local_steps)
         earlier = budget.entry(run_id, round_id)
         fresh_spend = (earlier is None or earlier.status != "spent") and budget.planned_epsilon(sigma, rate, local_steps) <= budget.eps_max

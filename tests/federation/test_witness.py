@@ -108,7 +108,8 @@ class Renumbered(InProcessTransport):
         self.sites = {node + offset: site for node, site in self.sites.items()}
 
 
-def _adopt(state_dir: Path) -> str:
+def _cli(argv: list[str]) -> str:
+    """stdout of a successful ``fedpose`` command, run in this process."""
     import contextlib
     import io
 
@@ -116,8 +117,12 @@ def _adopt(state_dir: Path) -> str:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["privacy", "adopt", str(state_dir)]) == 0
+        assert main(argv) == 0
     return out.getvalue()
+
+
+def _adopt(state_dir: Path) -> str:
+    return _cli(["privacy", "adopt", str(state_dir)])
 
 
 @pytest.mark.slow
@@ -217,6 +222,8 @@ def test_a_spend_whose_reply_was_lost_is_shown_possible_then_reconciled(data_roo
     assert summary.epsilon == pytest.approx(true_epsilon(1), rel=1e-9)  # below the site: it never heard of round 2
     assert summary.unconfirmed_rounds == 1
     assert summary.epsilon_possible >= true_epsilon(2)  # what it displays is never below the truth
+    shown = _cli(["ledger", "show", "--db", str(tmp_path / "coordinator" / "ledger.sqlite")])
+    assert "1 round(s) sent since without a reply — possibly ε = " in shown and "(DP, δ = 1e-05, PLD) per patient" in shown
 
     _rounds(tmp_path, transport, upto=3)  # the next reply lists round 2 among its spends
     with BudgetLedger(tmp_path / "coordinator" / "ledger.sqlite", read_only=True) as ledger:
