@@ -20,9 +20,9 @@ import logging
 import math
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any, Callable
 
 import numpy as np
@@ -239,19 +239,18 @@ def train_site_round(
     affordable = True
     dataset = None
     if budget is not None:
+        sigma, rate = declared_noise(site, local_steps)
         # The federation's record first: a state behind it would spend from an understated ε.
         shortfall = witness.check_record(budget, run_id, round_id, ledger_records)
         if shortfall is not None:
             log.warning(shortfall.message)
             _log_round(site, run_id, round_id, "refused", started, note=shortfall.message)
             larger = [(e.noise_multiplier, e.sample_rate, e.steps) for e in shortfall.events]
-            ledger = budget.accountant()
+            books = budget.accountant()
             for event in larger:
-                ledger.step(*event)
-            sigma, rate = declared_noise(site, local_steps)
-            fits = bool(ledger.epsilon_if(sigma, rate, local_steps, budget.delta) <= budget.eps_max)  # by the larger books
+                books.step(*event)
+            fits = bool(books.epsilon_if(sigma, rate, local_steps, budget.delta) <= budget.eps_max)  # by the larger books
             return SiteRoundResult(reply("refused", "behind-federation-record", fits, larger))
-        sigma, rate = declared_noise(site, local_steps)
         earlier = budget.entry(run_id, round_id)
         fresh_spend = (earlier is None or earlier.status != "spent") and budget.planned_epsilon(sigma, rate, local_steps) <= budget.eps_max
         if fresh_spend:

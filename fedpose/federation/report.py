@@ -161,7 +161,8 @@ def finished_run_note(run_id: str, rounds_done: int, rounds_configured: int, how
 
 def site_failures(rounds: list[RoundRecord]) -> list[SiteFailure]:
     """Every (round, site) that failed, in order: a site's error, diverged training, no reply,
-    a rejected update, a site refusing because its state is behind the ledger's record, and nodes that failed before they could say which site they are."""
+    a rejected update, a site refusing because its state is behind the ledger's record, and nodes
+    that failed before they could say which site they are."""
     failures = []
     for entry in rounds:
         for site_id, site in sorted(entry.sites.items()):
