@@ -30,11 +30,12 @@ from fedpose.config import ConfigError, load_config
 from fedpose.federation import protocol
 from fedpose.federation.config import FederationConfig, SiteConfig
 from fedpose.federation.local_training import run_site_round
+from fedpose.federation.site_budget import SITE_LOG_FILE
 from sites.egress import egress_guard
 
 log = logging.getLogger("fedpose.site")
 
-SITE_LOG = "site.log"  #: the site's local log, in its state_dir (error details stay here)
+SITE_LOG = SITE_LOG_FILE  #: the site's local log, in its state_dir (error details stay here)
 
 SiteResolver = Callable[[Context], SiteConfig]
 
@@ -108,6 +109,7 @@ def handle_train(msg: Message, context: Context, site: SiteConfig) -> Message:
     result = run_site_round(
         site, instruction.run_id, instruction.round, _arrays(msg.content[protocol.GLOBAL_RECORD]), instruction.model_spec,
         instruction.local_steps, basis_version=instruction.basis_version, basis_message=basis_message, threads=site.train.threads,
+        ledger_records=instruction.ledger_records,
     )
     content = RecordDict({protocol.REPLY_RECORD: ConfigRecord(protocol.encode_reply(result.reply))})
     if result.reply.carries_update:

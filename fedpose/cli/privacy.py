@@ -4,6 +4,7 @@
     fedpose privacy noise --target-epsilon 0.8 --sample-rate 0.01 --steps 1000 --delta 4e-5 [--accountant rdp]
     fedpose privacy report runs/x/privacy.json
     fedpose privacy budget STATE_DIR [--accountant pld [--apply]]
+    fedpose privacy adopt STATE_DIR [--dry-run]
 
 ``--accountant`` defaults to the tightest accountant exact for the guarantee's neighbouring
 relation (``pld``). Every ε is printed with its guarantee type, δ, relation, accountant and
@@ -81,6 +82,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="switch the budget to --accountant (recorded in the budget with ε before and after)")
     budget.add_argument("--json", action="store_true")
     budget.set_defaults(handler=_budget)
+
+    adopt = sub.add_parser(
+        "adopt", help="after a restore from backup: add the spends a site's budget lacks (its journal, the coordinator's "
+                      "record it last refused on) to its budget — recorded, never lowering anything")
+    adopt.add_argument("state_dir", type=Path, help="the site's state_dir (holds budget.json)")
+    adopt.add_argument("--dry-run", action="store_true", help="show what would be adopted, change nothing")
+    adopt.add_argument("--json", action="store_true")
+    adopt.set_defaults(handler=_adopt)
 
 
 def _accounting(args: argparse.Namespace) -> tuple[str, str]:
@@ -187,4 +196,32 @@ def _budget(args: argparse.Namespace) -> int:
         print(f"  switched to {result['accountant'].upper()} (recorded in {args.state_dir / 'budget.json'})")
     elif args.accountant is not None and args.accountant != result["accountant"]:
         print(f"  not switched: add --apply to enforce {args.accountant.upper()} from now on")
+    return 0
+
+
+def _adopt(args: argparse.Namespace) -> int:
+    from fedpose.federation.site_budget import BudgetError, adopt_spends
+    from fedpose.federation.witness import load_saved_record
+    from fedpose.privacy.report import format_epsilon
+
+    try:
+        saved = load_saved_record(args.state_dir)
+        spends, source = saved if saved is not None else ([], "")
+        result = adopt_spends(args.state_dir, spends, source, dry_run=args.dry_run)
+    except BudgetError as exc:
+        raise UserError(str(exc)) from None
+    if args.json:
+        print_json(result)
+        return 0
+    guarantee, delta, accountant = result["guarantee"], result["delta"], result["accountant"]
+    print(f"site '{result['site_id']}': spent {format_epsilon(result['epsilon_before'], delta, guarantee, accountant, result['unit'])}")
+    if not result["adopted"]:
+        print("  its budget already holds every journaled spend and every spend on the coordinator's record: nothing to adopt")
+        return 0
+    for spend in result["adopted"]:
+        print(f"  {'would adopt' if args.dry_run else 'adopted'} run '{spend['run_id']}' round {spend['round']} "
+              f"(σ = {spend['noise_multiplier']:g}, q = {spend['sample_rate']:g}, {spend['steps']} steps) from the {spend['from']}")
+    verb = "would be" if args.dry_run else "is now"
+    print(f"  the budget {verb} {format_epsilon(result['epsilon_after'], delta, guarantee, accountant, result['unit'])}"
+          + ("" if args.dry_run else f" (recorded in {args.state_dir / 'budget.json'} under 'adoptions')"))
     return 0

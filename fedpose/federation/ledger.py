@@ -17,8 +17,19 @@ Status per (site, round):
   ``rejected``  the site trained (budget spent!) but the update failed validation;
   ``refused``   the site refused the round (its budget guard said no), nothing spent;
   ``missing``   no update: no reply before the round timeout or a Flower error reply (unknown
-                whether the site spent), or a site reporting that its training failed (its
-                reported spend is recorded; the round history says "failed").
+                whether the site spent), a site reporting that its training failed (its
+                reported spend is recorded; the round history says "failed"), or a site that
+                refused because its state is behind this ledger's record of it (nothing spent;
+                it is asked again next round: its operator may have restored it meanwhile).
+
+The ledger is also the federation's **witness of each site's spends**: table ``site_spends`` keeps
+the accountant events (σ, q, steps per (run, round)) every site reported it spent, first report
+wins (a later lower report never erases one). The coordinator sends a site its record with every
+train instruction (:mod:`fedpose.federation.witness`) and the site refuses to train while its own
+state is behind it. A SuperNode killed after its site spent leaves a round ``missing`` without any
+report: :attr:`SiteSummary.epsilon_possible` counts each such round after the site's last report as
+possibly spent at its last reported per-round cost (shown by ``fedpose ledger show``, never used to
+select), and the site's next reply reconciles (its spends list names the rounds it did spend).
 """
 
 from __future__ import annotations
@@ -63,6 +74,16 @@ CREATE TABLE IF NOT EXISTS site_rounds (
     PRIMARY KEY (site_id, round)
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS site_spends (
+    site_id          TEXT    NOT NULL,
+    run_id           TEXT    NOT NULL,
+    round            INTEGER NOT NULL,
+    noise_multiplier REAL    NOT NULL,
+    sample_rate      REAL    NOT NULL,
+    steps            INTEGER NOT NULL,
+    reported_at      REAL    NOT NULL,
+    PRIMARY KEY (site_id, run_id, round)
+);
 """
 #: columns added after schema version 1 shipped (added in place to older ledgers, NULL in old rows)
 _ADDED_COLUMNS = (("unit", "TEXT"), ("eps_max", "REAL"), ("next_round_affordable", "INTEGER"))
@@ -141,6 +162,11 @@ class SiteSummary:
     unit: str | None = None  #: protection unit of the latest reported ε
     eps_max: float | None = None  #: the site's own ε_max from its latest report
     next_round_affordable: bool | None = None  #: from its latest report (None: no report)
+    #: rounds after the site's last report that it was sent and never answered: it may have spent
+    unconfirmed_rounds: int = 0
+    #: ε if each unconfirmed round was spent at the site's last reported per-round cost (None: no
+    #: unconfirmed round or no report); display only — the site's next reply reconciles it
+    epsilon_possible: float | None = None
 
     @property
     def exhausted(self) -> bool:
@@ -186,6 +212,8 @@ class BudgetLedger:
                     self._db.execute(f"ALTER TABLE site_rounds ADD COLUMN {name} {kind}")
             columns.update(name for name, _ in missing)
         self._select = ", ".join(name if name in columns else "NULL" for name, _ in _ADDED_COLUMNS)
+        #: a read-only open of a ledger from before the witness table has no spends to show
+        self._has_spends = self._db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'site_spends'").fetchone() is not None
 
     def close(self) -> None:
         self._db.close()
@@ -253,6 +281,7 @@ class BudgetLedger:
             latest = max(reported, key=lambda e: (e.epsilon, e.round)) if reported else None
             last = rows[-1]
             reporting = [e for e in rows if e.eps_max is not None]  # rows that carried the site's privacy report
+            unconfirmed, possible = _unconfirmed(rows, reported)
             summaries.append(
                 SiteSummary(
                     site_id=site_id,
@@ -268,9 +297,31 @@ class BudgetLedger:
                     unit=(latest.unit or "record") if latest else None,  # NULL: a row from before units
                     eps_max=reporting[-1].eps_max if reporting else None,
                     next_round_affordable=reporting[-1].next_round_affordable if reporting else None,
+                    unconfirmed_rounds=unconfirmed, epsilon_possible=possible,
                 )
             )
         return summaries
+
+    def record_spends(self, site_id: str, run_id: str, events: Iterable[tuple[int, float, float, int]]) -> None:
+        """Keep the (round, σ, q, steps) events a site reported it spent in ``run_id``. A (site, run,
+        round) already recorded keeps its first report: the witness never goes down."""
+        now = time.time()
+        with self._db:
+            self._db.executemany(
+                "INSERT OR IGNORE INTO site_spends (site_id, run_id, round, noise_multiplier, sample_rate, steps, reported_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                [(site_id, run_id, int(r), float(sigma), float(q), int(steps), now) for r, sigma, q, steps in events])
+
+    def spend_events(self, run_id: str) -> dict[str, list[tuple[int, float, float, int]]]:
+        """site id → the (round, σ, q, steps) events it reported spent in ``run_id``, by round."""
+        if not self._has_spends:
+            return {}
+        rows = self._db.execute("SELECT site_id, round, noise_multiplier, sample_rate, steps FROM site_spends "
+                                "WHERE run_id = ? ORDER BY site_id, round", (run_id,)).fetchall()
+        events: dict[str, list[tuple[int, float, float, int]]] = {}
+        for site_id, round_id, sigma, q, steps in rows:
+            events.setdefault(site_id, []).append((int(round_id), float(sigma), float(q), int(steps)))
+        return events
 
     def recorded_epsilon(self, site_id: str, guarantee: str | None) -> float | None:
         """The largest cumulative ε this ledger holds for ``site_id`` under ``guarantee`` (None: none yet)."""
@@ -324,6 +375,21 @@ class BudgetLedger:
             return self.EXPORTERS[fmt](self)
         except KeyError:
             raise ValueError(f"unknown ledger export format {fmt!r}; choose from {sorted(self.EXPORTERS)}") from None
+
+
+def _unconfirmed(rows: list[LedgerEntry], reported: list[LedgerEntry]) -> tuple[int, float | None]:
+    """(rounds sent after the site's last report and never answered, ε if each was spent at the last
+    reported per-round cost). A round without any reply may have been spent (a SuperNode killed after
+    its site recorded the spend): the books show it as possible until the site reports again."""
+    last_report = max((e.round for e in rows if e.epsilon is not None), default=0)
+    unanswered = [e for e in rows if e.round > last_report and e.status == "missing" and e.epsilon is None]
+    if not unanswered or not reported:
+        return len(unanswered), None
+    by_round = sorted(reported, key=lambda e: e.round)
+    latest = max(e.epsilon for e in by_round if e.epsilon is not None)
+    earlier = [e.epsilon for e in by_round if e.epsilon is not None and e.epsilon < latest]
+    per_round = latest - (max(earlier) if earlier else 0.0)
+    return len(unanswered), latest + len(unanswered) * per_round
 
 
 @contextmanager

@@ -20,6 +20,7 @@ import logging
 import math
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -27,8 +28,9 @@ from typing import Any, Callable
 import numpy as np
 
 from fedpose.config import ModelSpec
+from fedpose.federation import witness
 from fedpose.federation.config import SiteConfig
-from fedpose.federation.protocol import PrivacyReport, ReasonCode, ReplyStatus, SiteReply, error_class_name
+from fedpose.federation.protocol import PrivacyReport, ReasonCode, ReplyStatus, SiteReply, SpendRecord, error_class_name
 from fedpose.federation.site_budget import BudgetExhausted, SiteBudget
 from fedpose.federation.site_pins import check_global_arrays, check_pinned_settings
 from fedpose.privacy.mechanisms import get_mechanism
@@ -97,8 +99,10 @@ def declared_noise(site: SiteConfig) -> tuple[float, float]:
     return resolve_noise_multiplier(site.privacy, rate, site.local_steps), rate
 
 
-def privacy_report(site: SiteConfig, budget: SiteBudget | None, next_round_affordable: bool = True) -> PrivacyReport:
-    """The site's cumulative privacy state, as it goes on the wire."""
+def privacy_report(site: SiteConfig, budget: SiteBudget | None, next_round_affordable: bool = True,
+                   extra_events: Sequence[tuple[float, float, int]] = ()) -> PrivacyReport:
+    """The site's cumulative privacy state, as it goes on the wire (``extra_events``: spends on the
+    federation's record that the budget lacks, composed in — :mod:`fedpose.federation.witness`)."""
     from fedpose.privacy.report import protected_unit_text
 
     guarantee = get_mechanism(site.privacy.mechanism).guarantee
@@ -106,7 +110,7 @@ def privacy_report(site: SiteConfig, budget: SiteBudget | None, next_round_affor
         return PrivacyReport(guarantee=guarantee.name, unit=guarantee.unit, adjacency="none", accountant="none",
                              epsilon=None, delta=0.0, eps_max=site.eps_max, steps=0, rounds_spent=0, orders=[], rdp=[],
                              next_round_affordable=True)
-    state = budget.report()
+    state = budget.report(extra_events)
     epsilon = float(state["epsilon"])
     return PrivacyReport(
         guarantee=guarantee.name, unit=protected_unit_text(guarantee, budget.unit), protection_unit=budget.unit,
@@ -196,6 +200,7 @@ def train_site_round(
     basis_message: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None,
     threads: int | None = None,
     engine_hook: Callable[[Any], None] | None = None,
+    ledger_records: Sequence[SpendRecord] = (),
 ) -> SiteRoundResult:
     """Guard the budget, run ``local_steps`` private steps from the global weights, return Δ.
 
@@ -205,8 +210,13 @@ def train_site_round(
     ``engine_hook`` (``fedpose audit`` only; never set by the ClientApp) receives the round's
     gradient engine before the first step, to attach audit canaries.
 
-    First the settings that change what the guarantee means are checked against those pinned in
-    the site's state (:mod:`fedpose.federation.site_pins`), then the budget decision is made, from
+    ``ledger_records``: the instruction's record of the site's spends in this run (the coordinator's
+    ledger as a witness, :mod:`fedpose.federation.witness`). A budget that lacks a spend on record
+    refuses the round first (status "refused", reason "behind-federation-record"): nothing is read,
+    spent, trained or released.
+
+    The settings that change what the guarantee means are checked against those pinned in the
+    site's state (:mod:`fedpose.federation.site_pins`), then the budget decision is made, from
     declared values only, before any data or basis work: a refused round (status "refused") spends
     nothing and touches no data. An affordable round loads and checks its data, builds the global
     model (its arrays checked) and receives the basis (V checked) next, then records the spend
@@ -239,10 +249,12 @@ def train_site_round(
         # budget keeps its own, e.g. RDP), so a target ε means the same thing to both.
         site = site.model_copy(update={"privacy": site.privacy.model_copy(update={"accountant": budget.accountant_name})})
 
-    def reply(status: ReplyStatus, reason: ReasonCode | None, affordable: bool) -> SiteReply:
+    def reply(status: ReplyStatus, reason: ReasonCode | None, affordable: bool,
+              extra_events: Sequence[tuple[float, float, int]] = ()) -> SiteReply:
         return SiteReply(site_id=site.site_id, run_id=run_id, round=int(round_id), status=status, reason=reason,
-                         privacy=privacy_report(site, budget, affordable), basis_version=cached_basis_version(site),
-                         local_steps=local_steps, aggregation_weight=site.aggregation_weight)
+                         privacy=privacy_report(site, budget, affordable, extra_events), basis_version=cached_basis_version(site),
+                         local_steps=local_steps, aggregation_weight=site.aggregation_weight,
+                         spends=witness.spends_of_run(budget, run_id))
 
     model: Any = None
     basis: np.ndarray | None = None
@@ -265,6 +277,17 @@ def train_site_round(
     dataset = None
     if budget is not None:
         sigma, rate = declared_noise(site)
+        # The federation's record first: a state behind it would spend from an understated ε.
+        shortfall = witness.check_record(budget, run_id, round_id, ledger_records)
+        if shortfall is not None:
+            log.warning(shortfall.message)
+            _log_round(site, run_id, round_id, "refused", started, note=shortfall.message)
+            larger = [(e.noise_multiplier, e.sample_rate, e.steps) for e in shortfall.events]
+            books = budget.accountant()
+            for event in larger:
+                books.step(*event)
+            fits = bool(books.epsilon_if(sigma, rate, local_steps, budget.delta) <= budget.eps_max)  # by the larger books
+            return SiteRoundResult(reply("refused", "behind-federation-record", fits, larger))
         earlier = budget.entry(run_id, round_id)
         fresh_spend = (earlier is None or earlier.status != "spent") and budget.planned_epsilon(sigma, rate, local_steps) <= budget.eps_max
         if fresh_spend:
@@ -346,8 +369,11 @@ def run_site_round(site: SiteConfig, run_id: str, round_id: int, *args: Any, **k
     except Exception as exc:  # noqa: BLE001 - every failure must become a sanitized reply
         log.error("site %s round %s failed:\n%s", site.site_id, round_id, traceback.format_exc())
         _log_round(site, run_id, round_id, "error", None, note=f"{type(exc).__name__}: {exc}")
+        spends: list[Any] = []
         try:
-            report: PrivacyReport | None = privacy_report(site, open_budget(site), True)
+            budget = open_budget(site)
+            report: PrivacyReport | None = privacy_report(site, budget, True)
+            spends = witness.spends_of_run(budget, str(run_id))  # a spend before the failure is witnessed too
         except Exception:  # noqa: BLE001 - an unreadable state is itself the error being reported
             report = None
         try:
@@ -357,7 +383,7 @@ def run_site_round(site: SiteConfig, run_id: str, round_id: int, *args: Any, **k
         return SiteRoundResult(SiteReply(
             site_id=site.site_id, run_id=str(run_id), round=int(round_id), status="error", reason="site-error",
             error_class=error_class_name(exc), privacy=report, basis_version=version, local_steps=0,
-            aggregation_weight=site.aggregation_weight,
+            aggregation_weight=site.aggregation_weight, spends=spends,
         ))
 
 

@@ -47,9 +47,13 @@ ReplyStatus = Literal["ok", "refused", "replayed", "failed", "error"]
 
 #: Why a reply carries no fresh update. Fixed codes with fixed texts: a free-form reason could
 #: carry a private value (a loss, a path, a record id) past the egress guard.
-ReasonCode = Literal["budget-exhausted", "resent-earlier-release", "no-earlier-release", "training-diverged", "site-error"]
+ReasonCode = Literal["budget-exhausted", "behind-federation-record", "resent-earlier-release", "no-earlier-release",
+                     "training-diverged", "site-error"]
 REASON_TEXT: dict[str, str] = {
     "budget-exhausted": "the site's planned steps would pass its ε_max; nothing was spent",
+    "behind-federation-record": ("the site's budget state lacks spends the coordinator's ledger has on record for it "
+                                 "(restored, rolled back or lost state); it refused before any data work, nothing was "
+                                 "spent — its operator must restore or adopt the record (docs/site-state.md)"),
     "resent-earlier-release": "round already spent; the site re-sent the update it released then (no new privacy cost)",
     "no-earlier-release": "round already spent and no released update is kept; no second release",
     "training-diverged": "local training diverged (non-finite weights); the spend is recorded, nothing released",
@@ -108,6 +112,18 @@ class PrivacyReport(_Wire):
         return self
 
 
+class SpendEvent(_Wire):
+    """One round's accountant event: the whole input the accountant composes for that round.
+
+    σ and q are the site's declared parameters and ``steps`` the steps it ran (sent as
+    ``local_steps`` anyway): public values, nothing about the data."""
+
+    round: int = Field(ge=1)
+    noise_multiplier: float = Field(ge=0)
+    sample_rate: float = Field(gt=0, le=1)
+    steps: int = Field(ge=1)
+
+
 class SiteReply(_Wire):
     """Everything a site sends for one round besides Δ (which travels in the ``update`` record)."""
 
@@ -121,6 +137,10 @@ class SiteReply(_Wire):
     basis_version: int = -1  #: projection-basis version the site holds (-1: none); the coordinator ships only news
     local_steps: int = Field(0, ge=0)  #: steps this round ran: min(asked, the site's configured cap)
     aggregation_weight: float = Field(1.0, gt=0)  #: the site's declared FedAvg weight (config, not its data size)
+    #: every round of this run the site's budget holds as spent (this one included): the accountant's
+    #: events, built from its declared σ, q and the steps it ran — public values. The ledger keeps them
+    #: so it can witness the site's spends (rounds whose reply was lost are reconciled by the next one)
+    spends: list[SpendEvent] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _consistent(self) -> "SiteReply":
@@ -132,7 +152,7 @@ class SiteReply(_Wire):
                 raise ValueError(f"error_class is only sent with status 'error', not {self.status!r}")
             if self.privacy is None:
                 raise ValueError(f"a {self.status!r} reply must carry the site's privacy report")
-        expected = {"ok": (None, "resent-earlier-release"), "refused": ("budget-exhausted",),
+        expected = {"ok": (None, "resent-earlier-release"), "refused": ("budget-exhausted", "behind-federation-record"),
                     "replayed": ("no-earlier-release",), "failed": ("training-diverged",), "error": ("site-error",)}
         if self.reason not in expected[self.status]:
             raise ValueError(f"reason {self.reason!r} does not fit status {self.status!r}")
@@ -174,6 +194,20 @@ def _problems(exc: ValidationError) -> str:
 
 
 # -- coordinator → site -----------------------------------------------------------------------------
+class SpendRecord(_Wire):
+    """The coordinator ledger's record of one site's spends in this run (what the site itself reported).
+
+    Why it may be sent: every event is one the site sent in a reply (declared σ, q and the steps
+    it ran), so it tells a site nothing about anyone's data. Why it cannot weaken a guarantee: the
+    site takes its spend as the *larger* of its own state and this record
+    (:mod:`fedpose.federation.witness`) — a record behind the site's state changes nothing, a
+    record ahead of it (or differing from it) makes the site refuse before any data work. So a
+    coordinator can only *inflate* it, which denies service and never lowers an ε."""
+
+    site_id: str = Field(pattern=SITE_ID_PATTERN)
+    events: list[SpendEvent] = Field(default_factory=list)
+
+
 class TrainInstruction(_Wire):
     """What the coordinator asks of a site for one round (the ``config`` record, one JSON key).
 
@@ -185,6 +219,12 @@ class TrainInstruction(_Wire):
     local_steps: int = Field(ge=1)  #: asked for; the site caps it at its own configured local_steps
     model_spec: ModelSpec  #: how to build the global model the arrays belong to
     basis_version: int = -1  #: projection basis of this round (-1: none); sent only to sites lacking it
+    #: the ledger as a witness of the site's earlier spends in this run: the record of the site this
+    #: node is known to be, or — for a node the coordinator cannot attribute yet (new node ids after a
+    #: restart) — of every recorded site no other node is known to be. A site absent from the list has
+    #: nothing on record. Cannot change what a guarantee means or costs (see :class:`SpendRecord`);
+    #: what a site may learn from it is which sites the ledger knows and their declared σ, q and steps.
+    ledger_records: list[SpendRecord] = Field(default_factory=list)
 
 
 def encode_instruction(instruction: TrainInstruction) -> dict[str, str]:

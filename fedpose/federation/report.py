@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from fedpose.io import atomic_write, atomic_write_json
+from fedpose.federation.protocol import REASON_TEXT
 
 HISTORY_FILE = "history.json"
 REPORT_FILE = "report.json"
@@ -127,7 +128,7 @@ class SiteFailure(BaseModel):
 
     round: int
     site: str  #: the site id, or "node <id>" for a node that failed before naming its site
-    status: SiteRoundStatus  #: one of FAILURE_STATUSES
+    status: SiteRoundStatus  #: one of FAILURE_STATUSES, or "refused" by a site behind the ledger's record
     reason: str = ""  #: starts with the site's error class when it sent one (e.g. "ImageLoadError: …")
 
 
@@ -160,11 +161,14 @@ def finished_run_note(run_id: str, rounds_done: int, rounds_configured: int, how
 
 def site_failures(rounds: list[RoundRecord]) -> list[SiteFailure]:
     """Every (round, site) that failed, in order: a site's error, diverged training, no reply,
-    a rejected update, and nodes that failed before they could say which site they are."""
+    a rejected update, a site refusing because its state is behind the ledger's record, and nodes
+    that failed before they could say which site they are."""
     failures = []
     for entry in rounds:
         for site_id, site in sorted(entry.sites.items()):
-            if site.status in FAILURE_STATUSES:
+            # a site behind the ledger's record refused (nothing spent) but needs its operator: a failure
+            behind = site.status == "refused" and site.reason == REASON_TEXT["behind-federation-record"]
+            if site.status in FAILURE_STATUSES or behind:
                 failures.append(SiteFailure(round=entry.round, site=site_id, status=site.status, reason=site.reason))
         for node in entry.unidentified_missing_nodes:
             failures.append(SiteFailure(round=entry.round, site=f"node {node}", status="missing",

@@ -44,6 +44,19 @@ guarantee its past releases void (after noise-free FDP public-view releases, or 
 training, a record-level DP claim about the same records says nothing). Mechanisms that share a
 guarantee (dpsgd/pdp, fdp/fpdp) share one budget.
 
+Every spend is also appended to the site's own journal ``<state_dir>/spends.jsonl`` (one JSON line
+per spent (run, round): σ, q, steps; fsynced) **before** the budget is written. The budget may
+never be below its journal: a budget whose spent rounds miss a journaled one (an older copy put
+back, an entry removed and the checksum recomputed) is refused, naming the rounds; a budget that
+says it is journaled while the journal is gone is refused too. Old budgets (before the journal) load
+as they are; their next spend starts the journal. The coordinator's ledger is a second witness
+(:mod:`fedpose.federation.witness`). Neither protects against an operator who can write the whole
+state dir consistently — only a backup or an append-only store does (docs/site-state.md).
+
+A directory counts as a site's state as soon as it holds any file other than the lock and the
+site's log (see :data:`NOT_STATE`): a state dir that lost its budget and marker but kept anything
+else (a cache, a journal, a file fedpose does not know) is refused, never restarted from zero.
+
 The protection unit (record / image / patient, :mod:`fedpose.data.units`) is part of the
 guarantee's identity: ε per record and ε per patient are different statements, and a ledger
 accounted per record cannot be continued per patient. A state created before units existed has
@@ -57,8 +70,9 @@ import fcntl
 import hashlib
 import json
 import math
+import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -76,8 +90,12 @@ LOCK_FILE = "budget.lock"
 STATE_FORMAT = "fedpose.site-budget/1"
 GENESIS_FILE = "site_state.json"
 GENESIS_FORMAT = "fedpose.site-state/1"
-#: what else a site keeps in its state_dir: any of it without a genesis marker means state was lost
-OTHER_STATE = ("basis", "released_update.npz", "ldp-sliced", "ldp_release.json", "rounds.jsonl", "site_pins.json")
+JOURNAL_FILE = "spends.jsonl"
+SITE_LOG_FILE = "site.log"  #: the ClientApp's local log (sites/client_app.py opens it before the state exists)
+#: the only names a new site's state_dir may hold before its genesis marker: the lock taken to create
+#: the state and the log opened for the message that creates it. Everything else — whatever it is —
+#: means the directory already held a site's state (so no list of state files can go stale).
+NOT_STATE = frozenset({LOCK_FILE, SITE_LOG_FILE})
 
 EntryStatus = Literal["spent", "refused"]
 
@@ -161,6 +179,10 @@ class _State:
     #: deliberate accountant switches: {"from", "to", "epsilon_before", "epsilon_after", "steps", "at"}
     recomputations: list[dict[str, Any]] = field(default_factory=list)
     unit: str = LEGACY_UNIT  #: protection unit the ledger is accounted in
+    #: spends are journaled in JOURNAL_FILE (False only for budgets from before the journal, until their next spend)
+    journaled: bool = False
+    #: deliberate adoptions of spends the budget lacked: {"source", "rounds", "epsilon_before", "epsilon_after", "at"}
+    adoptions: list[dict[str, Any]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.accountant is None:
@@ -179,11 +201,14 @@ class _State:
             # tells a lost marker apart from a budget that predates markers (only that one is adopted)
             **({"genesis_created_at": self.genesis_created_at} if self.genesis_created_at is not None else {}),
             **({"recomputations": list(self.recomputations)} if self.recomputations else {}),
+            **({"journal": JOURNAL_FILE} if self.journaled else {}),
+            **({"adoptions": list(self.adoptions)} if self.adoptions else {}),
         }
 
     def copy(self) -> "_State":
         return _State(self.site_id, self.guarantee, self.delta, PrivacyLedger.from_dict(self.accountant.to_dict()),
-                      list(self.entries), self.genesis_created_at, list(self.recomputations), self.unit)
+                      list(self.entries), self.genesis_created_at, list(self.recomputations), self.unit, self.journaled,
+                      list(self.adoptions))
 
 
 def _digest(payload: dict[str, Any]) -> str:
@@ -272,7 +297,7 @@ def ensure_site_state(state_dir: str | Path, site_id: str, guarantee: str, delta
             raise BudgetStateError(_unit_change_message(budget, site_id, genesis["unit"], unit))
         _write_signed(marker, genesis)
         return False
-    leftovers = [name for name in OTHER_STATE if (state_dir / name).exists()]
+    leftovers = _leftover_state(state_dir)
     if leftovers:
         raise BudgetStateError(
             f"site '{site_id}': {state_dir} holds site state ({', '.join(leftovers)}) but neither {GENESIS_FILE} "
@@ -282,7 +307,7 @@ def ensure_site_state(state_dir: str | Path, site_id: str, guarantee: str, delta
     with _state_lock(state_dir):
         # Another process (the metrics exporter, a second ClientApp) may have created the state since the
         # checks above; writing a fresh empty budget over a spend it already recorded would reset ε.
-        if marker.exists() or budget.exists():
+        if marker.exists() or budget.exists() or _leftover_state(state_dir):
             return ensure_site_state(state_dir, site_id, guarantee, delta, accountant, unit)
         created_at = time.time()
         if private:  # the empty budget first: a crash before the marker leaves an empty budget, adopted above
@@ -294,6 +319,13 @@ def ensure_site_state(state_dir: str | Path, site_id: str, guarantee: str, delta
         _write_signed(marker, {"format": GENESIS_FORMAT, "site_id": site_id, "guarantee": guarantee, "delta": delta,
                                "created_at": created_at, **({"unit": unit} if private else {})})
     return True
+
+
+def _leftover_state(state_dir: Path) -> list[str]:
+    """Names in ``state_dir`` that are site state (anything but :data:`NOT_STATE`), sorted."""
+    if not state_dir.is_dir():
+        return []
+    return sorted(path.name for path in state_dir.iterdir() if path.name not in NOT_STATE)
 
 
 @contextmanager
@@ -422,12 +454,18 @@ class SiteBudget:
                 return e
         return None
 
-    def report(self) -> dict[str, Any]:
+    def report(self, extra_events: Sequence[tuple[float, float, int]] = ()) -> dict[str, Any]:
         """What the site tells the coordinator (cumulative): ε, δ, guarantee, accountant, steps, RDP per order.
 
         The RDP curve is sent at the orders where it is finite: dp-accounting excludes (as ∞) the
-        fractional orders near 1 whose series does not converge, and JSON has no ∞."""
+        fractional orders near 1 whose series does not converge, and JSON has no ∞.
+        ``extra_events`` ((σ, q, steps) the budget does not hold, e.g. spends on the federation's
+        record a restored state lacks) are composed in: the report then states the larger spend."""
         acc = self._state.accountant
+        if extra_events:
+            acc = PrivacyLedger.from_dict(acc.to_dict())
+            for sigma, rate, steps in extra_events:
+                acc.step(sigma, rate, steps)
         curve = acc.rdp()
         finite = np.isfinite(curve)
         return {
@@ -435,11 +473,11 @@ class SiteBudget:
             "guarantee": self.guarantee,
             "unit": self.unit,
             "accountant": acc.accountant,
-            "epsilon": self.epsilon,
+            "epsilon": acc.get_epsilon(self.delta)[0],
             "delta": self.delta,
             "eps_max": self.eps_max,
             "steps": acc.steps,
-            "rounds_spent": sum(e.status == "spent" for e in self._state.entries),
+            "rounds_spent": sum(e.status == "spent" for e in self._state.entries) + len(extra_events),
             "orders": [float(a) for a, ok in zip(acc.orders, finite) if ok],
             "rdp": [float(x) for x in curve[finite]],
         }
@@ -486,7 +524,15 @@ class SiteBudget:
             entry = RoundEntry(run_id, round_id, "spent", int(steps), float(noise_multiplier), float(sample_rate),
                                planned, self.delta, time.time(), accountant=self.accountant_name)
             new_state.entries.append(entry)
-            self._persist(new_state)
+            _journal_spends(self.state_dir, [entry])  # the journal first: the budget may never be below it
+            new_state.journaled = True
+            try:
+                self._persist(new_state)
+            except BaseException:
+                # The write failed in this process, so the caller will not train: say so in the journal
+                # (a kill between the two writes leaves the spend journaled — counted, never free).
+                _journal_void(self.state_dir, entry)
+                raise
             return RoundAuthorization(entry, replayed=False)
 
     # -- persistence -----------------------------------------------------------------------------
@@ -510,7 +556,9 @@ class SiteBudget:
             raise BudgetStateError(_unit_change_message(self.path, self.site_id, payload.get("unit", LEGACY_UNIT), self.unit))
         if payload.get("delta") != self.delta:
             raise BudgetStateError(f"{where} was kept at δ = {payload.get('delta')}, config says δ = {self.delta}")
-        return _parse_state(payload, self.path)
+        state = _parse_state(payload, self.path)
+        check_journal(self.state_dir, state)
+        return state
 
 
 def _parse_state(payload: dict[str, Any], path: Path) -> _State:
@@ -543,7 +591,172 @@ def _parse_state(payload: dict[str, Any], path: Path) -> _State:
     if created_at is None:  # a budget that predates markers, adopted by ensure_site_state: stamp it from now on
         created_at = _read_signed(path.parent / GENESIS_FILE, "site state marker")["created_at"]
     return _State(site_id, guarantee, delta, accountant, entries, float(created_at), recomputations,
-                  str(payload.get("unit", LEGACY_UNIT)))
+                  str(payload.get("unit", LEGACY_UNIT)), payload.get("journal") == JOURNAL_FILE,
+                  list(payload.get("adoptions", [])))
+
+
+# -- the journal of spends ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class JournaledSpend:
+    """One line of ``spends.jsonl``: a spent (run, round) and its accountant event."""
+
+    run_id: str
+    round: int
+    noise_multiplier: float
+    sample_rate: float
+    steps: int
+    recorded_at: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.run_id, self.round)
+
+    def event(self) -> tuple[float, float, int]:
+        return (self.noise_multiplier, self.sample_rate, self.steps)
+
+
+def _journal_spends(state_dir: Path, entries: list[RoundEntry]) -> None:
+    """Append spent entries to the journal and fsync it (called under the state lock, before the budget write)."""
+    lines = "".join(json.dumps({"run_id": e.run_id, "round": e.round, "noise_multiplier": e.noise_multiplier,
+                                "sample_rate": e.sample_rate, "steps": e.steps, "recorded_at": e.recorded_at}) + "\n"
+                    for e in entries)
+    with open(state_dir / JOURNAL_FILE, "a", encoding="utf-8") as fh:
+        fh.write(lines)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _journal_void(state_dir: Path, entry: RoundEntry) -> None:
+    """Mark a journaled spend void: its budget write failed in-process and the round was not trained."""
+    with open(state_dir / JOURNAL_FILE, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"run_id": entry.run_id, "round": entry.round, "void": True,
+                             "reason": "the budget write failed; the round was not trained"}) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_journal(state_dir: str | Path) -> list[JournaledSpend]:
+    """The journaled spends of a site (empty when it has no journal). A torn last line (a crash in
+    the middle of an append, before the budget was written) is ignored; any other bad line is an error.
+    A "void" line cancels the spend journaled for its (run, round) just before (a failed budget write)."""
+    path = Path(state_dir) / JOURNAL_FILE
+    if not path.exists():
+        return []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BudgetStateError(f"spend journal {path} is unreadable ({exc}); restore it from a backup") from None
+    lines = text.split("\n")
+    spends: dict[tuple[str, int], JournaledSpend] = {}
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line)
+            if doc.get("void") is True:
+                spends.pop((str(doc["run_id"]), int(doc["round"])), None)
+                continue
+            spend = JournaledSpend(**doc)
+        except (json.JSONDecodeError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            if number == len(lines):  # no newline after it: the append was cut short
+                continue
+            raise BudgetStateError(f"spend journal {path}, line {number}: malformed ({exc}); restore it from a backup") from None
+        spends[spend.key] = spend
+    return list(spends.values())
+
+
+def check_journal(state_dir: Path, state: _State) -> None:
+    """Refuse a budget that is below its journal (:class:`BudgetStateError` naming the rounds)."""
+    path = state_dir / JOURNAL_FILE
+    budget = state_dir / STATE_FILE
+    if state.journaled and not path.exists():
+        raise BudgetStateError(
+            f"site '{state.site_id}': budget {budget} records its spends in the journal {path}, which is missing: "
+            "refusing to trust a budget whose own witness is gone. Restore the journal from a backup of the state dir."
+        )
+    spent = {e.key: e for e in state.entries if e.status == "spent"}
+    missing, differing = [], []
+    for spend in read_journal(state_dir):
+        held = spent.get(spend.key)
+        if held is None:
+            missing.append(spend)
+        elif not held.same_request(*spend.event()):
+            differing.append(spend)
+    if missing or differing:
+        raise BudgetStateError(
+            f"site '{state.site_id}': budget {budget} is below its spend journal {path}: "
+            + "; ".join(filter(None, [
+                f"journaled spends absent from the budget: {_rounds_text(missing)}" if missing else "",
+                f"spent with other (σ, q, steps) than journaled: {_rounds_text(differing)}" if differing else ""]))
+            + ". The budget was rolled back, edited or its last write was cut short: the journaled ε still applies. "
+            f"`fedpose privacy adopt {state_dir}` adds the journaled spends back into the budget (recorded, never lowering anything)."
+        )
+
+
+def _rounds_text(spends: list[Any]) -> str:
+    return ", ".join(f"run '{s.run_id}' round {s.round}" for s in spends)
+
+
+def adopt_spends(state_dir: str | Path, spends: list[JournaledSpend], source: str, dry_run: bool = False) -> dict[str, Any]:
+    """Add spends the budget lacks — from its own journal and ``spends`` (e.g. the coordinator's
+    record) — to a site's budget: the deliberate, recorded step after a restore from backup.
+
+    Never lowers anything: spends the budget holds stay as they are; a spend recorded elsewhere
+    with other parameters than the budget's for the same (run, round) is refused (which one is
+    true needs investigating). Each adopted spend is journaled, then the budget is written with an
+    ``adoptions`` record (source, rounds, ε before and after, time). Returns what was (or, with
+    ``dry_run``, would be) adopted."""
+    state_dir = Path(state_dir)
+    path = state_dir / STATE_FILE
+    if not path.exists():
+        raise BudgetStateError(f"no site budget at {path}")
+    with _state_lock(state_dir):
+        state = _parse_state(_read_signed(path, "site budget state"), path)
+        spent = {e.key: e for e in state.entries if e.status == "spent"}
+        journal = read_journal(state_dir)
+        candidates: dict[tuple[str, int], tuple[JournaledSpend, str]] = {}
+        for spend, where in [*((s, f"journal {state_dir / JOURNAL_FILE}") for s in journal), *((s, source) for s in spends)]:
+            held = spent.get(spend.key)
+            other = candidates.get(spend.key)
+            if held is not None:
+                if not held.same_request(*spend.event()):
+                    raise BudgetStateError(
+                        f"site '{state.site_id}': run '{spend.run_id}' round {spend.round} is spent in {path} with "
+                        f"σ={held.noise_multiplier}, q={held.sample_rate}, steps={held.steps}, but the {where} says "
+                        f"σ={spend.noise_multiplier}, q={spend.sample_rate}, steps={spend.steps}: investigate before adopting")
+                continue
+            if other is not None and other[0].event() != spend.event():
+                raise BudgetStateError(
+                    f"site '{state.site_id}': run '{spend.run_id}' round {spend.round} has other (σ, q, steps) in the "
+                    f"{other[1]} than in the {where}: investigate before adopting")
+            candidates.setdefault(spend.key, (spend, where))
+        before = state.accountant.get_epsilon(state.delta)[0]
+        new_state = state.copy()
+        adopted: list[RoundEntry] = []
+        for spend, _ in sorted(candidates.values(), key=lambda c: (c[0].run_id, c[0].round)):
+            new_state.accountant.step(spend.noise_multiplier, spend.sample_rate, spend.steps)
+            adopted.append(RoundEntry(spend.run_id, spend.round, "spent", spend.steps, spend.noise_multiplier,
+                                      spend.sample_rate, new_state.accountant.get_epsilon(state.delta)[0], state.delta,
+                                      time.time(), f"adopted from {candidates[spend.key][1]}", new_state.accountant.accountant))
+        after = new_state.accountant.get_epsilon(state.delta)[0]
+        result = {"site_id": state.site_id, "guarantee": state.guarantee, "delta": state.delta, "unit": state.unit,
+                  "accountant": state.accountant.accountant, "epsilon_before": before, "epsilon_after": after,
+                  "adopted": [{"run_id": e.run_id, "round": e.round, "noise_multiplier": e.noise_multiplier,
+                               "sample_rate": e.sample_rate, "steps": e.steps, "from": candidates[e.key][1]} for e in adopted],
+                  "applied": False}
+        if dry_run or not adopted:
+            return result
+        new_state.entries = [e for e in new_state.entries if e.key not in candidates] + adopted  # drops old refusals only
+        new_state.adoptions.append({"source": sorted({candidates[e.key][1] for e in adopted}),
+                                    "rounds": [[e.run_id, e.round] for e in adopted],
+                                    "epsilon_before": before, "epsilon_after": after, "at": time.time()})
+        unjournaled = [e for e in adopted if e.key not in {s.key for s in journal}]
+        if unjournaled:
+            _journal_spends(state_dir, unjournaled)
+        new_state.journaled = new_state.journaled or bool(unjournaled) or bool(journal)
+        _write_signed(path, new_state.to_payload())
+        result["applied"] = True
+        return result
 
 
 def recompute_budget(state_dir: str | Path, accountant: str | None = None, apply: bool = False) -> dict[str, Any]:

@@ -155,3 +155,77 @@ def test_cli_site_failure_exit_code_finished_resume_and_a_prompt_resumed_round(t
     assert [r["round"] for r in rounds] == [1, 2]
     assert {s: v["status"] for s, v in rounds[1]["sites"].items()} == {"site-1": "ok", "site-2": "error"}
     assert [e["round"] for e in site_budget(tmp_path, "site-1")["entries"] if e["status"] == "spent"] == [1, 2]
+
+
+def test_rolled_back_and_deleted_site_state_refuse_until_adopted(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """`fedpose simulate` on real processes: after round 2, site-1's state dir is put back from a
+    backup taken after round 1 and site-2's is deleted. In round 3 both refuse before any data work
+    (the coordinator's ledger witnesses their spends), release nothing, and the run ends with the
+    failure summary and exit code 3. After `fedpose privacy adopt`, round 4 trains; each site's
+    budget = the ledger = the true spend (the rounds it trained, from its own rounds.jsonl)."""
+    import shutil
+
+    from fedpose.cli import main
+    from fedpose.cli.federation_run import ensure_synthetic
+    from fedpose.cli.simulate import resolve_federation
+
+    data_dir = tmp_path / "data"
+    config = tiny_federation(tmp_path, data_dir, sites=2, rounds=1, timeout=300.0)
+    _, synthetic, _ = resolve_federation(config, [])
+    ensure_synthetic(synthetic, 2)
+    states = {s: tmp_path / "sites" / s for s in ("site-1", "site-2")}
+    trained: dict[str, list[int]] = {s: [] for s in states}  # the truth, from each site's own log
+
+    def set_aside_logs() -> None:
+        for s, state in states.items():
+            log = state / "rounds.jsonl"
+            if log.exists():
+                trained[s] += [e["round"] for e in map(json.loads, log.read_text().splitlines()) if e["outcome"] == "ok"]
+                log.unlink()
+
+    def books(s: str) -> tuple[float, float]:
+        """(ε of the site's budget, the largest ε the ledger holds for it)."""
+        from fedpose.federation.site_budget import SiteBudget
+
+        rows = [e for e in ledger_rows(tmp_path) if e.site_id == s and e.epsilon is not None]
+        return SiteBudget(states[s], s, eps_max=50.0, delta=1e-5).epsilon, max(e.epsilon for e in rows)
+
+    assert main(["simulate", "--config", str(config)]) == 0
+    shutil.copytree(states["site-1"], tmp_path / "backup-site-1")
+    assert main(["simulate", "--config", str(config), "--resume", "--set", "coordinator.rounds=2"]) == 0
+    capfd.readouterr()
+    set_aside_logs()
+    assert trained == {"site-1": [1, 2], "site-2": [1, 2]}
+    shutil.rmtree(states["site-1"])
+    shutil.copytree(tmp_path / "backup-site-1", states["site-1"])
+    (states["site-1"] / "rounds.jsonl").unlink()  # round 1's line is already counted
+    shutil.rmtree(states["site-2"])
+
+    assert main(["simulate", "--config", str(config), "--resume", "--set", "coordinator.rounds=3"]) == SITE_FAILURE_EXIT
+    console = capfd.readouterr()
+    behind = protocol.REASON_TEXT["behind-federation-record"]
+    assert f"site-1: refused ({behind})" in console.out and f"site-2: refused ({behind})" in console.out, console.out
+    assert f"round   3 site-1: refused — {behind}" in console.err and "Traceback" not in console.out + console.err
+    round3 = history(tmp_path)[-1]
+    assert round3["round"] == 3 and not round3["aggregated"]
+    rows = {(e.site_id, e.round): e for e in ledger_rows(tmp_path)}
+    assert all(rows[(s, 3)].status == "missing" and rows[(s, 3)].steps == 0 for s in states)
+    for s, state in states.items():
+        log = [json.loads(line) for line in (state / "rounds.jsonl").read_text().splitlines()]
+        assert [e["outcome"] for e in log] == ["refused"] and "behind the federation's record" in log[0]["note"]
+    from fedpose.federation.aggregation import load_checkpoint_meta
+
+    assert load_checkpoint_meta(states["site-1"] / "released_update.npz")["round"] == 1  # nothing released in round 3
+    assert not (states["site-2"] / "released_update.npz").exists()
+    assert books("site-1") == pytest.approx((epsilon_after_rounds(1), epsilon_after_rounds(2)), rel=1e-6)
+    assert books("site-2")[0] == 0.0 and books("site-2")[1] == pytest.approx(epsilon_after_rounds(2), rel=1e-6)
+
+    for state in states.values():
+        assert main(["privacy", "adopt", str(state)]) == 0
+    # round 3's refusals stay in the run's failure summary: accepted here, round 4 must train
+    assert main(["simulate", "--config", str(config), "--resume", "--set", "coordinator.rounds=4", "--allow-site-failures"]) == 0
+    set_aside_logs()
+    assert trained == {"site-1": [1, 2, 4], "site-2": [1, 2, 4]}
+    for s in states:
+        site_eps, ledger_eps = books(s)
+        assert site_eps == pytest.approx(epsilon_after_rounds(3), rel=1e-6) and ledger_eps == pytest.approx(site_eps, rel=1e-9)

@@ -33,7 +33,8 @@ class InProcessTransport:
             basis = (dict(request.basis.arrays), dict(request.basis.config)) if request.basis is not None else None
             result = run_site_round(site, instruction.run_id, instruction.round, dict(request.global_arrays),
                                     instruction.model_spec, instruction.local_steps, basis_version=instruction.basis_version,
-                                    basis_message=basis, threads=site.train.threads)
+                                    basis_message=basis, threads=site.train.threads,
+                                    ledger_records=instruction.ledger_records)
             update = result.update
             replies.append(NodeReply(request.node, result.reply, update=(lambda u=update: u) if result.reply.carries_update else None,
                                      bytes_up=sum(int(a.nbytes) for a in update.values())))

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fedpose.config import ModelSpec
-from fedpose.federation import protocol
+from fedpose.federation import protocol, witness
 from fedpose.federation.aggregation import (
     aggregate_round,
     build_server_optimizer,
@@ -322,7 +322,11 @@ class RoundRunner:
         basis_version, basis_message = self._basis_for_round(round_id, selected)
         instruction = protocol.TrainInstruction(run_id=self.run.run_id, round=round_id, local_steps=self.cfg.local_steps,
                                                 model_spec=self.state.model_spec, basis_version=basis_version)
-        requests = [TrainRequest(node, instruction, self.global_state,
+        # the ledger as a witness: each site gets its record of spends (fedpose.federation.witness)
+        spends = self.ledger.spend_events(self.run.run_id)
+        attributed = {site for site in (self.state.node_sites.get(str(n)) for n in selected) if site is not None}
+        requests = [TrainRequest(node, instruction.model_copy(update={"ledger_records": witness.records_for_node(
+                                     spends, self.state.node_sites.get(str(node)), attributed)}), self.global_state,
                                  basis_message if self.basis.needs_basis(self.state.node_sites.get(str(node))) else None)
                     for node in selected]
         return requests, sum(r.basis.nbytes for r in requests if r.basis is not None)
@@ -357,7 +361,10 @@ class RoundRunner:
                                    reason=site_reply.describe() if site_reply.reason else "",
                                    local_steps=site_reply.local_steps, bytes_down=bytes_down.get(node, 0))
             sites[site_id] = info
-            regression = self._epsilon_regression(site_reply)
+            # what the site says it spent in this run becomes part of the witness (never lowers a row)
+            self.ledger.record_spends(site_id, self.run.run_id, witness.spend_tuples(site_reply.spends))
+            behind = site_reply.reason == "behind-federation-record"  # refused before any spend: no regression to judge
+            regression = "" if behind else self._epsilon_regression(site_reply)
             if regression:
                 # A cumulative ε never decreases: a lower one means the site's budget state was
                 # reset or replaced. Keep the ledger's higher value authoritative and use nothing.
@@ -368,8 +375,9 @@ class RoundRunner:
                 continue
             if not site_reply.carries_update:
                 # refused: nothing spent; replayed / failed / error: spent (or unknown), nothing to aggregate
-                refused = site_reply.status == "refused"
-                # a budget refusal is the guard working (the round line shows it), not a fault
+                # a budget refusal is the guard working (the round line shows it), not a fault; a site
+                # behind the ledger's record is not exhausted: it is asked again (its operator may fix it)
+                refused = site_reply.status == "refused" and not behind
                 log.log(logging.INFO if refused else logging.WARNING, "round %d: site %s %s: %s", round_id, site_id,
                         site_reply.status, info.reason)
                 status = "refused" if refused else "missing"

@@ -28,6 +28,7 @@ SITE_REPLY_FIELDS = {
     "basis_version": "version of the public basis the site holds",
     "local_steps": "min(asked, configured cap)",
     "aggregation_weight": "declared in the site's config",
+    "spends": "per spent round of this run: declared σ, q and the steps run (min(asked, cap))",
 }
 PRIVACY_REPORT_FIELDS = {
     "guarantee", "unit", "adjacency", "accountant", "epsilon", "delta", "eps_max", "steps", "rounds_spent",

@@ -326,3 +326,107 @@ def test_the_demo_config_spends_what_the_readme_says(tmp_path):
         assert budget.epsilon <= min(site.eps_max, 8.0)
     assert outcomes["site-1"] == outcomes["site-2"] == ["spent"] * 8
     assert outcomes["site-3"] == ["spent"] * 5 + ["refused"]
+
+
+# -- the journal of spends and what marks a state dir as a site's ----------------------------------------
+def _forge_without_last_round(budget: SiteBudget) -> None:
+    """What an operator with a text editor can do: drop the last spent round, recompute the
+    accountant's history from the remaining rounds and the checksum."""
+    from fedpose.privacy.accountant import PrivacyLedger
+
+    payload = json.loads(budget.path.read_text())["payload"]
+    payload["entries"] = payload["entries"][:-1]
+    kept = PrivacyLedger.from_dict(payload["accountant"])
+    forged = PrivacyLedger(orders=kept.orders, relation=kept.relation, accountant=kept.accountant)
+    for e in payload["entries"]:
+        forged.step(e["noise_multiplier"], e["sample_rate"], e["steps"])
+    payload["accountant"] = forged.to_dict()
+    sb._write_signed(budget.path, payload)
+
+
+def test_an_edited_budget_with_a_recomputed_checksum_is_below_its_journal(tmp_path):
+    budget = _budget(tmp_path, eps_max=10.0)
+    for r in (1, 2, 3):
+        budget.authorize_round("run", r, SIGMA, Q, STEPS)
+    _forge_without_last_round(budget)
+    forged = json.loads(budget.path.read_text())["payload"]
+    assert len(forged["entries"]) == 2  # the checksum holds: only the journal tells
+    with pytest.raises(BudgetStateError, match=r"below its spend journal .*spends\.jsonl.*run 'run' round 3.*privacy adopt"):
+        _budget(tmp_path, eps_max=10.0)
+    # the deliberate way back: the journaled spend is adopted (recorded), ε is the true one again
+    result = sb.adopt_spends(tmp_path / "site-a", [], "")
+    assert [s["round"] for s in result["adopted"]] == [3] and result["applied"]
+    assert result["epsilon_before"] == pytest.approx(_eps_after(2), rel=1e-9)
+    restored = _budget(tmp_path, eps_max=10.0)
+    assert restored.epsilon == pytest.approx(_eps_after(3), rel=1e-9)
+    assert restored.entry("run", 3).status == "spent" and "adopted from journal" in restored.entry("run", 3).reason
+    assert sb.adopt_spends(tmp_path / "site-a", [], "")["adopted"] == []  # idempotent
+
+
+def test_two_records_of_one_round_that_disagree_are_not_adopted(tmp_path):
+    budget = _budget(tmp_path, eps_max=10.0)
+    budget.authorize_round("run", 1, SIGMA, Q, STEPS)
+    _forge_without_last_round(budget)  # the budget forgets round 1; the journal does not
+    assert json.loads(budget.path.read_text())["payload"]["entries"] == []
+    with pytest.raises(BudgetStateError, match="round 1"):
+        _budget(tmp_path, eps_max=10.0)
+    other = sb.JournaledSpend("run", 1, 4 * SIGMA, Q, STEPS)
+    with pytest.raises(BudgetStateError, match="investigate before adopting"):
+        sb.adopt_spends(tmp_path / "site-a", [other], "coordinator's record")
+
+
+def test_a_budget_whose_journal_is_gone_is_refused(tmp_path):
+    budget = _budget(tmp_path, eps_max=10.0)
+    budget.authorize_round("run", 1, SIGMA, Q, STEPS)
+    (tmp_path / "site-a" / sb.JOURNAL_FILE).unlink()
+    with pytest.raises(BudgetStateError, match=r"journal .*spends\.jsonl, which is missing"):
+        _budget(tmp_path, eps_max=10.0)
+
+
+def test_a_budget_from_before_the_journal_loads_and_its_next_spend_starts_one(tmp_path):
+    budget = _budget(tmp_path, eps_max=10.0)
+    budget.authorize_round("run", 1, SIGMA, Q, STEPS)
+    (tmp_path / "site-a" / sb.JOURNAL_FILE).unlink()
+    payload = json.loads(budget.path.read_text())["payload"]
+    del payload["journal"]  # as written before the journal existed
+    sb._write_signed(budget.path, payload)
+    old = _budget(tmp_path, eps_max=10.0)
+    assert old.epsilon == pytest.approx(_eps_after(1), rel=1e-9)
+    old.authorize_round("run", 2, SIGMA, Q, STEPS)
+    assert [s.round for s in sb.read_journal(tmp_path / "site-a")] == [2]
+    assert _budget(tmp_path, eps_max=10.0).epsilon == pytest.approx(_eps_after(2), rel=1e-9)
+
+
+def test_a_torn_last_journal_line_is_ignored_a_torn_middle_line_is_not(tmp_path):
+    budget = _budget(tmp_path, eps_max=10.0)
+    budget.authorize_round("run", 1, SIGMA, Q, STEPS)
+    journal = tmp_path / "site-a" / sb.JOURNAL_FILE
+    whole = journal.read_text()
+    journal.write_text(whole + '{"run_id": "run", "round": 2, "noise_mul')  # killed mid-append, before the budget
+    assert _budget(tmp_path, eps_max=10.0).epsilon == pytest.approx(_eps_after(1), rel=1e-9)
+    journal.write_text('{"run_id": "run", "rou\n' + whole)
+    with pytest.raises(BudgetStateError, match="line 1: malformed"):
+        _budget(tmp_path, eps_max=10.0)
+
+
+@pytest.mark.parametrize("leftover", ["image_check.json", "spends.jsonl", "federation_record.json", "a-file-fedpose-never-wrote"])
+def test_any_file_marks_a_state_dir_as_a_sites(tmp_path, leftover):
+    """Deleting the budget, the marker, the released update and rounds.jsonl is not a fresh start
+    while anything else is left — not just the files on some list."""
+    state = tmp_path / "site-a"
+    _budget(tmp_path, eps_max=10.0).authorize_round("run", 1, SIGMA, Q, STEPS)
+    for path in state.iterdir():
+        if path.name != leftover and path.name != sb.LOCK_FILE:
+            path.unlink()
+    (state / leftover).write_text("{}")
+    with pytest.raises(BudgetStateError, match=f"holds site state \\({leftover}\\).*restore both files"):
+        _budget(tmp_path, eps_max=10.0)
+    assert sorted(p.name for p in state.iterdir()) == sorted({leftover, sb.LOCK_FILE})  # left as found
+
+
+def test_a_state_dir_holding_only_the_lock_and_the_site_log_is_new(tmp_path):
+    state = tmp_path / "site-a"
+    state.mkdir()
+    (state / sb.LOCK_FILE).touch()
+    (state / sb.SITE_LOG_FILE).write_text("2026-01-01 INFO fedpose.site: protection unit record\n")
+    assert _budget(tmp_path, eps_max=10.0).epsilon == 0.0
