@@ -51,6 +51,7 @@ STOP_GRACE_S = 10.0
 STATUS_POLL_S = 5.0  # each poll runs the flwr CLI (a Python process): not too often
 FINISHED = "finished"
 SUPERLINK_TIMEOUT_S = 60.0  #: default --superlink-timeout: a SuperLink restart or a loaded machine's slow `flwr ls` fits
+FLWR_CLI_TIMEOUT_S = 30.0  #: at least this long for one `flwr ls` (a Python process: slow to start on a loaded machine)
 COORDINATOR_DIR = "coordinator"  #: the coordinator's checkpoint_dir (and ledger) inside the run dir
 
 
@@ -223,10 +224,11 @@ def run_status(group: ProcessGroup, run_id: str, timeout: float) -> tuple[str, s
         return "", f"`flwr ls` got no answer within {timeout:.0f} s"
     except (RuntimeError, ValueError) as exc:
         return "", f"`flwr ls` failed: {' '.join(str(exc).split())[-300:]}"
+    if not answer.get("success", True):
+        return "", f"`flwr ls` failed: {' '.join(str(answer.get('error-message') or '').split())[-300:]}"
     runs = answer.get("runs") or []
-    if not answer.get("success", True) or not runs:
-        detail = " ".join(str(answer.get("error-message") or "").split())[-300:]
-        return "", f"it does not know run {run_id}" + (f" ({detail})" if detail else "")
+    if not runs:  # restarted (it keeps runs in memory), or another deployment's SuperLink on its address
+        return "", f"it does not know run {run_id}"
     return str(runs[0]["status"]), ""
 
 
@@ -371,7 +373,7 @@ def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float,
         if superlink.poll() is not None:
             raise SuperLinkLost(f"it exited with code {superlink.returncode} (pid {superlink.pid})")
         polled = time.monotonic()
-        current, problem = run_status(group, run_id, timeout=superlink_timeout)
+        current, problem = run_status(group, run_id, timeout=max(superlink_timeout, FLWR_CLI_TIMEOUT_S))
         if problem:
             lost_since = polled if lost_since is None else lost_since
             if time.monotonic() - lost_since >= superlink_timeout:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -126,13 +127,25 @@ def probe(path: Path, what: str, role: str) -> None:
         pass
 
 
+_SECRET_OPTION = re.compile(r"^--?[\w-]*(token|secret|password|key)[\w-]*$", re.IGNORECASE)
+
+
 def _command_line() -> str:
+    """This process's command line, one line, with the values of secret-looking options hidden
+    (Flower's ServerApp process gets its runtime token as ``--token``)."""
     try:
-        argv = Path("/proc/self/cmdline").read_bytes().split(b"\0")
-        text = " ".join(a.decode(errors="replace") for a in argv if a)
+        argv = [a.decode(errors="replace") for a in Path("/proc/self/cmdline").read_bytes().split(b"\0") if a]
     except OSError:
-        text = " ".join(sys.argv)
-    text = " ".join(text.split())  # one line (a `python -c` program has several)
+        argv = [sys.executable, *sys.argv]
+    shown: list[str] = []
+    for arg in argv:
+        name, eq, _ = arg.partition("=")
+        if eq and _SECRET_OPTION.match(name):
+            arg = f"{name}=***"
+        elif shown and _SECRET_OPTION.match(shown[-1]):
+            arg = "***"
+        shown.append(arg)
+    text = " ".join(" ".join(shown).split())  # one line (a `python -c` program has several)
     return text if len(text) <= 300 else text[:297] + "…"
 
 

@@ -45,7 +45,7 @@ def _hold_in_another_process(lock_file: Path, role: str = "deploy local") -> sub
     lock_file.parent.mkdir(parents=True, exist_ok=True)
     script = lock_file.parent / f"hold-{time.monotonic_ns()}.py"
     script.write_text(code)
-    proc = subprocess.Popen([sys.executable, str(script), "--marker-arg"], stdout=subprocess.PIPE, text=True,
+    proc = subprocess.Popen([sys.executable, str(script), "--marker-arg", "--token", "s3cret"], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
     return proc
@@ -62,6 +62,7 @@ def test_a_second_holder_is_refused_naming_the_first_and_a_killed_holder_blocks_
         assert message.startswith(REFUSED) and f"the run directory {tmp_path / 'run'} is in use by deploy local" in message
         # the holder by pid, host, start time and command
         assert f"pid {holder.pid} on {socket.gethostname()}, started 20" in message and "--marker-arg" in message, message
+        assert "--token ***" in message and "s3cret" not in message  # Flower's ServerApp gets its runtime token so
     finally:
         holder.send_signal(signal.SIGKILL)  # a crash: no cleanup runs
         holder.wait(timeout=30)
