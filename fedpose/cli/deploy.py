@@ -138,14 +138,16 @@ class ProcessGroup:
     environment (inherited by whatever Flower starts from it): stopping sweeps the token, so
     processes Flower detaches or re-parents go too; a watchdog does the same if we are killed."""
 
-    def __init__(self, run_dir: Path, env: dict[str, str]):
+    def __init__(self, run_dir: Path, env: dict[str, str], lock_fd: int | None = None):
         self.run_dir = run_dir
         self.token = uuid.uuid4().hex
         self.env = {**env, DEPLOY_TOKEN_ENV: self.token}
         self.procs: dict[str, subprocess.Popen] = {}
         self.commands = run_dir / "commands.sh"
         self.commands.write_text("#!/bin/sh\n# commands run by `fedpose deploy local` (in this order)\n")
-        self.watchdog = start_watchdog(self.token, run_dir / "logs" / "watchdog.log", env)
+        # the watchdog shares the run dir's lock: killed, we hold the run dir until everything is stopped
+        self.watchdog = start_watchdog(self.token, run_dir / "logs" / "watchdog.log", env,
+                                       keep_fds=(lock_fd,) if lock_fd is not None else ())
 
     def record(self, name: str, argv: list[str]) -> None:
         with self.commands.open("a") as fh:
@@ -242,7 +244,7 @@ def _handle(args: argparse.Namespace) -> int:
         raise UserError(f"the Flower app (pyproject.toml, coordinator/, sites/) was not found at {repo}")
     run_dir = args.run_dir.resolve()
     # before anything is written: two deployments would share configs/, flwr-home/ and the coordinator
-    with exclusive(directory_lock(run_dir), f"the run directory {run_dir}", "deploy local"):
+    with exclusive(directory_lock(run_dir), f"the run directory {run_dir}", "deploy local") as lock:
         checkpoint_dir = run_dir / COORDINATOR_DIR
         # a coordinator still writing there (one a killed deploy local left, or a `flwr run` by hand)
         probe(directory_lock(checkpoint_dir), f"the coordinator's checkpoint_dir {checkpoint_dir}", "coordinator")
@@ -251,10 +253,10 @@ def _handle(args: argparse.Namespace) -> int:
 
             refuse_fresh_start(checkpoint_dir, CoordinatorConfig(checkpoint_dir=checkpoint_dir).ledger_path,
                                f"the run directory {run_dir}", "another --run-dir")
-        return _deploy(args, repo, run_dir)
+        return _deploy(args, repo, run_dir, lock.fileno())
 
 
-def _deploy(args: argparse.Namespace, repo: Path, run_dir: Path) -> int:
+def _deploy(args: argparse.Namespace, repo: Path, run_dir: Path, lock_fd: int) -> int:
     from fedpose.cli.certs import write_dev_certificates
 
     for sub in ("logs", "configs", "flwr-home"):
@@ -290,7 +292,7 @@ def _deploy(args: argparse.Namespace, repo: Path, run_dir: Path) -> int:
         f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
         f'address = "127.0.0.1:{control}"\nroot-certificates = "{certs / "ca.crt"}"\n'
     )
-    group = ProcessGroup(run_dir, env)
+    group = ProcessGroup(run_dir, env, lock_fd)
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     started = time.monotonic()
     run_id = ""

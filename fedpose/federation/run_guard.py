@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from pydantic import BaseModel
 
@@ -74,9 +74,10 @@ _held_guard = threading.Lock()
 
 
 @contextmanager
-def exclusive(path: Path, what: str, role: str) -> Iterator[None]:
+def exclusive(path: Path, what: str, role: str) -> Iterator[BinaryIO]:
     """Hold the exclusive lock of lock file ``path`` (:func:`directory_lock`, :func:`file_lock`) for
-    the block; ``what`` names what it protects in a refusal ("the run directory /x"). Raises
+    the block (it yields the open lock file: a child given its descriptor holds the lock too, until
+    it exits); ``what`` names what it protects in a refusal ("the run directory /x"). Raises
     :class:`RunStateRefused` naming the holder when another process holds it."""
     with _held_guard:
         if path in _held:
@@ -84,7 +85,7 @@ def exclusive(path: Path, what: str, role: str) -> Iterator[None]:
         else:
             _held[path] = [_acquire(path, what, role), 1]
     try:
-        yield
+        yield _held[path][0]
     finally:
         with _held_guard:
             _held[path][1] -= 1
@@ -94,7 +95,7 @@ def exclusive(path: Path, what: str, role: str) -> Iterator[None]:
                 handle.close()  # closing the last descriptor releases the flock
 
 
-def _acquire(path: Path, what: str, role: str):  # noqa: ANN202 - an open binary file
+def _acquire(path: Path, what: str, role: str) -> BinaryIO:
     path.parent.mkdir(parents=True, exist_ok=True)
     handle = path.open("a+b")  # never truncated before we hold it: the holder's record stays readable
     try:
@@ -104,7 +105,7 @@ def _acquire(path: Path, what: str, role: str):  # noqa: ANN202 - an open binary
         handle.close()
         by = holder.describe() if holder is not None else "another process (it is starting: no holder record yet)"
         raise RunStateRefused(f"{what} is in use by {by} — one {role} at a time may write a run's state; wait for it to "
-                              f"end or stop it (a holder that died has released the lock already; lock file {path})") from None
+                              f"end or stop it (the lock ends with the holder, however it ends: a crashed one blocks nothing; lock file {path})") from None
     record = LockHolder(pid=os.getpid(), host=socket.gethostname(), role=role,
                         started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), command=_command_line())
     handle.truncate(0)

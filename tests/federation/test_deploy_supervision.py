@@ -84,3 +84,20 @@ def test_the_superlinks_node_unavailable_reply_is_the_sites_disconnect() -> None
 
     expired = create_message_error_unavailable_res_message(_train_metadata(node=7), "msg_unavail")
     assert node_reply(expired, 7, 5.0).failure.startswith("no update (Flower error 4): Error: Reply Message Unavailable")
+
+
+def test_the_watchdog_holds_the_run_dirs_lock_until_everything_is_stopped(tmp_path: Path) -> None:
+    """deploy local SIGKILLed: its run dir stays locked while its watchdog stops what it started."""
+    from fedpose.federation.run_guard import RunStateRefused, directory_lock, exclusive, probe
+
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    lock = directory_lock(run_dir)
+    with exclusive(lock, "the run directory", "deploy local") as handle:
+        group = deploy.ProcessGroup(run_dir, dict(os.environ), handle.fileno())
+    try:  # this process let go (as a killed deploy local would): the watchdog still holds it
+        with pytest.raises(RunStateRefused, match="the run directory is in use"):
+            probe(lock, "the run directory", "deploy local")
+    finally:
+        group.stop_all()  # the watchdog exits
+    probe(lock, "the run directory", "deploy local")
