@@ -28,7 +28,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pydantic import BaseModel
+from fedpose.config import Strict
 
 LOCK_FILE = ".fedpose.lock"  #: in a locked directory; a locked file gets ``<name>.lock`` beside it
 REFUSED = "refused: "  #: how every message of a RunStateRefused begins (deploy local maps it to exit 2)
@@ -41,7 +41,7 @@ class RunStateRefused(Exception):
         super().__init__(message if message.startswith(REFUSED) else REFUSED + message)
 
 
-class LockHolder(BaseModel):
+class LockHolder(Strict):
     """Who holds a lock: written into the lock file by the holder, read by whoever is refused."""
 
     pid: int
@@ -67,8 +67,9 @@ def file_lock(path: str | Path) -> Path:
     return path.with_name(path.name + ".lock")
 
 
-# Locks this process holds: lock file → (open file, nesting depth). flock conflicts between two open
-# files of one process too, so a nested request (simulate's CLI, then its in-process ServerApp) reuses it.
+# Locks this process holds: lock file → [open file, nesting depth]. flock conflicts between two open
+# files of one process too, so a nested request (a ServerApp run in-process by a command that holds
+# its checkpoint_dir already) reuses the lock.
 _held: dict[Path, list[Any]] = {}
 _held_guard = threading.Lock()
 
