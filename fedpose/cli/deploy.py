@@ -345,6 +345,10 @@ def _deploy(args: argparse.Namespace, repo: Path, run_dir: Path, lock_fd: int) -
         if status != "finished:completed" or not (checkpoint_dir / REPORT_FILE).exists():
             return report_failed_run(status, coordinator_log, run_dir / "logs")
         return conclude_run(checkpoint_dir, args.allow_site_failures)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:  # a process that would not start (its log is named)
+        group.stop_all()
+        print(f"fedpose: error: {exc}; everything this run started is stopped", file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:
         if run_id:
             save_coordinator_log(group, run_id, run_dir)

@@ -1,7 +1,8 @@
 """What `fedpose deploy local` and the coordinator's transport make of a SuperLink or SuperNode that
 goes away, without a whole deployment (tests/federation/test_federation_deploy_faults.py runs
-those): `flwr ls` against a SuperLink that does not answer, and Flower's own error replies for a
-node that left (built by the SuperLink's code)."""
+those): `flwr ls` against a SuperLink that does not answer, a SuperLink that exits or cannot
+start, the watchdog's share of the run dir's lock, and Flower's own error replies for a node that
+left (built by the SuperLink's code)."""
 
 from __future__ import annotations
 
@@ -101,3 +102,23 @@ def test_the_watchdog_holds_the_run_dirs_lock_until_everything_is_stopped(tmp_pa
     finally:
         group.stop_all()  # the watchdog exits
     probe(lock, "the run directory", "deploy local")
+
+
+@pytest.mark.slow
+@pytest.mark.integration  # a real SuperLink that fails to start (and the synthetic data it needs, ~30 s here)
+def test_a_superlink_that_cannot_start_is_named_with_exit_1_and_no_traceback(tmp_path: Path, capsys) -> None:
+    from fedpose.cli import main
+    from fedpose.cli.certs import write_dev_certificates
+    from federation_helpers import free_base_port, no_leftover_processes, tiny_federation
+
+    run_dir = tmp_path / "run"
+    write_dev_certificates(run_dir / "certs", ["site-1"])
+    (run_dir / "certs" / "server.key").write_text("not a key")
+    config = tiny_federation(tmp_path, tmp_path / "data", sites=1)
+    code = main(["deploy", "local", "--sites", "1", "--config", str(config), "--run-dir", str(run_dir),
+                 "--base-port", str(free_base_port())])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert err.strip().splitlines()[-1] == (f"fedpose: error: SuperLink Fleet API exited with code 1; see {run_dir / 'logs' / 'superlink.log'}; "
+                                            "everything this run started is stopped"), err
+    assert "Traceback" not in err and not no_leftover_processes(run_dir)
