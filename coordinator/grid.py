@@ -61,6 +61,7 @@ class GridTransport:
         federation, or ``timeout`` has passed (a node that neither answered nor left: no NodeReply)."""
         started = time.monotonic()
         pushed = set(self.grid.push_messages(messages))
+        deadline = time.monotonic() + timeout  # from the end of the push, as Flower's send_and_receive
         pending = {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id in pushed}
         replies: list[NodeReply] = []
         while pending:
@@ -68,7 +69,7 @@ class GridTransport:
                 node = pending.pop(reply.metadata.reply_to_message_id, None)
                 seconds = time.monotonic() - started
                 if reply.has_error() and reply.error.code == ErrorCode.MESSAGE_UNAVAILABLE and seconds >= 0.99 * timeout:
-                    continue  # its TTL (= the round timeout) ran out: the round's "no reply within the timeout"
+                    continue  # its TTL (= the round timeout, from before the push) ran out: "no reply within the timeout"
                 if node is not None:  # by the message it answers: the SuperLink's error replies come from the SuperLink
                     replies.append(node_reply(reply, node, seconds))
             if not pending:
@@ -78,7 +79,7 @@ class GridTransport:
                 if node not in connected:
                     del pending[message_id]
                     replies.append(NodeReply(node, failure=disconnected_reason(time.monotonic() - started)))
-            if time.monotonic() - started >= timeout:
+            if time.monotonic() >= deadline:
                 break
             time.sleep(REPLY_POLL_S)
         return replies
