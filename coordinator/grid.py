@@ -4,15 +4,22 @@ Everything the round does is in :mod:`fedpose.federation.server.rounds`; this fi
 ``train`` Message per request (records named by :mod:`fedpose.federation.protocol`, TTL = the
 round timeout) and turns what comes back into :class:`NodeReply` — a decoded site reply with a lazy
 Δ, or the reason there is none.
+
+A node that leaves during the round ends its wait. Flower says so twice: the node drops out of
+``get_node_ids()``, and the SuperLink answers the message in its place with a NODE_UNAVAILABLE
+error (whose source is the SuperLink, not the node: it is matched to the node by the message it
+replies to). Flower declares a SuperNode gone when it has sent no heartbeat for 2 × 30 s (it sends
+one every ~20 s): a round whose timeout falls earlier still ends at the timeout.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
-from flwr.common.constant import ErrorCode
+from flwr.common.constant import HEARTBEAT_DEFAULT_INTERVAL, HEARTBEAT_PATIENCE, ErrorCode
 from flwr.serverapp import Grid
 
 from fedpose.federation import protocol
@@ -20,6 +27,7 @@ from fedpose.federation.server.rounds import NodeReply, TrainRequest
 
 #: Flower error codes that mean the site's own ClientApp failed; the others come from the SuperLink
 _SITE_FAILURES = (ErrorCode.LOAD_CLIENT_APP_EXCEPTION, ErrorCode.CLIENT_APP_RAISED_EXCEPTION, ErrorCode.CLIENT_APP_CRASHED)
+REPLY_POLL_S = 0.5  #: how often the round asks the SuperLink for replies and connected nodes
 
 
 class GridTransport:
@@ -46,12 +54,47 @@ class GridTransport:
                 content[protocol.BASIS_CONFIG_RECORD] = ConfigRecord(dict(request.basis.config))
             messages.append(Message(content, dst_node_id=request.node, message_type=protocol.MESSAGE_TYPE_TRAIN,
                                     group_id=str(request.instruction.round), ttl=timeout))
-        return [node_reply(reply) for reply in self.grid.send_and_receive(messages, timeout=timeout)]
+        return self._exchange(messages, timeout)
+
+    def _exchange(self, messages: list[Message], timeout: float) -> list[NodeReply]:
+        """Push the messages, then collect replies until each node has answered or left the
+        federation, or ``timeout`` has passed (a node that neither answered nor left: no NodeReply)."""
+        started = time.monotonic()
+        pushed = set(self.grid.push_messages(messages))
+        deadline = time.monotonic() + timeout  # from the end of the push, as Flower's send_and_receive
+        pending = {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id in pushed}
+        replies: list[NodeReply] = []
+        while pending:
+            for reply in self.grid.pull_messages(list(pending)):
+                node = pending.pop(reply.metadata.reply_to_message_id, None)
+                seconds = time.monotonic() - started
+                if reply.has_error() and reply.error.code == ErrorCode.MESSAGE_UNAVAILABLE and seconds >= 0.99 * timeout:
+                    continue  # its TTL (= the round timeout, from before the push) ran out: "no reply within the timeout"
+                if node is not None:  # by the message it answers: the SuperLink's error replies come from the SuperLink
+                    replies.append(node_reply(reply, node, seconds))
+            if not pending:
+                break
+            connected = set(self.grid.get_node_ids())
+            for message_id, node in list(pending.items()):
+                if node not in connected:
+                    del pending[message_id]
+                    replies.append(NodeReply(node, failure=disconnected_reason(time.monotonic() - started)))
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(REPLY_POLL_S)
+        return replies
 
 
-def node_reply(reply: Message) -> NodeReply:
-    node = reply.metadata.src_node_id
+def disconnected_reason(seconds: float) -> str:
+    return (f"the site disconnected: Flower declared its node gone {seconds:.0f} s into the round "
+            f"(no heartbeat for {HEARTBEAT_PATIENCE} × {HEARTBEAT_DEFAULT_INTERVAL} s)")
+
+
+def node_reply(reply: Message, node: int, seconds: float) -> NodeReply:
+    """``reply`` to the message sent to ``node``, ``seconds`` into the round."""
     if reply.has_error():
+        if reply.error.code == ErrorCode.NODE_UNAVAILABLE:
+            return NodeReply(node, failure=disconnected_reason(seconds))
         return NodeReply(node, failure=failure_reason(reply))
     try:
         site_reply = protocol.decode_reply(dict(reply.content[protocol.REPLY_RECORD]))

@@ -20,6 +20,7 @@ from fedpose.config import ConfigError
 from fedpose.federation.ledger import LedgerError
 from fedpose.federation.report import COORDINATOR_ERROR_PREFIX
 from fedpose.federation.deployment import load_coordinator_run
+from fedpose.federation.run_guard import RunStateRefused, coordinator_lock
 from fedpose.federation.server.rounds import RoundRunner
 
 
@@ -63,8 +64,10 @@ def build_server_app(config_path: str | Path | None = None, resume: bool | None 
                     raise ConfigError("no coordinator config: pass --run-config 'coordinator-config=\"/abs/path.toml\"'")
                 run = load_coordinator_run(str(path), overrides)
                 do_resume = resume if resume is not None else _flag(context.run_config.get("resume", False))
-                result = RoundRunner(run, resume=do_resume, echo=lambda line: print(line, flush=True)).run_rounds(GridTransport(grid))
-            except (ConfigError, LedgerError, ValueError, OSError) as exc:
+                # one coordinator per checkpoint_dir and ledger, for as long as this one runs
+                with coordinator_lock(run.coordinator.checkpoint_dir, run.coordinator.ledger_path):
+                    result = RoundRunner(run, resume=do_resume, echo=lambda line: print(line, flush=True)).run_rounds(GridTransport(grid))
+            except (ConfigError, LedgerError, RunStateRefused, ValueError, OSError) as exc:
                 # one line the operator sees (deploy local and simulate print it), then fail the run
                 print(f"{COORDINATOR_ERROR_PREFIX}{type(exc).__name__}: {exc}", flush=True)
                 raise

@@ -10,6 +10,7 @@ from typing import Any
 
 from fedpose.config import ConfigError
 from fedpose.data.annotations import AnnotationError
+from fedpose.federation.run_guard import RunStateRefused
 
 
 class UserError(Exception):
@@ -17,7 +18,8 @@ class UserError(Exception):
 
 
 # Errors that are the user's input, not our bug.
-USER_ERRORS: tuple[type[BaseException], ...] = (UserError, ConfigError, AnnotationError, FileNotFoundError)
+# RunStateRefused: starting would overwrite a run's state or share it with a live writer (exit 2 too)
+USER_ERRORS: tuple[type[BaseException], ...] = (UserError, ConfigError, AnnotationError, FileNotFoundError, RunStateRefused)
 
 
 def run_handler(args: argparse.Namespace) -> int:

@@ -15,6 +15,13 @@ data the configs point to is absent, into a directory without data: nothing is d
 Everything it started is stopped on exit, on error, on Ctrl-C and SIGTERM — and when it is
 killed (SIGKILL), by a watchdog process (``fedpose.cli.process_sweep``). A run in which a site
 failed ends with a failure summary and exit code 3 unless ``--allow-site-failures``.
+
+One ``deploy local`` per run directory: it holds an exclusive lock on ``--run-dir`` while it
+lives (the coordinator holds another on ``coordinator/``); a second one is refused naming the
+holder, and so is a fresh start over a directory holding a previous run's state — both exit 2,
+with a message beginning "refused:". A SuperLink that exits or stops answering (or no longer
+knows the run) for ``--superlink-timeout`` seconds ends the run: everything is stopped, exit 1,
+and ``--resume`` continues it.
 """
 
 from __future__ import annotations
@@ -32,16 +39,20 @@ import uuid
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from fedpose.cli.common import UserError
+from fedpose.cli.common import UserError, positive_float
 from fedpose.cli.federation_run import add_run_args, conclude_run, data_paths, ensure_federation_data, finished_run, pop_synthetic
 from fedpose.cli.process_sweep import DEPLOY_TOKEN_ENV, start_watchdog, stop_tagged
 from fedpose.federation.report import COORDINATOR_ERROR_PREFIX, REPORT_FILE
+from fedpose.federation.run_guard import REFUSED, directory_lock, exclusive, probe, refuse_fresh_start
 
 CONNECTION = "fedpose-local"
 DEFAULT_CONFIG = "configs/demo.toml"
 STOP_GRACE_S = 10.0
 STATUS_POLL_S = 5.0  # each poll runs the flwr CLI (a Python process): not too often
 FINISHED = "finished"
+SUPERLINK_TIMEOUT_S = 60.0  #: default --superlink-timeout: a SuperLink restart or a loaded machine's slow `flwr ls` fits
+FLWR_CLI_TIMEOUT_S = 30.0  #: at least this long for one `flwr ls` (a Python process: slow to start on a loaded machine)
+COORDINATOR_DIR = "coordinator"  #: the coordinator's checkpoint_dir (and ledger) inside the run dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -61,6 +72,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="Fleet API port; Control API = +1, health = +3, coordinator metrics = +5, SuperNodes = +10+i, "
                        "site metrics = +20+i")
     local.add_argument("--timeout", type=float, default=None, help="give up (and stop everything) after this many seconds")
+    local.add_argument("--superlink-timeout", type=positive_float, default=SUPERLINK_TIMEOUT_S, metavar="SECONDS",
+                       help="stop everything and exit 1 when the SuperLink has exited, or has not answered or no longer "
+                       f"knows the run, for this long (default {SUPERLINK_TIMEOUT_S:g}); --resume continues the run")
     add_run_args(local)
     local.set_defaults(handler=_handle)
 
@@ -99,7 +113,7 @@ def write_deployment_configs(args: argparse.Namespace, run_dir: Path) -> Deploym
             site["state_dir"] = str(run_dir / "sites" / site["site_id"])
         sites.append(site)
     coordinator = absolute_paths(dict(raw.get("coordinator", {})), CoordinatorConfig)
-    coordinator["checkpoint_dir"] = str(run_dir / "coordinator")
+    coordinator["checkpoint_dir"] = str(run_dir / COORDINATOR_DIR)
     coordinator.pop("ledger_db", None)
     coordinator["metrics_port"] = args.base_port + 5
     if args.rounds is not None:
@@ -124,14 +138,16 @@ class ProcessGroup:
     environment (inherited by whatever Flower starts from it): stopping sweeps the token, so
     processes Flower detaches or re-parents go too; a watchdog does the same if we are killed."""
 
-    def __init__(self, run_dir: Path, env: dict[str, str]):
+    def __init__(self, run_dir: Path, env: dict[str, str], lock_fd: int | None = None):
         self.run_dir = run_dir
         self.token = uuid.uuid4().hex
         self.env = {**env, DEPLOY_TOKEN_ENV: self.token}
         self.procs: dict[str, subprocess.Popen] = {}
         self.commands = run_dir / "commands.sh"
         self.commands.write_text("#!/bin/sh\n# commands run by `fedpose deploy local` (in this order)\n")
-        self.watchdog = start_watchdog(self.token, run_dir / "logs" / "watchdog.log", env)
+        # the watchdog shares the run dir's lock: killed, we hold the run dir until everything is stopped
+        self.watchdog = start_watchdog(self.token, run_dir / "logs" / "watchdog.log", env,
+                                       keep_fds=(lock_fd,) if lock_fd is not None else ())
 
     def record(self, name: str, argv: list[str]) -> None:
         with self.commands.open("a") as fh:
@@ -166,7 +182,7 @@ class ProcessGroup:
 
     def stop_all(self) -> None:
         """SIGTERM every process we started and all they started (the token), SIGKILL what is left
-        after STOP_GRACE_S; then release the watchdog (it finds nothing left)."""
+        after STOP_GRACE_S; then release the watchdog (it finds nothing left). Idempotent."""
         stop_tagged(self.token, STOP_GRACE_S)
         for proc in self.procs.values():
             proc.poll()  # reap: no zombies of ours
@@ -195,10 +211,27 @@ def _port_free(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
-def run_status(group: ProcessGroup, run_id: str) -> str:
-    result = group.run("flwr-ls", [_bin("flwr"), "ls", CONNECTION, "--run-id", run_id, "--format", "json"], timeout=120, record=False)
-    runs = json.loads(result.stdout).get("runs", [])
-    return str(runs[0]["status"]) if runs else "unknown"
+class SuperLinkLost(Exception):
+    """The deployment's SuperLink exited, or has not answered (or not known the run) for too long."""
+
+
+def run_status(group: ProcessGroup, run_id: str, timeout: float) -> tuple[str, str]:
+    """(the run's status, '') from ``flwr ls``; ('', why) when the SuperLink did not answer or does not
+    know the run (``flwr ls --format json`` reports a failure as ``"success": false`` with exit code 0)."""
+    try:
+        result = group.run("flwr-ls", [_bin("flwr"), "ls", CONNECTION, "--run-id", run_id, "--format", "json"], timeout=timeout,
+                           record=False)
+        answer = json.loads(result.stdout[result.stdout.index("{"):])
+    except subprocess.TimeoutExpired:
+        return "", f"`flwr ls` got no answer within {timeout:.0f} s"
+    except (RuntimeError, ValueError) as exc:
+        return "", f"`flwr ls` failed: {' '.join(str(exc).split())[-300:]}"
+    if not answer.get("success", True):
+        return "", f"`flwr ls` failed: {' '.join(str(answer.get('error-message') or '').split())[-300:]}"
+    runs = answer.get("runs") or []
+    if not runs:  # restarted (it keeps runs in memory), or another deployment's SuperLink on its address
+        return "", f"it does not know run {run_id}"
+    return str(runs[0]["status"]), ""
 
 
 def _bin(name: str) -> str:
@@ -206,14 +239,26 @@ def _bin(name: str) -> str:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    from fedpose.cli.certs import write_dev_certificates
-
     repo = Path(__file__).resolve().parents[2]
     if not (repo / "pyproject.toml").exists() or not (repo / "coordinator" / "server_app.py").exists():
         raise UserError(f"the Flower app (pyproject.toml, coordinator/, sites/) was not found at {repo}")
     run_dir = args.run_dir.resolve()
-    if run_dir.exists() and any((run_dir / "coordinator").glob("global.npz")) and not args.resume:
-        raise UserError(f"{run_dir} holds a previous run: use --resume, or another --run-dir")
+    # before anything is written: two deployments would share configs/, flwr-home/ and the coordinator
+    with exclusive(directory_lock(run_dir), f"the run directory {run_dir}", "deploy local") as lock:
+        checkpoint_dir = run_dir / COORDINATOR_DIR
+        # a coordinator still writing there (one a killed deploy local left, or a `flwr run` by hand)
+        probe(directory_lock(checkpoint_dir), f"the coordinator's checkpoint_dir {checkpoint_dir}", "coordinator")
+        if not args.resume:
+            from fedpose.federation.config import CoordinatorConfig
+
+            refuse_fresh_start(checkpoint_dir, CoordinatorConfig(checkpoint_dir=checkpoint_dir).ledger_path,
+                               f"the run directory {run_dir}", "another --run-dir")
+        return _deploy(args, repo, run_dir, lock.fileno())
+
+
+def _deploy(args: argparse.Namespace, repo: Path, run_dir: Path, lock_fd: int) -> int:
+    from fedpose.cli.certs import write_dev_certificates
+
     for sub in ("logs", "configs", "flwr-home"):
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
 
@@ -247,7 +292,7 @@ def _handle(args: argparse.Namespace) -> int:
         f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
         f'address = "127.0.0.1:{control}"\nroot-certificates = "{certs / "ca.crt"}"\n'
     )
-    group = ProcessGroup(run_dir, env)
+    group = ProcessGroup(run_dir, env, lock_fd)
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     started = time.monotonic()
     run_id = ""
@@ -284,16 +329,26 @@ def _handle(args: argparse.Namespace) -> int:
         run_id = str(json.loads(out[out.index("{"):])["run-id"])
         print(f"run {run_id} submitted: {args.sites} sites, logs in {run_dir / 'logs'}", flush=True)
         (run_dir / "run_id").write_text(run_id)
-        status = _follow(group, run_id, checkpoint_dir, started, args.timeout)
+        try:
+            status = _follow(group, run_id, checkpoint_dir, started, args.timeout, superlink, args.superlink_timeout)
+        except SuperLinkLost as exc:  # `flwr log` needs the SuperLink too: the coordinator's log is gone with it
+            group.stop_all()  # before saying so
+            print(f"fedpose: error: lost the SuperLink (127.0.0.1:{fleet}, control API :{control}): {exc}; everything "
+                  f"this run started is stopped — continue with --resume (see {run_dir / 'logs' / 'superlink.log'})",
+                  file=sys.stderr, flush=True)
+            return 1
         print(f"run {run_id}: {status}", flush=True)
         coordinator_log = save_coordinator_log(group, run_id, run_dir)
         for line in coordinator_log.splitlines():
             if line.startswith(("stopping", "resuming", "--resume")) or "rejected update" in line:
                 print(line, flush=True)
         if status != "finished:completed" or not (checkpoint_dir / REPORT_FILE).exists():
-            report_failed_run(status, coordinator_log, run_dir / "logs")
-            return 1
+            return report_failed_run(status, coordinator_log, run_dir / "logs")
         return conclude_run(checkpoint_dir, args.allow_site_failures)
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:  # a process that would not start (its log is named)
+        group.stop_all()
+        print(f"fedpose: error: {exc}; everything this run started is stopped", file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:
         if run_id:
             save_coordinator_log(group, run_id, run_dir)
@@ -303,11 +358,15 @@ def _handle(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float, timeout: float | None) -> str:
-    """Print each finished round (from the coordinator's history.json) until the run finishes."""
+def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float, timeout: float | None,
+            superlink: subprocess.Popen, superlink_timeout: float) -> str:
+    """Print each finished round (from the coordinator's history.json) until the run finishes.
+    Raises :class:`SuperLinkLost` when the SuperLink exits, or has not answered or not known the run
+    for ``superlink_timeout`` seconds (without this, a lost SuperLink was polled for ever)."""
     from fedpose.federation.report import load_history, round_line
 
     printed = 0
+    status, lost_since = "", None
     while True:
         time.sleep(STATUS_POLL_S)
         try:
@@ -317,22 +376,33 @@ def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float,
         for entry in rounds[printed:]:
             print(round_line(entry), flush=True)
         printed = max(printed, len(rounds))
-        status = run_status(group, run_id)
+        if superlink.poll() is not None:
+            raise SuperLinkLost(f"it exited with code {superlink.returncode} (pid {superlink.pid})")
+        polled = time.monotonic()
+        current, problem = run_status(group, run_id, timeout=max(superlink_timeout, FLWR_CLI_TIMEOUT_S))
+        if problem:
+            lost_since = polled if lost_since is None else lost_since
+            if time.monotonic() - lost_since >= superlink_timeout:
+                raise SuperLinkLost(f"{problem} — for {time.monotonic() - lost_since:.0f} s (--superlink-timeout {superlink_timeout:g})")
+        else:
+            status, lost_since = current, None
         if status.startswith(FINISHED):
             for entry in load_history(history_dir)[printed:]:
                 print(round_line(entry), flush=True)
             return status
         if timeout is not None and time.monotonic() - started > timeout:
-            return f"timeout after {timeout:.0f} s (last status {status})"
+            return f"timeout after {timeout:.0f} s (last status {status or 'unknown'})"
 
 
-def report_failed_run(status: str, coordinator_log: str, log_dir: Path) -> None:
+def report_failed_run(status: str, coordinator_log: str, log_dir: Path) -> int:
     """The coordinator's own error lines, then where to look: "the run failed" alone sends the
-    operator digging through logs for the one line that says why."""
-    for line in coordinator_log.splitlines():
-        if line.startswith(COORDINATOR_ERROR_PREFIX):
-            print(line, file=sys.stderr, flush=True)
+    operator digging through logs for the one line that says why. The exit code: 2 when the
+    coordinator refused to start (its state is another's, or would be overwritten), else 1."""
+    errors = [line for line in coordinator_log.splitlines() if line.startswith(COORDINATOR_ERROR_PREFIX)]
+    for line in errors:
+        print(line, file=sys.stderr, flush=True)
     print(f"fedpose: error: the run did not complete ({status}); see {log_dir}", file=sys.stderr, flush=True)
+    return 2 if any(REFUSED in line for line in errors) else 1
 
 
 def save_coordinator_log(group: ProcessGroup, run_id: str, run_dir: Path) -> str:

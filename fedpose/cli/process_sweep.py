@@ -68,12 +68,13 @@ def stop_tagged(token: str, grace_s: float) -> list[int]:
     return signalled
 
 
-def start_watchdog(token: str, log_path: Path, env: dict[str, str]) -> subprocess.Popen:
-    """Start the watchdog; the caller keeps ``.stdin`` open for as long as it lives (never written)."""
+def start_watchdog(token: str, log_path: Path, env: dict[str, str], keep_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    """Start the watchdog; the caller keeps ``.stdin`` open for as long as it lives (never written).
+    ``keep_fds`` stay open in the watchdog until it exits (a lock then lasts until everything is stopped)."""
     untagged = {k: v for k, v in env.items() if k != DEPLOY_TOKEN_ENV}  # the watchdog must not sweep itself
     with log_path.open("ab") as log:
         return subprocess.Popen([sys.executable, "-m", "fedpose.cli.process_sweep", token], stdin=subprocess.PIPE,
-                                stdout=log, stderr=subprocess.STDOUT, env=untagged, start_new_session=True)
+                                stdout=log, stderr=subprocess.STDOUT, env=untagged, start_new_session=True, pass_fds=keep_fds)
 
 
 WATCHDOG_GRACE_S = 3.0  #: after ``deploy local`` died: processes get this long to exit on SIGTERM

@@ -242,7 +242,7 @@ def test_killed_site_goes_missing_then_killed_coordinator_resumes_with_the_same_
     proc = start_deploy(config, run_dir, base, 2, "--resume", "--allow-site-failures")
     output = _finish(proc)
     assert proc.returncode == 0, output  # site-2 missed rounds: allowed, and summarised
-    assert "round   2 site-2: missing — no reply" in output, output
+    assert "round   2 site-2: missing — the site disconnected" in output, output
     assert output.strip().splitlines()[-1].startswith("run 'itest': 4 rounds completed in total (completed 4 rounds)"), output
     assert f"resuming run 'itest' after round {done}" in (run_dir / "logs" / "coordinator.log").read_text()
     rounds = history(run_dir)

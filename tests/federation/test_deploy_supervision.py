@@ -1,0 +1,124 @@
+"""What `fedpose deploy local` and the coordinator's transport make of a SuperLink or SuperNode that
+goes away, without a whole deployment (tests/federation/test_federation_deploy_faults.py runs
+those): `flwr ls` against a SuperLink that does not answer, a SuperLink that exits or cannot
+start, the watchdog's share of the run dir's lock, and Flower's own error replies for a node that
+left (built by the SuperLink's code)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedpose.cli import deploy
+
+
+def _group(tmp_path: Path, address: str) -> deploy.ProcessGroup:
+    """A ProcessGroup whose `flwr` connection points at ``address`` (nothing answers there)."""
+    home = tmp_path / "flwr-home"
+    home.mkdir()
+    (home / "config.toml").write_text(f'[superlink]\ndefault = "{deploy.CONNECTION}"\n\n[superlink.{deploy.CONNECTION}]\n'
+                                      f'address = "{address}"\ninsecure = true\n')
+    (tmp_path / "logs").mkdir()
+    env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0", FLWR_HOME=str(home))
+    return deploy.ProcessGroup(tmp_path, env)
+
+
+def _closed_port() -> int:
+    from federation_helpers import free_base_port
+
+    return free_base_port()  # bindable, so nothing listens there
+
+
+def test_a_superlink_that_stops_answering_ends_the_follow_loop_within_the_timeout(tmp_path: Path, monkeypatch) -> None:
+    """Before: `flwr ls` failed, the status read "unknown" and the loop polled for ever."""
+    monkeypatch.setattr(deploy, "STATUS_POLL_S", 0.2)
+    group = _group(tmp_path, f"127.0.0.1:{_closed_port()}")
+    hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # alive, never answers (a hung SuperLink)
+    try:
+        started = time.monotonic()
+        with pytest.raises(deploy.SuperLinkLost, match=r"^`flwr ls` failed: .*Connection to the SuperLink is unavailable") as lost:
+            deploy._follow(group, "42", tmp_path / "coordinator", started, None, hung, superlink_timeout=2.0)
+        assert str(lost.value).endswith("(--superlink-timeout 2)")
+        assert time.monotonic() - started < 60  # two or three `flwr ls` at most
+    finally:
+        hung.kill()
+        hung.wait()
+        group.stop_all()
+
+
+def test_a_superlink_that_exits_ends_the_follow_loop_at_the_next_poll(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(deploy, "STATUS_POLL_S", 0.2)
+    group = _group(tmp_path, f"127.0.0.1:{_closed_port()}")
+    gone = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    gone.wait()
+    try:
+        with pytest.raises(deploy.SuperLinkLost, match=rf"^it exited with code -9 \(pid {gone.pid}\)$"):
+            deploy._follow(group, "42", tmp_path / "coordinator", time.monotonic(), None, gone, superlink_timeout=600)
+    finally:
+        group.stop_all()
+
+
+def _train_metadata(node: int, ttl: float = 100.0):
+    from flwr.common import Metadata
+
+    return Metadata(run_id=1, message_id="m-1", src_node_id=1, dst_node_id=node, reply_to_message_id="", group_id="2",
+                    message_type="train", created_at=time.time(), ttl=ttl)
+
+
+def test_the_superlinks_node_unavailable_reply_is_the_sites_disconnect() -> None:
+    """The SuperLink answers for a node it declared gone; the reply comes from the SuperLink (node 1),
+    so only the message it answers names the site's node."""
+    from flwr.server.superlink.linkstate.utils import create_message_error_unavailable_res_message
+
+    from coordinator.grid import node_reply
+
+    reply = create_message_error_unavailable_res_message(_train_metadata(node=7), "node_unavail")
+    assert reply.metadata.src_node_id != 7 and reply.metadata.reply_to_message_id == "m-1"
+    answer = node_reply(reply, 7, 42.4)
+    assert answer.node == 7 and answer.reply is None
+    assert answer.failure == "the site disconnected: Flower declared its node gone 42 s into the round (no heartbeat for 2 × 30 s)"
+
+    expired = create_message_error_unavailable_res_message(_train_metadata(node=7), "msg_unavail")
+    assert node_reply(expired, 7, 5.0).failure.startswith("no update (Flower error 4): Error: Reply Message Unavailable")
+
+
+def test_the_watchdog_holds_the_run_dirs_lock_until_everything_is_stopped(tmp_path: Path) -> None:
+    """deploy local SIGKILLed: its run dir stays locked while its watchdog stops what it started."""
+    from fedpose.federation.run_guard import RunStateRefused, directory_lock, exclusive, probe
+
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    lock = directory_lock(run_dir)
+    with exclusive(lock, "the run directory", "deploy local") as handle:
+        group = deploy.ProcessGroup(run_dir, dict(os.environ), handle.fileno())
+    try:  # this process let go (as a killed deploy local would): the watchdog still holds it
+        with pytest.raises(RunStateRefused, match="the run directory is in use"):
+            probe(lock, "the run directory", "deploy local")
+    finally:
+        group.stop_all()  # the watchdog exits
+    probe(lock, "the run directory", "deploy local")
+
+
+@pytest.mark.slow
+@pytest.mark.integration  # a real SuperLink that fails to start (and the synthetic data it needs, ~30 s here)
+def test_a_superlink_that_cannot_start_is_named_with_exit_1_and_no_traceback(tmp_path: Path, capsys) -> None:
+    from fedpose.cli import main
+    from fedpose.cli.certs import write_dev_certificates
+    from federation_helpers import free_base_port, no_leftover_processes, tiny_federation
+
+    run_dir = tmp_path / "run"
+    write_dev_certificates(run_dir / "certs", ["site-1"])
+    (run_dir / "certs" / "server.key").write_text("not a key")
+    config = tiny_federation(tmp_path, tmp_path / "data", sites=1)
+    code = main(["deploy", "local", "--sites", "1", "--config", str(config), "--run-dir", str(run_dir),
+                 "--base-port", str(free_base_port())])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert err.strip().splitlines()[-1] == (f"fedpose: error: SuperLink Fleet API exited with code 1; see {run_dir / 'logs' / 'superlink.log'}; "
+                                            "everything this run started is stopped"), err
+    assert "Traceback" not in err and not no_leftover_processes(run_dir)
