@@ -15,6 +15,7 @@ one every ~20 s): a round whose timeout falls earlier still ends at the timeout.
 from __future__ import annotations
 
 import time
+import re
 from collections.abc import Mapping
 
 import numpy as np
@@ -28,6 +29,12 @@ from fedpose.federation.server.rounds import NodeReply, TrainRequest
 #: Flower error codes that mean the site's own ClientApp failed; the others come from the SuperLink
 _SITE_FAILURES = (ErrorCode.LOAD_CLIENT_APP_EXCEPTION, ErrorCode.CLIENT_APP_RAISED_EXCEPTION, ErrorCode.CLIENT_APP_CRASHED)
 REPLY_POLL_S = 0.5  #: how often the round asks the SuperLink for replies and connected nodes
+#: Flower's simulation runtime reports an exception of Ray's own (not the ClientApp's) as error code
+#: UNKNOWN with reason ``"<class 'ray.exceptions.X'>:<'…'>"``
+_RAY_ERROR = re.compile(r"<class 'ray\.exceptions\.(\w+)'>")
+#: Ray's exceptions for a worker process that is gone: killed, crashed, out of memory, or its machine lost
+_RAY_WORKER_LOST = {"RayActorError", "ActorDiedError", "ActorUnavailableError", "WorkerCrashedError", "OutOfMemoryError",
+                    "NodeDiedError"}
 
 
 class GridTransport:
@@ -109,6 +116,14 @@ def node_reply(reply: Message, node: int, seconds: float) -> NodeReply:
 def failure_reason(reply: Message) -> str:
     """Why an error reply carries no update, for the round record and the ledger."""
     error = reply.error
+    ray_error = _RAY_ERROR.match(str(error.reason).strip())
+    if ray_error is not None:
+        # Ray's text (actor ids, worker ports, troubleshooting tips) is in the simulation log,
+        # where Flower logs the exception; the round record says what happened to this site
+        if ray_error.group(1) in _RAY_WORKER_LOST:
+            return ("the site's simulation worker died before replying — killed or crashed, e.g. out of memory; "
+                    "Ray's report is in the simulation log")
+        return "the simulation runtime (Ray) could not run the site's ClientApp; Ray's report is in the simulation log"
     detail = " ".join(str(error.reason).split())
     if len(detail) > 600:  # a traceback (Ray's, in simulation) ends with the exception's message
         detail = "…" + detail[-600:]

@@ -5,7 +5,8 @@ same apps as in deployment. The optional ``[synthetic]`` table (read by this com
 the synthetic dataset to generate when data the configs point to is absent: ``dir``,
 ``per_site``, ``public``, ``test``, ``size = [H, W]``, ``seed`` (it writes ``<dir>/site-<k>``,
 ``<dir>/test`` and ``<dir>/public``). Existing data is never deleted or regenerated.
-Flower's log goes to ``<checkpoint_dir>/simulation.log`` (Ray keeps its workers' output in its session logs).
+Flower's log goes to ``<checkpoint_dir>/simulation.log``, and so do the notices Ray prints (e.g. a
+worker that died); Ray keeps its workers' output in its session logs.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import argparse
 import logging
 import math
 import os
+import re
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -81,10 +84,34 @@ def gpus_per_site(federation: Any, visible_gpus: int) -> float:
     return math.floor(min(1.0, visible_gpus / len(federation.sites)) * 10_000) / 10_000
 
 
+#: ANSI colour codes (Ray colours its "(raylet)" prefix), dropped in the log file
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class _RayThreadsTo:
+    """A console stream whose writes from Ray's driver threads (named ``ray_…``: the listener that
+    prints the raylet's error notices, the worker-log printer) go to ``log`` instead: worker ids,
+    ports and troubleshooting tips are Ray's details, the round lines say what happened to a site."""
+
+    def __init__(self, console: Any, log: Any):
+        self._console, self._log = console, log
+
+    def write(self, text: str) -> int:
+        if threading.current_thread().name.startswith("ray_"):
+            self._log.write(_ANSI.sub("", text))
+            self._log.flush()
+            return len(text)
+        return self._console.write(text)
+
+    def __getattr__(self, name: str) -> Any:  # flush, fileno, isatty, encoding, … of the console
+        return getattr(self._console, name)
+
+
 @contextmanager
 def flower_log_to(path: Path | None) -> Iterator[None]:
-    """Flower's logger ("flwr", by name: fedpose imports no Flower) and Python warnings (Ray's among
-    them) write to ``path`` only, for the duration of the block (None: leave everything as it is)."""
+    """Flower's logger ("flwr", by name: fedpose imports no Flower), Python warnings (Ray's among
+    them) and what Ray's driver threads print write to ``path`` only, for the duration of the block
+    (None: leave everything as it is)."""
     if path is None:
         yield
         return
@@ -99,9 +126,14 @@ def flower_log_to(path: Path | None) -> Iterator[None]:
     warnings_logger.addHandler(handler)
     warnings_propagate, warnings_logger.propagate = warnings_logger.propagate, False
     logging.captureWarnings(True)
+    streams = sys.stdout, sys.stderr
+    ray_log = path.open("a", encoding="utf-8")
+    sys.stdout, sys.stderr = _RayThreadsTo(sys.stdout, ray_log), _RayThreadsTo(sys.stderr, ray_log)
     try:
         yield
     finally:
+        sys.stdout, sys.stderr = streams
+        ray_log.close()
         logging.captureWarnings(False)
         warnings_logger.propagate = warnings_propagate
         warnings_logger.removeHandler(handler)
@@ -115,6 +147,9 @@ def _handle(args: argparse.Namespace) -> int:
     from fedpose.federation.server.rounds import GLOBAL_CHECKPOINT
 
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    # Ray holds back a notice that repeats an earlier one and prints it at shutdown, from the
+    # thread that stops Ray (not one of its own): print each at once, where flower_log_to routes it
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     federation, synthetic, resolved = resolve_federation(args.config, args.overrides)
     checkpoint_dir = Path(federation.coordinator.checkpoint_dir)
     if (checkpoint_dir / GLOBAL_CHECKPOINT).exists() and not args.resume:

@@ -195,3 +195,52 @@ def test_the_coordinator_console_shows_warnings_not_what_the_round_lines_say(cap
     err = capfd.readouterr().err
     assert "site-3 refused" not in err
     assert "WARNING fedpose.coordinator: round 6: site site-2 missing: no reply" in err
+
+
+@pytest.mark.parametrize("ray_class, expected", [
+    ("ActorDiedError", "the site's simulation worker died before replying — killed or crashed"),
+    ("ActorUnavailableError", "the site's simulation worker died before replying — killed or crashed"),
+    ("OutOfMemoryError", "the site's simulation worker died before replying — killed or crashed"),
+    ("RaySystemError", "the simulation runtime (Ray) could not run the site's ClientApp"),
+])
+def test_a_ray_failure_is_told_in_fedposes_words_and_a_site_failure_keeps_its_own(task_identity, ray_class: str, expected: str) -> None:
+    """Flower's simulation runtime reports Ray's own exceptions as error code UNKNOWN with Ray's
+    text (actor ids, ports, tips): the round record says what happened to the site instead."""
+    from flwr.app import Error
+    from flwr.common.constant import ErrorCode
+
+    from coordinator.grid import node_reply
+
+    reason = (f"<class 'ray.exceptions.{ray_class}'>:<'The actor 6c1b32666883 is unavailable: RpcError: Socket closed "
+              "rpc_code: 14. Worker ID: 3b2dcf93 Worker PID: 6879'>")
+    failure = node_reply(Message(Error(code=ErrorCode.UNKNOWN, reason=reason), reply_to=_train_message()))
+    assert failure.reply is None and failure.node == 1
+    assert failure.failure.startswith(expected) and failure.failure.endswith("Ray's report is in the simulation log")
+    assert "6879" not in failure.failure and "Socket" not in failure.failure
+    # the site's own ClientApp failing keeps its (sanitized) class and message
+    crashed = node_reply(Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
+                                       reason="<class 'flwr.clientapp.client_app.ClientAppException'>:<'OSError'>"),
+                                 reply_to=_train_message()))
+    assert crashed.failure.startswith("the site's ClientApp failed: ") and "OSError" in crashed.failure
+
+
+def test_what_rays_driver_threads_print_goes_to_the_simulation_log(tmp_path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Ray's error listener prints a dead worker's notice ("(raylet) A worker died …", coloured) on
+    the driver's stdout: under `fedpose simulate` it lands in the simulation log; the
+    coordinator's own lines still reach the console."""
+    import threading
+
+    from fedpose.cli.simulate import flower_log_to
+
+    log = tmp_path / "simulation.log"
+    with flower_log_to(log):
+        print("round   2 | PCKh@0.5 = 1.42 | site-1: ok", flush=True)
+        notice = threading.Thread(target=lambda: print("\x1b[33m(raylet)\x1b[0m A worker died or was killed. Worker PID: 6879"),
+                                  name="ray_listen_error_messages")
+        notice.start()
+        notice.join()
+    print("after", flush=True)
+    console = capfd.readouterr()
+    assert "round   2 | PCKh@0.5" in console.out and "after" in console.out
+    assert "raylet" not in console.out + console.err
+    assert "(raylet) A worker died or was killed. Worker PID: 6879\n" in log.read_text()  # without colour codes
