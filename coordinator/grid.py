@@ -14,8 +14,8 @@ one every ~20 s): a round whose timeout falls earlier still ends at the timeout.
 
 from __future__ import annotations
 
-import time
 import re
+import time
 from collections.abc import Mapping
 
 import numpy as np
