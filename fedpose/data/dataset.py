@@ -16,8 +16,9 @@ x1, y1, x2, y2 in the crop frame (zeros if neither ``extra["face_box"]`` nor a h
 ``head_boxes`` (K, 4) / ``head_count`` and ``face_boxes`` (K, 4) / ``face_count``: the private
 boxes of *every* annotated person of the image, crop frame, padded to the dataset's K (see
 :meth:`PoseDataset.private_boxes`); ``private_reach`` (2,): how far (crop pixels, x and y) the
-pixels of a box reach beyond its crop-frame box in this crop (see below); with a ``public_view``, ``public_image`` (3, H, W): ψ of the
-record computed once, before augmentation, then warped with this sample's augmentation.
+pixels of a box reach beyond its crop-frame box in this crop (see below); with a ``public_view``,
+``public_image`` (3, H, W): ψ of the record computed once, before augmentation, then warped with
+this sample's augmentation.
 
 **ψ before augmentation.** ψ (FDP's public view) must be a property of the record, not of an
 augmented crop. The dataset takes the record's un-augmented crop frame (same centre and pixel
