@@ -108,6 +108,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"{summary['mechanism']} ({summary['setting']}, {summary['mode']}, {summary['canaries']} canaries):")
         print(f"  claimed:   {summary['epsilon_text']}, {summary['neighbouring_relation']}")
+        unit, why = summary["protection_unit"], summary["protection_unit_choice"]
+        print(f"  audited:   per {unit}{f' ({why})' if why else ''}, q = {summary['sample_rate']:.4g}, "
+              f"σ = {summary['noise_multiplier']:.4g}, {summary['steps']} steps, {summary['accountant'].upper()} accountant")
         print(f"  empirical: {summary['epsilon_lower_text']}")
         print(f"  best guesses: {summary['correct']}/{summary['guesses']} correct "
               f"(Steinke et al.: {summary['epsilon_lower_steinke']:.4g}, f-DP: {summary['epsilon_lower_fdp']:.4g})")

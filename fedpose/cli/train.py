@@ -16,7 +16,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Train TinyViT + SimCC on data.train with the configured privacy mechanism, validating "
             "PCKh on data.val every train.eval_every steps. Writes config.toml, metrics.json, "
             "curves.png, privacy.json and checkpoints/{last,best}.pt to train.out_dir. "
-            "--resume continues a run from its last checkpoint (its saved config, plus --set)."
+            "--resume continues a run from its last checkpoint (its saved config, plus --set), writing into the "
+            "run directory it is resumed from."
         ),
     )
     parser.add_argument("--config", type=Path, help="TOML config file (see configs/); not needed with --resume")
@@ -43,11 +44,13 @@ def run(args: argparse.Namespace) -> int:
 
     from fedpose.model import CheckpointError, load_checkpoint
     from fedpose.privacy.input_privacy import InputPrivacyError
-    from fedpose.train.central import config_from_checkpoint, resolve_resume, run_training
+    from fedpose.train.central import config_from_checkpoint, resolve_resume, resume_run_dir, run_training
 
     try:
         if args.resume is not None:
-            cfg = config_from_checkpoint(load_checkpoint(resolve_resume(args.resume)), args.overrides)
+            # the run continues where it is resumed from, never in the out_dir saved in the checkpoint
+            cfg = config_from_checkpoint(load_checkpoint(resolve_resume(args.resume)), args.overrides,
+                                         run_dir=resume_run_dir(args.resume))
         else:
             cfg = load_config(args.config, args.overrides)
         summary = run_training(cfg, resume=args.resume, progress=not args.quiet)

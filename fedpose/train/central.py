@@ -85,12 +85,35 @@ def resolve_resume(path: str | Path) -> Path:
     return path
 
 
-def config_from_checkpoint(checkpoint: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
+def resume_run_dir(path: str | Path) -> Path:
+    """The directory a resumed run continues in: the run directory given, or the one holding the
+    checkpoint file given (RUN_DIR/checkpoints/X.pt). Never the ``train.out_dir`` saved in the
+    checkpoint: a copied run resumed there would write into the original."""
+    path = Path(path)
+    if path.is_dir():
+        return path
+    if path.parent.name == CHECKPOINT_DIR:
+        return path.parent.parent
+    raise ConfigError(
+        f"--resume {path}: this checkpoint is not inside a run's {CHECKPOINT_DIR}/ directory, so there is no run "
+        f"directory to continue in (a resumed run writes where its checkpoint is); put it at "
+        f"RUN_DIR/{CHECKPOINT_DIR}/{LAST} and resume RUN_DIR"
+    )
+
+
+def config_from_checkpoint(
+    checkpoint: dict[str, Any], overrides: list[str] | None = None, run_dir: str | Path | None = None
+) -> RunConfig:
+    """The checkpoint's configuration plus ``overrides``; ``run_dir`` (see :func:`resume_run_dir`)
+    replaces the saved ``train.out_dir``, so the run continues where it was resumed from."""
     from fedpose.config import apply_overrides
 
     if not isinstance(checkpoint.get("config"), dict):
         raise ConfigError("the checkpoint holds no run configuration (was it written by fedpose train?)")
-    raw = apply_overrides(dict(checkpoint["config"]), overrides or [])
+    raw = dict(checkpoint["config"])
+    if run_dir is not None:
+        raw["train"] = {**(raw.get("train") or {}), "out_dir": str(run_dir)}
+    raw = apply_overrides(raw, overrides or [])
     return validate(RunConfig, raw, "checkpoint config + --set")
 
 
@@ -165,6 +188,28 @@ def resolve_protection_unit(
     return choice, UnitIndex.from_records(records, choice.unit, where)
 
 
+def build_training_engine(
+    cfg: RunConfig, model: Any, train_set: Any, train_dir: Path, public_set: Any, seed: int,
+    checkpoint: dict[str, Any] | None = None,
+) -> tuple[Any, Any]:
+    """(GradientEngine, UnitResolution or None) of a central run on ``train_set``: the one place that
+    decides the protection unit, q, σ and the accountant — `fedpose train` and `fedpose audit` both
+    build their engine here, so an audit audits exactly the guarantee training would run.
+
+    A resumed run (``checkpoint``) keeps the accountant and unit its ledger started with (a
+    checkpoint from before accountants were selectable: RDP), so neither σ nor ε changes silently."""
+    from fedpose.privacy.engine import build_engine
+
+    privacy_cfg = cfg.privacy
+    saved_ledger = (checkpoint.get("extra") or {}).get("accountant") if checkpoint is not None else None
+    if saved_ledger is not None and privacy_cfg.accountant is None:
+        privacy_cfg = privacy_cfg.model_copy(update={"accountant": saved_ledger.get("accountant", "rdp")})
+    unit_choice, units = resolve_protection_unit(cfg, train_set.records, train_dir, checkpoint)
+    engine = build_engine(privacy_cfg, model, len(train_set), cfg.train.batch_size, cfg.train.steps, public_set, seed,
+                          chunk_size=cfg.train.chunk_size, units=units)
+    return engine, unit_choice
+
+
 def _curve_rows(state: RunState) -> list[dict[str, Any]]:
     rows = [{"step": r["step"], "loss": r["loss"]} for r in state.train if "loss" in r]
     rows += [{"step": v["step"], "val PCKh@0.5 Mean": v["Mean"]} for v in state.val]
@@ -183,7 +228,6 @@ def run_training(
     ``stop_after`` ends this invocation after that many steps (checkpointing there) without
     changing the schedule, e.g. to time-slice a long run on a shared machine; resume continues it.
     """
-    from fedpose.privacy.engine import build_engine
     from fedpose.privacy.input_privacy import prepare_site_dataset
 
     checkpoint = None
@@ -194,6 +238,12 @@ def run_training(
     device = resolve_device(cfg.train.device, "train.device")
     configure_device(device, cfg.train.threads)
     run_dir = Path(cfg.train.out_dir)
+    if resume is not None and run_dir.resolve() != resume_run_dir(resume).resolve():
+        raise ConfigError(
+            f"train.out_dir: a resumed run continues in the run directory it is resumed from "
+            f"({resume_run_dir(resume)}), not in {run_dir}; to continue into another directory, copy the run there "
+            "and resume the copy"
+        )
     if checkpoint is None and (run_dir / CHECKPOINT_DIR / LAST).exists():
         raise ConfigError(
             f"train.out_dir: {run_dir} already holds a run; continue it with --resume {run_dir} or choose another train.out_dir"
@@ -235,15 +285,7 @@ def run_training(
     model.to(device)  # before the optimizer exists, so its state is created (or loaded) on the device
     model.train_mode()
     stream = _ReplayableDataset(train_set)
-    privacy_cfg = cfg.privacy
-    saved_ledger = ((checkpoint.get("extra") or {}).get("accountant") if checkpoint is not None else None)
-    if saved_ledger is not None and privacy_cfg.accountant is None:
-        # A resumed run keeps the accountant it started with (a checkpoint from before accountants were
-        # selectable: RDP), so neither σ nor the reported ε changes silently mid-run.
-        privacy_cfg = privacy_cfg.model_copy(update={"accountant": saved_ledger.get("accountant", "rdp")})
-    unit_choice, units = resolve_protection_unit(cfg, train_set.records, Path(train_dir), checkpoint)
-    engine = build_engine(privacy_cfg, model, len(train_set), cfg.train.batch_size, total_steps, public_set, stream_seed,
-                          chunk_size=cfg.train.chunk_size, units=units)
+    engine, unit_choice = build_training_engine(cfg, model, train_set, Path(train_dir), public_set, stream_seed, checkpoint)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     state = RunState()
