@@ -326,10 +326,14 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file not found: {path}")
+    if path.is_dir():
+        raise ConfigError(f"{path}: a directory, not a config file")
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML ({exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a TOML config file (not UTF-8 text: {exc.reason} at byte {exc.start})") from None
 
 
 def validate(model: type[M], raw: dict[str, Any], source: str) -> M:

@@ -75,3 +75,122 @@ def test_resume_refuses_to_write_anywhere_else(private_run: Path, tmp_path: Path
     # a checkpoint file inside a run continues that run
     assert main(["train", "--resume", str(copy / "checkpoints" / "last.pt"), "--set", "train.steps=3", "--quiet"]) == 0
     assert json.loads((copy / "privacy.json").read_text())["steps"] == 3
+
+
+# -- item 5: every subcommand, bad input: exit 2, one line on stderr, no traceback ------------------
+def leaf_parsers(parser=None, prefix: tuple[str, ...] = ()):
+    """(command words, parser) of every runnable subcommand, from the argparse tree itself (a new
+    subcommand is covered without touching this test)."""
+    import argparse
+
+    from fedpose.cli import build_parser
+
+    parser = build_parser() if parser is None else parser
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        yield prefix, parser
+        return
+    for name, sub in subs[0].choices.items():
+        yield from leaf_parsers(sub, prefix + (name,))
+
+
+LEAVES = {" ".join(words): parser for words, parser in leaf_parsers()}
+#: what every path argument gets; outputs (dest out / run_dir) always get a place that cannot be
+#: made (under a file), so no invocation can succeed and start real work
+BAD_INPUTS = ("missing", "directory", "garbage", "empty", "bad-number")
+OUTPUT_DESTS = {"out", "run_dir"}
+#: optional arguments filled too, so that a command whose required arguments are all numbers still reads a bad file
+ALSO_FILLED = {"config"}
+
+
+def _value(action, kind: str, files: dict[str, Path]) -> str:
+    number_types = {"int", "float", "positive_float", "nonnegative_float", "open_unit_interval", "positive_int", "_rate"}
+    type_name = getattr(action.type, "__name__", None)
+    if action.choices:
+        return str(next(iter(action.choices)))
+    if type_name in number_types:
+        if kind == "bad-number":
+            return "-1e-5"  # a negative value, not an option: named as a bad value
+        for candidate in ("0.5", "1", "3"):
+            try:
+                action.type(candidate)
+                return candidate
+            except Exception:
+                continue
+    if action.dest in OUTPUT_DESTS:
+        return str(files["garbage"] / "sub")
+    return str(files["garbage" if kind == "bad-number" else kind])
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("bad-inputs")
+    (root / "directory").mkdir()
+    (root / "garbage.bin").write_bytes(bytes(range(256)) * 7 + b"\xff\xfe not json, not toml, not an image [[[")
+    (root / "empty.json").write_bytes(b"")
+    return {"missing": root / "no-such" / "thing.json", "directory": root / "directory", "garbage": root / "garbage.bin",
+            "empty": root / "empty.json"}
+
+
+def _reads_files(parser) -> bool:
+    """Whether a command takes a path (else its only bad input is a bad number)."""
+    numeric = {"int", "float", "positive_float", "nonnegative_float", "open_unit_interval", "positive_int", "_rate"}
+    return any((a.required or not a.option_strings or a.dest in ALSO_FILLED) and not a.choices and a.nargs != 0
+               and getattr(a.type, "__name__", None) not in numeric and a.dest != "help" for a in parser._actions)
+
+
+CASES = [(command, kind) for command in sorted(LEAVES) for kind in BAD_INPUTS
+         if kind == "bad-number" or _reads_files(LEAVES[command])]
+
+
+@pytest.mark.parametrize("command,kind", CASES)
+def test_every_subcommand_answers_bad_input_in_one_line(command: str, kind: str, bad_files, tmp_path, monkeypatch,
+                                                        capsys) -> None:
+    monkeypatch.chdir(tmp_path)  # default output directories (deploy's runs/…) land here
+    argv = command.split()
+    for action in LEAVES[command]._actions:
+        if action.help == "==SUPPRESS==" or action.dest == "help" or action.nargs == 0:
+            continue
+        if not (action.required or not action.option_strings or action.dest in ALSO_FILLED):
+            continue
+        value = _value(action, kind, bad_files)
+        argv += [value] if not action.option_strings else [action.option_strings[0], value]
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err + captured.out, argv
+    assert code == 2, (argv, captured.err)
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "error" in lines[0], (argv, captured.err)
+
+
+def test_broken_pipe_is_quiet(private_run: Path) -> None:
+    """`fedpose privacy report RUN --json | head -c 60`: the reader leaves early; no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0")
+    command = f"{sys.executable} -m fedpose.cli privacy report {private_run} --json | head -c 60"
+    for _ in range(3):  # the race (reader gone before or after the write) goes both ways
+        result = subprocess.run(["bash", "-c", "set -o pipefail; " + command], env=env, capture_output=True, text=True,
+                                timeout=120)
+        assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
+        assert result.stderr == "" and len(result.stdout) <= 60
+
+
+def test_privacy_report_reads_a_run_or_export_directory(private_run: Path, tmp_path: Path, capsys) -> None:
+    assert main(["privacy", "report", str(private_run)]) == 0
+    from_run = capsys.readouterr().out
+    assert "per patient" in from_run and "protection unit: patient (chosen automatically" in from_run
+    assert main(["export", str(private_run), "--out", str(tmp_path / "release")]) == 0
+    capsys.readouterr()
+    assert main(["privacy", "report", str(tmp_path / "release")]) == 0
+    assert "per patient" in capsys.readouterr().out
+
+
+def test_a_garbage_checkpoint_is_named_without_torch_s_unsafe_advice(synth: Path, tmp_path: Path, capsys) -> None:
+    garbage = tmp_path / "model.pt"
+    garbage.write_bytes(b"\x80\x04\x95 not a checkpoint")
+    assert main(["eval", "--checkpoint", str(garbage), "--data", str(synth / "test")]) == 2
+    err = capsys.readouterr().err
+    assert "not a readable torch checkpoint" in err and "weights_only=False" not in err and len(err.splitlines()) == 1

@@ -30,7 +30,9 @@ COMMAND_MODULES: tuple[str, ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from fedpose.cli.common import CliParser
+
+    parser = CliParser(
         prog="fedpose",
         description="Federated, differentially private 2D human-pose training.",
     )
@@ -41,9 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``fedpose ARGV``; returns the exit status (usage errors too: 2, one line on stderr)."""
     from fedpose.cli.common import run_handler
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed in one line
+        return exc.code if isinstance(exc.code, int) else 2
     return run_handler(args)
 
 

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
+import os
+import re
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 from fedpose.config import ConfigError
 from fedpose.data.annotations import AnnotationError
@@ -16,19 +19,68 @@ class UserError(Exception):
     """Bad input from the user: printed as 'fedpose: error: ...' with exit code 2, no traceback."""
 
 
-# Errors that are the user's input, not our bug.
-USER_ERRORS: tuple[type[BaseException], ...] = (UserError, ConfigError, AnnotationError, FileNotFoundError)
+# Errors that are the user's input, not our bug: among OS errors, a path that is missing, of the wrong
+# kind (a directory for a file, a file where a directory must be made) or not readable/writable.
+USER_ERRORS: tuple[type[BaseException], ...] = (UserError, ConfigError, AnnotationError, FileNotFoundError,
+                                                IsADirectoryError, NotADirectoryError, PermissionError, FileExistsError)
+
+
+#: exit status when the reader of stdout went away (``fedpose … --json | head``): 128 + SIGPIPE, as a shell reports it
+BROKEN_PIPE_EXIT = 141
+#: set to 1 to see the traceback of an internal error (a bug: reported in one line otherwise)
+TRACEBACK_ENV = "FEDPOSE_TRACEBACK"
+
+
+class CliParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the command (exit 2), and ``--delta -1e-5``
+    is a (negative) value, not an unknown option: no fedpose option looks like a number."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def error_line(exc: BaseException) -> str:
+    """One line for an error: an OS error as 'PATH: what happened', anything else as its message."""
+    if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+        return f"{exc.filename}: {exc.strerror[:1].lower()}{exc.strerror[1:]}"
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text
+
+
+def _quiet_stdout() -> None:
+    """stdout's reader is gone: point it at /dev/null so that the interpreter's final flush cannot fail too."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):  # a stdout with no file descriptor (tests capture it)
+        pass
 
 
 def run_handler(args: argparse.Namespace) -> int:
+    """Run a subcommand: bad input is one line on stderr and exit 2, never a traceback."""
     try:
-        return int(args.handler(args) or 0)
+        code = int(args.handler(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's shutdown
+        return code
+    except BrokenPipeError:
+        _quiet_stdout()
+        return BROKEN_PIPE_EXIT
     except USER_ERRORS as exc:
-        print(f"fedpose: error: {exc}", file=sys.stderr)
+        print(f"fedpose: error: {error_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fedpose: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # a bug: one line (the user can ask for the traceback), never a wall of text
+        if os.environ.get(TRACEBACK_ENV) == "1":
+            raise
+        print(f"fedpose: internal error: {type(exc).__name__}: {error_line(exc)} (please report it; "
+              f"{TRACEBACK_ENV}=1 shows the traceback)", file=sys.stderr)
+        return 1
 
 
 def print_json(obj: Any) -> None:

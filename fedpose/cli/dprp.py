@@ -56,8 +56,10 @@ def load_clip(path: Path):
         raise UserError(f"{path}: no such file or directory")
     try:
         clip = np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as exc:
-        raise UserError(f"{path}: not a readable .npy array ({exc})") from exc
+    except (ValueError, OSError, EOFError) as exc:  # EOFError: an empty or truncated file
+        # not numpy's text for pickled data: it advises loading the file unsafely
+        reason = "it holds pickled objects, which are never loaded" if "pickle" in str(exc) else " ".join(str(exc).split())
+        raise UserError(f"{path}: not a readable .npy array ({reason})") from exc
     if clip.ndim != 4 or clip.shape[-1] != 3:
         raise UserError(f"{path}: expected an array F×H×W×3, got shape {clip.shape}")
     if clip.dtype == np.uint8:

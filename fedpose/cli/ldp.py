@@ -6,15 +6,14 @@
 
 ``slice`` writes ``OUT/<stem>.png`` (the privatized image in RGB) or, with ``--format npy``,
 ``OUT/<stem>.npy``: the privatized YCbCr uint8 array (H×W×3) as released by the randomized
-response, before the conversion back to RGB. An image that cannot be decoded is reported by name
-and skipped; the other outputs are written normally and the exit code is 1.
+response, before the conversion back to RGB. An image that cannot be decoded is skipped; the other
+outputs are written normally, then one line on stderr names every skipped input and the exit code is 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import sys
 from pathlib import Path
 
 from fedpose.cli.common import UserError, positive_float, print_json
@@ -106,13 +105,12 @@ def _slice(args: argparse.Namespace) -> int:
         )
     except LdpSlicingError as exc:
         raise UserError(str(exc)) from exc
-    failed: list[str] = []
+    failed: list[str] = []  # reported once, at the end, in one line
     for path in tqdm(images, desc="ldp slice", unit="img", disable=len(images) < 20):
         try:
             result = slicer(load_rgb(path))
         except InputPrivacyError as exc:
-            print(f"fedpose: error: {exc}", file=sys.stderr)
-            failed.append(str(path))
+            failed.append(" ".join(str(exc).split()))
             continue
         if args.format == "png":
             save_png(result.rgb, out_dir / f"{path.stem}.png")
@@ -127,6 +125,7 @@ def _slice(args: argparse.Namespace) -> int:
         f"δ = 0; {guarantee['block_note']}; randomness: {guarantee['randomness']}"
     )
     if failed:
-        print(f"fedpose: error: {len(failed)} input(s) could not be decoded: {', '.join(failed)}", file=sys.stderr)
-        return 1
+        others = f"the other {written} were written" if written else "nothing was written"
+        raise UserError(f"{len(failed)} of {len(images)} input(s) could not be decoded and were skipped ({others}): "
+                        f"{'; '.join(failed)}")
     return 0

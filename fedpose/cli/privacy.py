@@ -67,9 +67,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_common(noise)
     noise.set_defaults(handler=_noise)
 
-    rep = sub.add_parser("report", help="summarise a privacy.json written by training")
-    rep.add_argument("path", type=Path)
-    rep.add_argument("--json", action="store_true")
+    rep = sub.add_parser("report", help="summarise a privacy.json written by training (or a run / export directory)")
+    rep.add_argument("path", type=Path, metavar="PATH",
+                     help="a privacy.json, a `fedpose train` run directory (its privacy.json) or a `fedpose export` "
+                          "directory (its privacy_report.json)")
+    rep.add_argument("--json", action="store_true", help="print the report as one JSON object")
     rep.set_defaults(handler=_report)
 
     budget = sub.add_parser(
@@ -149,20 +151,35 @@ def _noise(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from fedpose.privacy.report import describe
 
+    path = _report_file(args.path)
     try:
-        report = json.loads(args.path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{args.path}: not valid JSON ({exc})") from None
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: not valid JSON ({' '.join(str(exc).split())})") from None
     if not isinstance(report, dict) or "mechanism" not in report:
-        raise UserError(f"{args.path}: not a fedpose privacy.json (no 'mechanism' key)")
+        raise UserError(f"{path}: not a fedpose privacy.json (no 'mechanism' key)")
     if args.json:
         print_json(report)
     else:
         try:
             print(describe(report))
         except KeyError as exc:
-            raise UserError(f"{args.path}: privacy.json lacks key {exc}") from None
+            raise UserError(f"{path}: the privacy report lacks key {exc}") from None
     return 0
+
+
+#: what a directory given to `privacy report` holds: a run's report, or an export's
+REPORT_FILES = ("privacy.json", "privacy_report.json")
+
+
+def _report_file(path: Path) -> Path:
+    """A report file as given, or the report inside a run or export directory."""
+    if not path.is_dir():
+        return path
+    for name in REPORT_FILES:
+        if (path / name).is_file():
+            return path / name
+    raise UserError(f"{path}: a directory without {' or '.join(REPORT_FILES)} (give a run or export directory, or the file)")
 
 
 def _budget(args: argparse.Namespace) -> int:
