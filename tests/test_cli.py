@@ -194,3 +194,53 @@ def test_a_garbage_checkpoint_is_named_without_torch_s_unsafe_advice(synth: Path
     assert main(["eval", "--checkpoint", str(garbage), "--data", str(synth / "test")]) == 2
     err = capsys.readouterr().err
     assert "not a readable torch checkpoint" in err and "weights_only=False" not in err and len(err.splitlines()) == 1
+
+
+# -- item 4: divergence is warned and recorded --------------------------------------------------------
+def test_a_diverging_private_run_is_warned_and_recorded(synth: Path, tmp_path: Path, capsys) -> None:
+    config = write_config(tmp_path / "div.toml", synth, tmp_path / "run", steps=4)
+    text = "".join(line for line in config.read_text().splitlines(True) if not line.startswith("val ="))  # no validation
+    config.write_text(text + '[optim]\nname = "sgd"\nlr = 5.0\nmomentum = 0.9\ncosine = false\n')
+    assert main(["train", "--config", str(config), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "WARNING: training is diverging at step" in out and "WARNING: the training loss diverged" in out
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["divergence"] and metrics["divergence"][0]["step"] <= 4
+
+
+def test_predict_confidences_mean_something_and_saturation_is_not_certainty(private_run: Path, synth: Path, tmp_path: Path,
+                                                                             capsys) -> None:
+    import torch
+
+    from fedpose.model import load_checkpoint
+
+    # a directory of images is walked, like `ldp slice` does
+    assert main(["predict", "--checkpoint", str(private_run), "--out", str(tmp_path / "ok"), str(synth / "test")]) == 0
+    result = json.loads((tmp_path / "ok" / "predictions.json").read_text())
+    confidences = [c for p in result["predictions"] for c in p["confidence"].values()]
+    assert len(result["predictions"]) == 4 and "relative to the peak of a training target" in result["confidence"]
+    assert all(c is not None and 0 <= c <= 1 for c in confidences) and min(confidences) < 1
+    assert "WARNING" not in capsys.readouterr().err
+    # blown-up logits (what a diverged model has): a peak of ~1.0 is saturation, reported as such
+    blown = tmp_path / "blown" / "checkpoints" / "last.pt"
+    blown.parent.mkdir(parents=True)
+    checkpoint = load_checkpoint(private_run / "checkpoints" / "last.pt")
+    for key in [k for k in checkpoint["model"] if k.startswith("head.cls_")]:
+        checkpoint["model"][key] = checkpoint["model"][key] * 1e4
+    torch.save(checkpoint, blown)
+    assert main(["predict", "--checkpoint", str(blown), "--out", str(tmp_path / "blown-out"), str(synth / "test")]) == 0
+    result = json.loads((tmp_path / "blown-out" / "predictions.json").read_text())
+    confidences = [c for p in result["predictions"] for c in p["confidence"].values()]
+    assert confidences.count(None) > len(confidences) / 2
+    assert "joints have saturated outputs" in capsys.readouterr().err
+
+
+def test_a_checkpoint_argument_takes_a_file_a_run_dir_or_an_export_dir(private_run: Path, synth: Path, tmp_path: Path,
+                                                                        capsys) -> None:
+    assert main(["export", str(private_run), "--out", str(tmp_path / "release")]) == 0
+    capsys.readouterr()
+    scores = []
+    for checkpoint in (private_run / "checkpoints" / "last.pt", private_run, tmp_path / "release"):
+        assert main(["eval", "--checkpoint", str(checkpoint), "--data", str(synth / "test"), "--json"]) == 0
+        scores.append(json.loads(capsys.readouterr().out)["Mean"])
+    assert scores[0] == scores[1] == scores[2]

@@ -9,6 +9,7 @@ import math
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 from fedpose.config import ConfigError
@@ -93,6 +94,39 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a config key, e.g. --set train.steps=100 (repeatable)",
     )
+
+
+# -- image arguments: files and directories, the same for every command -------------------------
+IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".ppm"})
+
+
+def collect_images(inputs: list[str], exclude: Path | None = None) -> list[Path]:
+    """Files as given; directories walked recursively for image files (skipping ``exclude``, the
+    output directory). Sorted, deduplicated."""
+    skip = exclude.resolve() if exclude is not None else None
+
+    def wanted(p: Path) -> bool:
+        return p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and (skip is None or skip not in p.resolve().parents)
+
+    found: list[Path] = []
+    for item in inputs:
+        path = Path(item)
+        if path.is_dir():
+            found.extend(sorted(p for p in path.rglob("*") if wanted(p)))
+        elif path.is_file():
+            found.append(path)
+        else:
+            raise UserError(f"{path}: no such file or directory")
+    unique = list(dict.fromkeys(p.resolve() for p in found))
+    stems: dict[str, Path] = {}
+    for path in unique:
+        if path.stem in stems:
+            raise UserError(f"{path} and {stems[path.stem]} would both be written as '{path.stem}'; rename one")
+        stems[path.stem] = path
+    if not unique:
+        raise UserError("no images found in the given inputs")
+    return unique
+
 
 
 # -- argparse value types (the error names the bad value; argparse adds the option) -------------

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from fedpose.cli.common import UserError, open_unit_interval, positive_float, positive_int
-from fedpose.cli.ldp import IMAGE_SUFFIXES
+from fedpose.cli.common import IMAGE_SUFFIXES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

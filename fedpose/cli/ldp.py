@@ -16,10 +16,7 @@ import argparse
 import io
 from pathlib import Path
 
-from fedpose.cli.common import UserError, positive_float, print_json
-
-IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".ppm"})
-
+from fedpose.cli.common import UserError, collect_images, positive_float, print_json
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("ldp", help="LDP-Slicing: pixel-wise ε-LDP images (budget allocation, privatize)")
@@ -57,34 +54,6 @@ def _allocate(args: argparse.Namespace) -> int:
     for channel, values in budgets.items():
         print(f"{channel:<7} " + " ".join(f"{v:7.4f}" for v in values))
     return 0
-
-
-def collect_images(inputs: list[str], exclude: Path | None = None) -> list[Path]:
-    """Files as given; directories walked recursively for image files (skipping ``exclude``, the
-    output directory). Sorted, deduplicated."""
-    skip = exclude.resolve() if exclude is not None else None
-
-    def wanted(p: Path) -> bool:
-        return p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and (skip is None or skip not in p.resolve().parents)
-
-    found: list[Path] = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_dir():
-            found.extend(sorted(p for p in path.rglob("*") if wanted(p)))
-        elif path.is_file():
-            found.append(path)
-        else:
-            raise UserError(f"{path}: no such file or directory")
-    unique = list(dict.fromkeys(p.resolve() for p in found))
-    stems: dict[str, Path] = {}
-    for path in unique:
-        if path.stem in stems:
-            raise UserError(f"{path} and {stems[path.stem]} would both be written as '{path.stem}'; rename one")
-        stems[path.stem] = path
-    if not unique:
-        raise UserError("no images found in the given inputs")
-    return unique
 
 
 def _slice(args: argparse.Namespace) -> int:

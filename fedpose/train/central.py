@@ -4,6 +4,7 @@ Run directory (``train.out_dir``)::
 
     config.toml        the resolved configuration (defaults filled in)
     metrics.json       {"train": [per-step records], "val": [periodic validation PCKh],
+                        "divergence": [where the loss began to blow up, see DivergenceMonitor],
                         "privacy": the ε text, "NO PRIVACY GUARANTEE (seeded test noise): …" under
                         privacy.insecure_seeded_noise, "device": where it ran (train.device)}
     curves.png         training loss and validation PCKh
@@ -40,7 +41,7 @@ from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
 from fedpose.privacy.mechanisms import get_mechanism
 from fedpose.runtime import configure_device, describe_device, resolve_device
 from fedpose.train.evaluate import evaluate
-from fedpose.train.loop import calibrate_batch_norm, train_steps
+from fedpose.train.loop import DivergenceMonitor, calibrate_batch_norm, describe_divergence, train_steps
 from fedpose.train.optim import build_optimizer, build_scheduler
 
 CHECKPOINT_DIR = "checkpoints"
@@ -144,9 +145,12 @@ class RunState:
     train: list[dict[str, Any]] = field(default_factory=list)
     val: list[dict[str, Any]] = field(default_factory=list)
     best: float = -math.inf
+    #: DivergenceMonitor events (each the step a divergence began), recorded in metrics.json
+    divergence: list[dict[str, Any]] = field(default_factory=list)
 
     def metrics(self) -> dict[str, Any]:
-        return {"train": self.train, "val": self.val, "best_val_mean": None if self.best == -math.inf else self.best}
+        return {"train": self.train, "val": self.val, "best_val_mean": None if self.best == -math.inf else self.best,
+                "divergence": self.divergence}
 
 
 def _load_dataset(path: Path, cfg: RunConfig, train: bool, seed: int, with_public_view: bool = False) -> Any:
@@ -295,7 +299,8 @@ def run_training(
         scheduler.load_state_dict(checkpoint["scheduler"])
         saved = checkpoint.get("metrics") or {}
         state = RunState(start_step, list(saved.get("train", [])), list(saved.get("val", [])),
-                         saved.get("best_val_mean") if saved.get("best_val_mean") is not None else -math.inf)
+                         saved.get("best_val_mean") if saved.get("best_val_mean") is not None else -math.inf,
+                         list(saved.get("divergence", [])))
         extra = checkpoint.get("extra") or {}
         if engine.accountant is not None and extra.get("accountant") is not None:
             from fedpose.privacy.accountant import PrivacyLedger
@@ -355,9 +360,24 @@ def run_training(
 
     end_step = total_steps if stop_after is None else min(total_steps, start_step + max(1, stop_after))
 
+    monitor = DivergenceMonitor()
+
+    def watch(record: dict[str, Any]) -> dict[str, Any] | None:
+        # an empty Poisson batch has no loss (NaN): nothing to judge
+        if "loss" not in record or record.get("batch_units", 1) == 0:
+            return None
+        return monitor.update(record["step"], record["loss"])
+
+    for earlier in state.train:  # a resumed run judges its loss against the whole run's history
+        watch(earlier)
+
     def on_step(step: int, record: dict[str, Any]) -> None:
         state.step = step
         state.train.append(record)
+        event = watch(record)
+        if event is not None:
+            state.divergence.append(event)
+            log(describe_divergence(event))
         last = step == end_step
         if val_set is not None and (step % cfg.train.eval_every == 0 or last):
             scores = evaluate(model, val_set, batch_size=max(1, cfg.train.batch_size), max_samples=cfg.train.eval_samples)
@@ -374,6 +394,10 @@ def run_training(
         "final_loss": state.train[-1].get("loss") if state.train else None,
         "val": state.val[-1] if state.val else None,
         "privacy": report.get("epsilon_text"),
+        "divergence": state.divergence,
     }
     log(f"{'done' if state.step == total_steps else 'stopped'}: {state.step}/{total_steps} steps; {report.get('epsilon_text')}")
+    if state.divergence:
+        log(f"WARNING: the training loss diverged (from step {state.divergence[0]['step']}; see 'divergence' in "
+            f"{run_dir / 'metrics.json'}): check the model before using it")
     return summary
