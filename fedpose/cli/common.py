@@ -85,7 +85,18 @@ def run_handler(args: argparse.Namespace) -> int:
 
 
 def print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=None, sort_keys=False))
+    """One JSON document on stdout, strict: a non-finite number (ε = ∞, a NaN loss) is null."""
+    print(json.dumps(_strict(obj), indent=None, sort_keys=False, allow_nan=False, ensure_ascii=False))
+
+
+def _strict(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _strict(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict(item) for item in value]
+    return value
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from fedpose.cli.common import UserError, print_json
@@ -28,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--resume", type=Path, metavar="RUN_DIR_OR_CHECKPOINT",
                         help="continue a run (run directory or checkpoint file)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument("--json", action="store_true", help="print the final summary as JSON")
+    parser.add_argument("--json", action="store_true", help="print the final summary as one JSON object on stdout (the log goes to stderr)")
     parser.set_defaults(handler=run)
 
 
@@ -53,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
                                          run_dir=resume_run_dir(args.resume))
         else:
             cfg = load_config(args.config, args.overrides)
-        summary = run_training(cfg, resume=args.resume, progress=not args.quiet)
+        # with --json, stdout is the one JSON document: the run's log goes to stderr with the progress bar
+        log = (lambda line: print(line, file=sys.stderr)) if args.json else print
+        summary = run_training(cfg, resume=args.resume, progress=not args.quiet, log=log)
     except (CheckpointError, InputPrivacyError) as exc:
         raise UserError(str(exc)) from None
     except ValueError as exc:

@@ -393,7 +393,8 @@ def run_training(
         "run_dir": str(run_dir), "steps": state.step, **summary_info,
         "final_loss": state.train[-1].get("loss") if state.train else None,
         "val": state.val[-1] if state.val else None,
-        "privacy": report.get("epsilon_text"),
+        "epsilon_text": report.get("epsilon_text"),
+        "privacy": report,  # the privacy.json written beside it
         "divergence": state.divergence,
     }
     log(f"{'done' if state.step == total_steps else 'stopped'}: {state.step}/{total_steps} steps; {report.get('epsilon_text')}")
