@@ -294,3 +294,17 @@ def test_json_output_is_one_structured_document(command: str, private_run: Path,
     no_embedded_json(document)
     if command == "train":
         assert isinstance(document["privacy"], dict) and document["privacy"]["protection_unit"] == "patient"
+
+
+# -- item 8: errors blame the right input -------------------------------------------------------------
+def test_a_bad_set_is_blamed_on_set_and_negative_numbers_are_values(synth: Path, tmp_path: Path, capsys) -> None:
+    config = write_config(tmp_path / "c.toml", synth, tmp_path / "run")
+    for override, named in (("train.stepz=5", "train.stepz: unknown key"), ("train.steps=abc", "train.steps: Input should be")):
+        assert main(["train", "--config", str(config), "--set", override]) == 2
+        err = capsys.readouterr().err
+        assert f"invalid configuration in --set {override}: {named}" in err and str(config) not in err
+    config.write_text(config.read_text().replace("steps = 2", "steps = 0"))  # the file's own mistake stays the file's
+    assert main(["train", "--config", str(config), "--set", "train.batch_size=2"]) == 2
+    assert f"invalid configuration in {config}: train.steps" in capsys.readouterr().err
+    code = main(["privacy", "epsilon", "--noise-multiplier", "1", "--sample-rate", "0.01", "--steps", "10", "--delta", "-1e-5"])
+    assert code == 2 and "argument --delta: must be a finite number > 0, got -1e-5" in capsys.readouterr().err

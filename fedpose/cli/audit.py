@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
             from fedpose.federation.config import FederationConfig
 
             raw.pop("synthetic", None)  # read by `fedpose simulate` only
-            federation = validate(FederationConfig, raw, str(args.config))
+            federation = validate(FederationConfig, raw, str(args.config), args.overrides)
             sites = {s.site_id: s for s in federation.sites}
             site = sites.get(args.site) if args.site else federation.sites[0]
             if site is None:
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             if args.site:
                 raise UserError(f"--site needs a federation config ([[sites]]); {args.config} is a central one")
-            cfg = validate(RunConfig, raw, str(args.config))
+            cfg = validate(RunConfig, raw, str(args.config), args.overrides)
     except ConfigError as exc:
         raise UserError(str(exc)) from None
 

@@ -115,7 +115,7 @@ def config_from_checkpoint(
     if run_dir is not None:
         raw["train"] = {**(raw.get("train") or {}), "out_dir": str(run_dir)}
     raw = apply_overrides(raw, overrides or [])
-    return validate(RunConfig, raw, "checkpoint config + --set")
+    return validate(RunConfig, raw, "the checkpoint's config", overrides)
 
 
 class _ReplayableDataset(Dataset):
