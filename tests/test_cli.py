@@ -308,3 +308,41 @@ def test_a_bad_set_is_blamed_on_set_and_negative_numbers_are_values(synth: Path,
     assert f"invalid configuration in {config}: train.steps" in capsys.readouterr().err
     code = main(["privacy", "epsilon", "--noise-multiplier", "1", "--sample-rate", "0.01", "--steps", "10", "--delta", "-1e-5"])
     assert code == 2 and "argument --delta: must be a finite number > 0, got -1e-5" in capsys.readouterr().err
+
+
+# -- item 10: help ------------------------------------------------------------------------------------
+def all_parsers():
+    import argparse
+
+    from fedpose.cli import build_parser
+
+    def walk(parser, words):
+        yield " ".join(words) or "fedpose", parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    yield from walk(sub, words + [name])
+
+    return list(walk(build_parser(), []))
+
+
+def test_every_command_and_argument_is_described_in_plain_text() -> None:
+    import argparse
+
+    for name, parser in all_parsers():
+        assert parser.description, f"{name}: no description"
+        for action in parser._actions:
+            if not isinstance(action, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)):
+                assert action.help, f"{name} {action.option_strings or action.dest}: no help"
+        text = parser.format_help()
+        assert "``" not in text and ":data:`" not in text and ":func:`" not in text, name
+    main_commands = ("train", "eval", "predict", "audit", "export", "privacy epsilon", "privacy report", "ldp slice")
+    examples = {name: parser.format_help() for name, parser in all_parsers() if name in main_commands}
+    assert all("fedpose " + name.split()[0] in text.split("usage:", 2)[1].split("\n", 1)[1] for name, text in examples.items())
+
+
+def test_version_and_bare_fedpose(capsys) -> None:
+    from fedpose import __version__
+
+    assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"fedpose {__version__}"
+    assert main([]) == 0 and "usage: fedpose" in capsys.readouterr().out

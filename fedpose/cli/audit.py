@@ -1,7 +1,7 @@
 """``fedpose audit``: empirical lower bound on ε from one training run (white-box or black-box canaries).
 
-    fedpose audit --config configs/train-dpsgd.toml [--canaries 1000] [--confidence 0.95] [--json] [--out DIR]
-    fedpose audit --config configs/train-dpsgd.toml --mode black-box   # canary images, scored by loss
+    fedpose audit --config configs/central.toml [--canaries 1000] [--confidence 0.95] [--json] [--out DIR]
+    fedpose audit --config configs/central.toml --mode black-box   # canary images, scored by loss
     fedpose audit --config configs/demo.toml --site site-1             # one round through the real site code
 
 A central config (``fedpose train``'s) audits ``train.steps`` steps of central training; a
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fedpose.cli.common import UserError, open_unit_interval, positive_int, print_json
+from fedpose.cli.common import UserError, examples, open_unit_interval, positive_int, print_json
 
 #: exit status of an audit whose lower bound exceeds the claimed ε (the implementation leaks more than it says)
 VIOLATION_EXIT = 3
@@ -57,6 +57,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the audit's own coins (canary directions and inclusion)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", type=Path, help="directory for audit.json and scores.png (score distributions)")
+    parser.epilog = examples(
+        'fedpose audit --config configs/central.toml',
+        'fedpose audit --config configs/central.toml --mode black-box --canaries 500',
+        'fedpose audit --config configs/demo.toml --site site-1 --json',
+    )
     parser.set_defaults(handler=run)
 
 

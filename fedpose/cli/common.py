@@ -37,11 +37,53 @@ class CliParser(argparse.ArgumentParser):
     is a (negative) value, not an unknown option: no fedpose option looks like a number."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+        self.register("action", "parsers", _SubcommandsAction)
         self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+    def format_help(self) -> str:
+        # descriptions are often a module's docstring: show its reST as plain text
+        return _plain_text(super().format_help())
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Wraps descriptions, but keeps an ``examples:`` epilog (see :func:`examples`) line by line."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith(EXAMPLES_HEADER) or "\n    " in text:  # examples, or a docstring's indented block
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+
+EXAMPLES_HEADER = "examples:"
+
+
+def examples(*lines: str) -> str:
+    """An epilog of example command lines (each '# comment' after two spaces is kept)."""
+    return EXAMPLES_HEADER + "\n" + "\n".join(f"  {line}" for line in lines)
+
+
+class _SubcommandsAction(argparse._SubParsersAction):
+    """Every subcommand's --help opens with a description: its one-line help unless it has a longer one."""
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        if kwargs.get("description") is None and kwargs.get("help"):
+            help_text = str(kwargs["help"]).replace("%%", "%")
+            kwargs["description"] = help_text[:1].upper() + help_text[1:] + "."
+        return super().add_parser(name, **kwargs)
+
+
+#: reST roles (:func:`x`, :data:`~a.b`) and literals (``x``) as they read in a terminal
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def _plain_text(text: str) -> str:
+    return _LITERAL.sub(r"`\1`", _ROLE.sub(r"`\1`", text))
 
 
 def error_line(exc: BaseException) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fedpose.cli.common import UserError, print_json
+from fedpose.cli.common import UserError, examples, print_json
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,6 +31,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     synth.add_argument("--overwrite", action="store_true", help="replace a previous dataset in --out")
     synth.add_argument("--resume", action="store_true", help="continue an interrupted run with the same parameters")
     synth.add_argument("--quiet", action="store_true", help="no progress bar")
+    synth.epilog = examples(
+        'fedpose data synth --out data/synth --sites 3 --per-site 500',
+        'fedpose data synth --out data/tiny --sites 1 --per-site 8 --public 8 --test 4 --size 64x64',
+    )
     synth.set_defaults(handler=run_synth)
 
 

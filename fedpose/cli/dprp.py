@@ -15,8 +15,7 @@ import io
 import sys
 from pathlib import Path
 
-from fedpose.cli.common import UserError, open_unit_interval, positive_float, positive_int
-from fedpose.cli.common import IMAGE_SUFFIXES
+from fedpose.cli.common import IMAGE_SUFFIXES, UserError, examples, open_unit_interval, positive_float, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,6 +30,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--insecure-seed", type=int, default=None,
                         help="TESTS ONLY: seeded P and noise, NOT PRIVATE (the seed regenerates the noise); "
                         "default: CSPRNG (AES-256-CTR keyed from os.urandom)")
+    parser.epilog = examples(
+        'fedpose dprp clip.npy --out private.npy --epsilon 4 --delta 1e-5 --proj-dim 64',
+        'fedpose dprp frames/ --out private_frames/ --epsilon 4 --delta 1e-5 --proj-dim 64',
+    )
     parser.set_defaults(handler=_run)
 
 

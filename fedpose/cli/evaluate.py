@@ -7,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-from fedpose.cli.common import UserError, collect_images, print_json
+from fedpose.cli.common import UserError, collect_images, examples, print_json
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,11 +22,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          "last checkpoint), a `fedpose export` directory (model.pt), or a federation's model: the "
                          "coordinator's global.npz or its checkpoint directory")
     ev.add_argument("--data", required=True, type=Path, help="dataset directory, annotations json or COCO keypoints json")
-    ev.add_argument("--batch-size", type=int, default=32)
+    ev.add_argument("--batch-size", type=int, default=32, help="images per forward pass (default 32)")
     ev.add_argument("--max-samples", type=int, default=None, help="evaluate the first N records only")
     ev.add_argument("--overlays", type=Path, default=None, help="also write a PNG grid of the first 16 crops (prediction + GT)")
     ev.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ev.add_argument("--device", default="auto", help="auto (CUDA when available, else the CPU), cpu, cuda or cuda:N")
+    ev.epilog = examples(
+        'fedpose eval --checkpoint runs/train --data data/test   # a run directory: its last checkpoint',
+        'fedpose eval --checkpoint release/ --data data/test --json   # an export directory (model.pt)',
+    )
     ev.set_defaults(handler=run_eval)
 
     pr = subparsers.add_parser(
@@ -46,6 +50,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     help="hide joints whose confidence is below this (0–1: the peak SimCC probability relative to a "
                          "training target's peak; saturated outputs count as 0)")
     pr.add_argument("--device", default="auto", help="auto (CUDA when available, else the CPU), cpu, cuda or cuda:N")
+    pr.epilog = examples(
+        'fedpose predict --checkpoint release/ photos/ --out poses/   # every image under photos/',
+        'fedpose predict --checkpoint runs/demo/coordinator a.jpg b.png --out poses/ --min-confidence 0.3',
+    )
     pr.set_defaults(handler=run_predict)
 
 

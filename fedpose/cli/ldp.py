@@ -16,7 +16,7 @@ import argparse
 import io
 from pathlib import Path
 
-from fedpose.cli.common import UserError, collect_images, positive_float, print_json
+from fedpose.cli.common import UserError, collect_images, examples, positive_float, print_json
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("ldp", help="LDP-Slicing: pixel-wise ε-LDP images (budget allocation, privatize)")
@@ -24,8 +24,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     allocate = sub.add_parser("allocate", help="per-bit-plane budgets ε_{c,b} for an ε_total")
     allocate.add_argument("--epsilon", type=positive_float, required=True, help="ε_total per pixel")
-    allocate.add_argument("--allocation", choices=("sqrt", "uniform"), default="sqrt")
+    allocate.add_argument("--allocation", choices=("sqrt", "uniform"), default="sqrt",
+                          help="sqrt: ε_{c,b} ∝ √(w_c w_b), more budget to luma and high bits (default); uniform: equal")
     allocate.add_argument("--json", action="store_true", help="print one JSON object only")
+    allocate.epilog = examples(
+        'fedpose ldp allocate --epsilon 20',
+        'fedpose ldp allocate --epsilon 20 --allocation uniform --json',
+    )
     allocate.set_defaults(handler=_allocate)
 
     slice_ = sub.add_parser("slice", help="privatize images (files or directories, walked recursively)")
@@ -35,10 +40,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     slice_.add_argument("--no-ll-prune", dest="ll_prune", action="store_false", help="skip the Haar LL pruning")
     slice_.add_argument("--ll-offset", type=float, default=0.0,
                         help="added after LL pruning, before the clamp (128 keeps negative details; default 0)")
-    slice_.add_argument("--allocation", choices=("sqrt", "uniform"), default="sqrt")
+    slice_.add_argument("--allocation", choices=("sqrt", "uniform"), default="sqrt",
+                        help="how ε_total is split over the bit planes (see `fedpose ldp allocate`; default sqrt)")
     slice_.add_argument("--insecure-seed", type=int, default=None,
                         help="TESTS ONLY: seeded PCG64, NOT PRIVATE (the seed undoes the flips); default: CSPRNG")
-    slice_.add_argument("--format", choices=("png", "npy"), default="png")
+    slice_.add_argument("--format", choices=("png", "npy"), default="png",
+                        help="png: the privatized image in RGB (default); npy: the released YCbCr uint8 array")
+    slice_.epilog = examples(
+        'fedpose ldp slice photos/ --out private/ --epsilon 20',
+        'fedpose ldp slice a.png --out private/ --epsilon 20 --no-ll-prune --ll-offset 128',
+    )
     slice_.set_defaults(handler=_slice)
 
 

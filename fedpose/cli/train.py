@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedpose.cli.common import UserError, print_json
+from fedpose.cli.common import UserError, examples, print_json
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -30,6 +30,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="continue a run (run directory or checkpoint file)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--json", action="store_true", help="print the final summary as one JSON object on stdout (the log goes to stderr)")
+    parser.epilog = examples(
+        'fedpose train --config configs/central.toml',
+        'fedpose train --config configs/central.toml --set train.steps=200 --set privacy.target_epsilon=4',
+        'fedpose train --resume runs/train --set train.steps=400   # continue in runs/train',
+        'fedpose train --config C --json > summary.json   # log on stderr',
+    )
     parser.set_defaults(handler=run)
 
 
