@@ -346,3 +346,42 @@ def test_version_and_bare_fedpose(capsys) -> None:
 
     assert main(["--version"]) == 0 and capsys.readouterr().out.strip() == f"fedpose {__version__}"
     assert main([]) == 0 and "usage: fedpose" in capsys.readouterr().out
+
+
+# -- items 9 and 11: output that reads well in a log, and files others can read -----------------------
+def test_progress_on_a_non_terminal_is_plain_lines() -> None:
+    import io
+
+    from fedpose.progress import PlainProgress, progress_bar
+
+    stream = io.StringIO()  # not a TTY, like a log file or a CI console
+    bar = progress_bar(10, "train", unit="step", stream=stream)
+    assert isinstance(bar, PlainProgress)
+    bar.interval = 0.0
+    for _ in range(10):
+        bar.set_postfix(loss="3.2000", refresh=False)
+        bar.update(1)
+    bar.close()
+    text = stream.getvalue()
+    assert "\r" not in text and text.endswith("\n")
+    lines = text.splitlines()
+    assert lines[0].startswith("train: 1/10 step (10%)") and "loss 3.2000" in lines[0]
+    assert lines[-1].startswith("train: 10/10 step (100%)") and len(lines) == 10
+
+
+def test_ldp_slice_says_what_it_keeps_and_writes_files_others_can_read(synth: Path, tmp_path: Path, capsys) -> None:
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        assert main(["ldp", "slice", str(synth / "test"), "--out", str(tmp_path / "out"), "--epsilon", "20",
+                     "--insecure-seed", "1"]) == 0
+    finally:
+        os.umask(old)
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0] == f"wrote 4 images to {tmp_path / 'out'} (png)" and max(len(line) for line in lines) < 400
+    assert "only edges and fine detail are released" in out and "--ll-offset 128" in out and "--no-ll-prune" in out
+    for path in (tmp_path / "out").iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o644, path

@@ -37,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     slice_.add_argument("inputs", nargs="+", metavar="INPUT", help="image files or directories")
     slice_.add_argument("--out", required=True, help="output directory")
     slice_.add_argument("--epsilon", type=positive_float, required=True, help="ε_total per (masked) pixel")
-    slice_.add_argument("--no-ll-prune", dest="ll_prune", action="store_false", help="skip the Haar LL pruning")
+    slice_.add_argument("--no-ll-prune", dest="ll_prune", action="store_false",
+                        help="skip the Haar LL pruning: release the whole image, not only its edges and detail")
     slice_.add_argument("--ll-offset", type=float, default=0.0,
                         help="added after LL pruning, before the clamp (128 keeps negative details; default 0)")
     slice_.add_argument("--allocation", choices=("sqrt", "uniform"), default="sqrt",
@@ -67,10 +68,22 @@ def _allocate(args: argparse.Namespace) -> int:
     return 0
 
 
+def what_is_kept(ll_prune: bool, ll_offset: float) -> str:
+    """What survives in the output, and how to keep more: LL pruning (the default) releases detail only."""
+    if not ll_prune:
+        return ("the whole image (--no-ll-prune): brightness, colour and detail, every bit plane flipped at its "
+                "budget; the guarantee holds per original pixel")
+    kept = ("each 2×2 block's average (the picture's brightness and colour) is zeroed before the flips (LL pruning, "
+            "the default, no budget spent), so only edges and fine detail are released")
+    if ll_offset == 0:
+        return (kept + ", and negative detail is clamped to 0: at moderate ε the result looks like static. Keep more "
+                "with --ll-offset 128 (negative detail too) or --no-ll-prune (the whole image)")
+    return kept + f", shifted by --ll-offset {ll_offset:g} so negative detail survives; --no-ll-prune keeps the whole image"
+
+
 def _slice(args: argparse.Namespace) -> int:
     import numpy as np
-    from tqdm import tqdm
-
+    from fedpose.progress import progress_bar
     from fedpose.io import atomic_write
     from fedpose.privacy.input_privacy import InputPrivacyError, load_rgb
     from fedpose.viz import save_png
@@ -86,24 +99,29 @@ def _slice(args: argparse.Namespace) -> int:
     except LdpSlicingError as exc:
         raise UserError(str(exc)) from exc
     failed: list[str] = []  # reported once, at the end, in one line
-    for path in tqdm(images, desc="ldp slice", unit="img", disable=len(images) < 20):
+    bar = progress_bar(len(images), "ldp slice", unit="img", disable=len(images) < 20)
+    for path in images:
+        bar.update(1)
         try:
             result = slicer(load_rgb(path))
         except InputPrivacyError as exc:
             failed.append(" ".join(str(exc).split()))
             continue
+        # privatized images are made to be handed on: the umask's mode, not owner-only
         if args.format == "png":
-            save_png(result.rgb, out_dir / f"{path.stem}.png")
+            save_png(result.rgb, out_dir / f"{path.stem}.png", shared=True)
         else:
             buffer = io.BytesIO()
             np.save(buffer, result.ycbcr)
-            atomic_write(out_dir / f"{path.stem}.npy", lambda fh: fh.write(buffer.getvalue()))
+            atomic_write(out_dir / f"{path.stem}.npy", lambda fh: fh.write(buffer.getvalue()), shared=True)
+    bar.close()
     guarantee = slicer.guarantee()
     written = len(images) - len(failed)
-    print(
-        f"wrote {written} image(s) to {out_dir} ({args.format}); {guarantee['guarantee_statement']}; "
-        f"δ = 0; {guarantee['block_note']}; randomness: {guarantee['randomness']}"
-    )
+    print(f"wrote {written} {'image' if written == 1 else 'images'} to {out_dir} ({args.format})")
+    print(f"  guarantee: {guarantee['guarantee_statement']}; δ = 0")
+    print(f"  unit: {guarantee['block_note']}")
+    print(f"  kept: {what_is_kept(args.ll_prune, args.ll_offset)}")
+    print(f"  randomness: {guarantee['randomness']}")
     if failed:
         others = f"the other {written} were written" if written else "nothing was written"
         raise UserError(f"{len(failed)} of {len(images)} input(s) could not be decoded and were skipped ({others}): "

@@ -329,7 +329,7 @@ def run_training(
         log(f"{SEEDED_NO_GUARANTEE}: privacy.insecure_seeded_noise draws the noise from train.seed = {seed}; "
             "anyone who knows the seed can remove it (tests only)")
     if unit_choice is not None:
-        log(f"protection unit: {unit_choice.unit} ({unit_choice.reason}); {engine.dataset_size} {unit_choice.unit}s, "
+        log(f"protection unit: {unit_choice.unit} ({unit_choice.reason}); {engine.dataset_size} {unit_choice.unit}{'' if engine.dataset_size == 1 else 's'}, "
             f"Poisson-sampled at q = {engine.sample_rate:.4g}, each {unit_choice.unit}'s gradient clipped to C as one")
 
     def privacy_report() -> dict[str, Any]:

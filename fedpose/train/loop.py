@@ -135,9 +135,9 @@ def train_steps(
     history: list[dict[str, Any]] = []
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from fedpose.progress import progress_bar
 
-        bar = tqdm(total=steps, desc=description, initial=0, dynamic_ncols=True, leave=False)
+        bar = progress_bar(steps, description, unit="step")
     try:
         for i in range(steps):
             started = time.perf_counter()
