@@ -271,6 +271,8 @@ def _json_argv(command: str, private_run: Path, synth: Path, tmp_path: Path) -> 
         "privacy report": ["privacy", "report", str(private_run)],
         "privacy budget": ["privacy", "budget", str(tmp_path / "site")],
         "ldp allocate": ["ldp", "allocate", "--epsilon", "8"],
+        "data synth": ["data", "synth", "--out", str(tmp_path / "tiny"), "--sites", "1", "--per-site", "1", "--public", "1",
+                       "--test", "1", "--size", "32x32", "--workers", "1", "--quiet"],
     }[command] + ["--json"]
 
 
