@@ -34,8 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _open(path: Path):
     from fedpose.federation.ledger import BudgetLedger, LedgerError
 
-    if not path.is_file():  # SQLite would answer a directory with "disk I/O error"
-        raise UserError(f"{path}: no such ledger database file" + (" (a directory)" if path.is_dir() else ""))
+    if path.is_dir():  # SQLite would answer "disk I/O error"
+        raise UserError(f"{path}: a directory, not a ledger database file")
     try:
         return BudgetLedger(path, read_only=True)
     except LedgerError as exc:
