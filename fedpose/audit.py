@@ -96,12 +96,14 @@ class AuditResult:
             "accountant": accountant,
             "neighbouring_relation": self.privacy.get("neighbouring_relation"),
             "unit_protected": self.privacy.get("unit_protected"),
+            "protection_unit": self.privacy.get("protection_unit"),
+            "protection_unit_choice": self.privacy.get("protection_unit_choice"),
             "mode": self.mode,
             "setting": self.setting,
             "reference_run": self.reference_run,
             "violation": bool(lower > claimed),
             "guarantee_void": bool(self.privacy.get("guarantee_void", False)),
-            "epsilon_text": format_epsilon(claimed, delta, guarantee, accountant),
+            "epsilon_text": format_epsilon(claimed, delta, guarantee, accountant, self.privacy.get("protection_unit")),
             "epsilon_lower_text": (f"ε_lower = {lower:.4g} ({guarantee}, δ = {delta:.3g}, one-run audit: max of Steinke et al. "
                                    f"2023 ({self.guess.epsilon_lower_steinke:.4g}) and f-DP ({self.guess.epsilon_lower_fdp:.4g}), "
                                    f"{self.confidence:.0%} confidence, {self.scores.size} canaries, {self.mode})"),
@@ -156,7 +158,7 @@ class _CentralRun:
 
     def __init__(self, cfg: RunConfig, train_set: Any = None) -> None:
         from fedpose.model import build_model
-        from fedpose.privacy.engine import build_engine
+        from fedpose.train.central import build_training_engine
         from fedpose.train.optim import build_optimizer, build_scheduler
 
         _check_auditable(cfg)
@@ -169,11 +171,19 @@ class _CentralRun:
             public = _load(Path(cfg.privacy.basis.public_data), cfg, train=False)
         self.model = build_model(cfg.model, cfg.data.input_size)
         self.model.train_mode()
-        self.engine = build_engine(cfg.privacy, self.model, len(self.train_set), cfg.train.batch_size, cfg.train.steps,
-                                   public, cfg.train.seed)
+        # unit, q, σ and accountant exactly as `fedpose train` decides them on this config
+        self.engine, self.unit_choice = build_training_engine(cfg, self.model, self.train_set, Path(cfg.data.train),
+                                                              public, cfg.train.seed)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.batches = self.engine.batches(self.train_set)
+
+    def privacy_report(self) -> dict[str, Any]:
+        """The engine's report, with why the unit is what it is (as `fedpose train` writes it)."""
+        report = self.engine.privacy_report()
+        if self.unit_choice is not None:
+            report["protection_unit_choice"] = self.unit_choice.reason
+        return report
 
     def step(self) -> torch.Tensor:
         """One step; returns what it released, less the dataset-only release when canaries are attached."""
@@ -245,7 +255,7 @@ def _white_box_central(cfg: RunConfig, canaries: int | None, confidence: float, 
     # in units of one canary contribution per sampled step (release = sum / B)
     scores *= cfg.train.batch_size / cfg.privacy.max_grad_norm
     guess = best_lower_bound(scores, canary_set.included, cfg.privacy.delta, confidence)
-    return AuditResult(scores, canary_set.included, guess, confidence, WHITE_BOX, "central", engine.privacy_report(),
+    return AuditResult(scores, canary_set.included, guess, confidence, WHITE_BOX, "central", run.privacy_report(),
                        reference_run, time.perf_counter() - started)
 
 
@@ -273,6 +283,9 @@ def _ood_canary_records(count: int, input_size: tuple[int, int], directory: Path
         records.append(PoseRecord(
             image=str(path), joints=joints.astype(np.float32), joints_vis=np.ones(NUM_JOINTS, np.float32),
             center=np.array([width / 2, height / 2], np.float32), scale=height / (PIXEL_STD * DEFAULT_PADDING),
+            # each canary is one unit of its own whatever the unit (own image, own patient), and never
+            # narrows the unit the real records support
+            patient_id=f"audit-canary-{index:05d}",
         ))
     return records
 
@@ -310,8 +323,12 @@ def _black_box_central(cfg: RunConfig, canaries: int | None, confidence: float, 
         included = rng.random(count) < 0.5
         train_set = _dataset(records + [r for r, keep in zip(canary_records, included) if keep], root, cfg, train=True)
         if cfg.privacy.sample_rate is None:
-            # q = B/N would reveal how many canaries are in; the expected size keeps q independent of the coins
-            rate = min(1.0, cfg.train.batch_size / (len(records) + count / 2))
+            # q = B/N would reveal how many canaries are in; the expected size keeps q independent of the coins.
+            # N counts protection units, decided on the real records as `fedpose train` would.
+            from fedpose.train.central import resolve_protection_unit
+
+            units = resolve_protection_unit(cfg, records, Path(cfg.data.train), None)[1]
+            rate = min(1.0, cfg.train.batch_size / (units.num_units + count / 2))
             cfg = cfg.model_copy(update={"privacy": cfg.privacy.model_copy(update={"sample_rate": rate})})
         run = _CentralRun(cfg, train_set)
         canary_set = _dataset(canary_records, root, cfg, train=False)
@@ -322,7 +339,7 @@ def _black_box_central(cfg: RunConfig, canaries: int | None, confidence: float, 
                 log(f"audit step {step + 1}/{cfg.train.steps}")
         scores = initial - _canary_losses(run.model, canary_set)  # how much training lowered each canary's loss
     guess = best_lower_bound(scores, included, cfg.privacy.delta, confidence)
-    return AuditResult(scores, included, guess, confidence, BLACK_BOX, "central", run.engine.privacy_report(),
+    return AuditResult(scores, included, guess, confidence, BLACK_BOX, "central", run.privacy_report(),
                        False, time.perf_counter() - started)
 
 

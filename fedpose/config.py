@@ -330,17 +330,36 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file not found: {path}")
+    if path.is_dir():
+        raise ConfigError(f"{path}: a directory, not a config file")
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML ({exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a TOML config file (not UTF-8 text: {exc.reason} at byte {exc.start})") from None
 
 
-def validate(model: type[M], raw: dict[str, Any], source: str) -> M:
+def validate(model: type[M], raw: dict[str, Any], source: str, overrides: list[str] | None = None) -> M:
+    """``raw`` as ``model``; a bad value is blamed on where it came from: the ``--set`` that set it
+    (``overrides``, already applied to ``raw``), else ``source``."""
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, source)) from None
+        raise ConfigError(format_validation_error(exc, _blame(exc, source, overrides or []))) from None
+
+
+def _blame(exc: ValidationError, source: str, overrides: list[str]) -> str:
+    set_keys = {item: ".".join(parse_override(item)[0]) for item in overrides}
+
+    def set_by(loc: tuple[Any, ...]) -> list[str]:
+        key = ".".join(str(p) for p in loc)
+        return [item for item, k in set_keys.items() if key == k or key.startswith(k + ".") or k.startswith(key + ".")]
+
+    culprits = [set_by(err["loc"]) for err in exc.errors()]
+    if culprits and all(culprits):
+        return " ".join(dict.fromkeys(f"--set {item}" for items in culprits for item in items))
+    return f"{source} (with --set)" if any(culprits) else source
 
 
 def absolute_paths(raw: dict[str, Any], model: type[BaseModel], base: Path | None = None) -> dict[str, Any]:
@@ -376,4 +395,4 @@ def load_config(
     """Load ``model`` from a TOML file (or defaults when ``path`` is None) plus ``--set`` overrides."""
     raw = load_toml(path) if path is not None else {}
     raw = apply_overrides(raw, overrides or [])
-    return validate(model, raw, str(path) if path else "defaults")
+    return validate(model, raw, str(path) if path else "defaults", overrides)

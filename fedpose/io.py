@@ -9,8 +9,18 @@ from pathlib import Path
 from typing import Any, Callable, IO
 
 
-def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
-    """Call ``write(fh)`` on a temp file in the same directory, fsync it, then rename over ``path``."""
+def umask_mode() -> int:
+    """The mode a plain ``open()`` would give a new file under the process umask (0644 under 0022)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None], shared: bool = False) -> None:
+    """Call ``write(fh)`` on a temp file in the same directory, fsync it, then rename over ``path``.
+
+    The file is owner-only (0600, as the temp file is made) unless ``shared``: then it gets the
+    mode the umask gives any new file — for outputs meant to be handed on (privatized images)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -19,6 +29,8 @@ def atomic_write(path: str | Path, write: Callable[[IO[bytes]], None]) -> None:
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())
+        if shared:
+            os.chmod(tmp, umask_mode())
         os.replace(tmp, path)
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:

@@ -109,7 +109,8 @@ def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return f"{device} ({props.name}, {props.total_memory / 2**30:.1f} GiB)"
-    return f"{device} ({torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return f"{device} ({threads} thread{'' if threads == 1 else 's'})"
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

@@ -103,12 +103,13 @@ def image_grid(images: Sequence[np.ndarray], ncols: int | None = None, pad: int 
     return grid
 
 
-def save_png(image: np.ndarray, path: str | Path, compress_level: int = 6) -> Path:
+def save_png(image: np.ndarray, path: str | Path, compress_level: int = 6, shared: bool = False) -> Path:
     """Write a uint8 (H, W, 3) image as PNG atomically; returns the path. ``compress_level`` 1 is
-    ~3× faster than the default 6 with ~10 % larger files (noisy images barely compress)."""
+    ~3× faster than the default 6 with ~10 % larger files (noisy images barely compress).
+    ``shared``: the umask's mode instead of owner-only (:func:`fedpose.io.atomic_write`)."""
     buffer = io.BytesIO()
     _to_pil(image).save(buffer, format="PNG", compress_level=compress_level)
-    atomic_write(path, lambda fh: fh.write(buffer.getvalue()))
+    atomic_write(path, lambda fh: fh.write(buffer.getvalue()), shared=shared)
     return Path(path)
 
 

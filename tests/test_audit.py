@@ -174,7 +174,8 @@ def central_config(data_root: Path, steps: int = STEPS, batch_size: int = BATCH_
         "model": {"backbone": "tiny_vit_test", "scenario": "scratch"},
         "optim": {"name": "sgd", "lr": 0.01 if not data else 0.05, "momentum": 0.0, "weight_decay": 0.0, "cosine": False},
         "train": {"batch_size": batch_size, "steps": steps, "threads": 1, "seed": 1},
-        "privacy": {"mechanism": "dpsgd", "max_grad_norm": 1.0, "delta": 1e-5, **privacy},
+        # per record (the site-1 records name patients, so auto would be per patient: fewer, larger units)
+        "privacy": {"mechanism": "dpsgd", "max_grad_norm": 1.0, "delta": 1e-5, "unit": "record", **privacy},
     })
 
 
@@ -368,3 +369,46 @@ def test_black_box_refuses_what_it_cannot_audit(data_root, tmp_path, capsys) -> 
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"  # a federation config: site rounds
     assert main(["audit", "--config", str(demo), "--mode", "black-box"]) != 0
     assert "audits central training" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["white-box", "black-box"])
+def test_audit_audits_the_unit_q_and_sigma_that_train_runs(data_root, tmp_path, capsys, mode) -> None:
+    """Issue 27: on one config, `fedpose audit` and `fedpose train` account in the same unit (site-1
+    records carry patient_id, so auto → patient), at the same q and σ, by the same accountant."""
+    from fedpose.cli import main
+
+    config = tmp_path / "same.toml"
+    config.write_text(f"""
+[data]
+train = "{data_root / 'site-1'}"
+input_size = [64, 64]
+[model]
+backbone = "tiny_vit_test"
+scenario = "scratch"
+[train]
+batch_size = 3
+steps = 2
+threads = 1
+out_dir = "{tmp_path / 'run'}"
+[privacy]
+mechanism = "dpsgd"
+target_epsilon = 4.0
+delta = 1e-5
+""")
+    assert main(["train", "--config", str(config), "--quiet"]) == 0
+    trained = json.loads((tmp_path / "run" / "privacy.json").read_text())
+    capsys.readouterr()
+    assert main(["audit", "--config", str(config), "--canaries", "20", "--mode", mode, "--json"]) in (0, 3)
+    audited = json.loads(capsys.readouterr().out)
+    assert trained["protection_unit"] == audited["protection_unit"] == "patient"
+    assert audited["accountant"] == trained["accountant"] and audited["steps"] == trained["steps"] == 2
+    if mode == "white-box":  # the same training set: the same q and σ exactly
+        assert audited["sample_rate"] == trained["sample_rate"] and audited["noise_multiplier"] == trained["noise_multiplier"]
+    else:  # canaries join as units of their own, half of them expected: q = B / (N + m/2) over patients
+        patients = round(3 / trained["sample_rate"])
+        assert audited["sample_rate"] == pytest.approx(3 / (patients + 10))
+    assert audited["epsilon_text"].endswith("per patient")
+    # the console line names the unit, q and σ
+    assert main(["audit", "--config", str(config), "--canaries", "20", "--mode", mode]) in (0, 3)
+    out = capsys.readouterr().out
+    assert "per patient" in out and "audited:   per patient (chosen automatically: the coarsest unit" in out

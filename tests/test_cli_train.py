@@ -37,7 +37,7 @@ def test_train_eval_predict(workdir: Path) -> None:
     assert trained.returncode == 0, trained.stderr
     summary = json.loads(trained.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["val"]["step"] == 2
-    assert "no privacy" in summary["privacy"]
+    assert "no privacy" in summary["epsilon_text"] and summary["privacy"]["guarantee"] == "none"
     for name in ("metrics.json", "curves.png", "privacy.json", "config.toml", "checkpoints/last.pt", "checkpoints/best.pt"):
         assert (workdir / "run" / name).exists(), name
 

@@ -33,3 +33,41 @@ def test_basis_from_non_finite_gradients_is_refused_with_a_reason() -> None:
     gradients[1, 3] = float("nan")
     with pytest.raises(ValueError, match="not finite"):
         basis_from_gradients(gradients, k=2)
+
+
+def test_the_monitor_flags_a_blow_up_once_and_re_arms_after_recovery() -> None:
+    from fedpose.train import DivergenceMonitor
+
+    monitor = DivergenceMonitor(window=4, factor=10.0)
+    steady = [3.2, 3.1, 3.0, 2.9, 3.0, 2.8, 3.1, 2.9]
+    assert [monitor.update(i + 1, loss) for i, loss in enumerate(steady)] == [None] * len(steady)
+    # 3.19 → 3718 (the run): the window mean passes 10× its lowest within a few steps, flagged once
+    events = [monitor.update(9 + i, loss) for i, loss in enumerate([40.0, 300.0, 3718.0, 3500.0, 3600.0])]
+    flagged = [e for e in events if e is not None]
+    assert len(flagged) == 1 and flagged[0]["step"] == 10
+    assert flagged[0]["ratio"] > 10 and flagged[0]["lowest_window_mean"] == pytest.approx(
+        min(sum(steady[i:i + 4]) / 4 for i in range(len(steady) - 3)))
+    # back to normal, then a second blow-up is a second event
+    assert [monitor.update(20 + i, 3.0) for i in range(4)] == [None] * 4 and not monitor.diverged
+    assert sum(monitor.update(30 + i, 1e4) is not None for i in range(4)) == 1
+
+
+def test_a_noisy_but_stable_loss_is_not_divergence() -> None:
+    import numpy as np
+
+    from fedpose.train import DivergenceMonitor
+
+    rng = np.random.default_rng(0)
+    monitor = DivergenceMonitor()
+    # a private run's per-step loss: heavy-tailed noise around a slowly falling mean (5× spikes included)
+    losses = 3.0 * np.exp(-np.arange(500) / 300) * rng.lognormal(0.0, 0.6, 500)
+    assert all(monitor.update(i + 1, float(x)) is None for i, x in enumerate(losses))
+
+
+def test_a_non_finite_loss_is_flagged_at_once() -> None:
+    from fedpose.train import DivergenceMonitor
+
+    monitor = DivergenceMonitor()
+    assert monitor.update(1, 3.2) is None
+    assert monitor.update(2, float("nan")) == {"step": 2, "reason": "non-finite loss", "loss": None}
+    assert monitor.update(3, float("inf")) is None  # still the same divergence

@@ -77,7 +77,41 @@ def test_export_writes_weights_and_an_allow_listed_report_only(central_run: Path
 def test_exporting_best_says_the_selection_used_the_validation_split(central_run: Path, tmp_path: Path) -> None:
     assert main(["export", str(central_run), "--out", str(tmp_path / "best"), "--checkpoint", "best"]) == 0
     report = json.loads((tmp_path / "best" / "privacy_report.json").read_text())
-    assert "NOT covered by the guarantee" in report["model_selection"] and "synth/test" in report["model_selection"]
+    assert "NOT covered by the guarantee" in report["model_selection"] and "validation split (data.val)" in report["model_selection"]
+
+
+def test_an_export_holds_nothing_machine_local(central_run: Path, tmp_path: Path) -> None:
+    """Issue 27: paths in hospitals carry study and patient names; the artefact names no path, host or user."""
+    import getpass
+    import re
+    import socket
+
+    import torch
+
+    out = tmp_path / "best"
+    assert main(["export", str(central_run), "--out", str(out), "--checkpoint", "best"]) == 0
+    texts = {name: (out / name).read_text() for name in ("privacy_report.json", "PRIVACY.txt")}
+    texts["model.pt"] = json.dumps(torch.load(out / "model.pt", weights_only=True)["extra"], ensure_ascii=False)
+    local = [str(central_run.parent), "synth/test", "synth/public", socket.gethostname()]
+    local += [getpass.getuser()] if getpass.getuser() != "root" else []
+    for name, text in texts.items():
+        for word in local:
+            assert word not in text, (name, word)
+        assert not re.search(r"(?<![\w.])/(tmp|home|Users|data|mnt|var)\b", text), (name, text)
+    # the unit was chosen automatically (public records name images, not patients), and the artefact says so
+    assert "protection unit: image (chosen automatically: the coarsest unit the annotations support" in texts["PRIVACY.txt"]
+    assert json.loads(texts["privacy_report.json"])["protection_unit_choice"].startswith("chosen automatically")
+
+
+def test_machine_local_text_is_withheld_and_ordinary_text_kept() -> None:
+    from fedpose.cli.export import MACHINE_LOCAL, _withhold_machine_local
+
+    kept = ["q = B/N over units", "add/remove-one-patient adjacency", "(ε, δ)-DP", "ε = 2.5 (DP, δ = 1e-05, RDP) per record",
+            "Y/Cb/Cr bit planes", "1/2"]
+    assert _withhold_machine_local(kept, ["ward7-pc"]) == kept
+    leaky = {"a": "best on /srv/hospital/study-17/val: NOT", "b": ["see ~/runs/x.", r"at D:\scans\p-017 now"], "c": "on ward7-pc"}
+    assert _withhold_machine_local(leaky, ["ward7-pc"]) == {
+        "a": f"best on {MACHINE_LOCAL}: NOT", "b": [f"see {MACHINE_LOCAL}.", f"at {MACHINE_LOCAL} now"], "c": f"on {MACHINE_LOCAL}"}
 
 
 def test_a_federated_model_is_exported_with_every_site_s_guarantee(tmp_path: Path) -> None:

@@ -356,9 +356,10 @@ def test_cli_walks_directories_and_survives_corrupt_images(tmp_path, capsys):
     _write_png(src / "sub" / "other.png", 2)
     (src / "broken.png").write_bytes(b"not an image")
     code = main(["ldp", "slice", str(src), "--out", str(tmp_path / "out"), "--epsilon", "5", "--no-ll-prune"])
-    assert code == 1
+    assert code == 2
     err = capsys.readouterr().err
-    assert "broken.png" in err
+    assert "broken.png" in err and "1 of 3 input(s) could not be decoded and were skipped (the other 2 were written)" in err
+    assert len(err.strip().splitlines()) == 1  # named once, in one line
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["good.png", "other.png"]
 
 

@@ -356,7 +356,7 @@ def test_central_training_on_synthetic_patients_is_patient_level_by_default(synt
     report = json.loads((tmp_path / "run" / "privacy.json").read_text())
     assert report["protection_unit"] == "patient" and "every record has a patient_id" in report["protection_unit_choice"]
     assert report["sample_rate"] == pytest.approx(1 / 2)  # 8 images = 2 patients; q over patients
-    assert summary["privacy"].endswith("per patient")
+    assert summary["epsilon_text"].endswith("per patient") and summary["privacy"]["protection_unit"] == "patient"
     assert any(line.startswith("protection unit: patient") for line in lines)
     # the run's ledger is per patient: resuming it per image would mix two guarantees
     with pytest.raises(ConfigError, match="the checkpoint's privacy ledger is per patient"):

@@ -334,7 +334,7 @@ def test_cli_generates_and_refuses_non_empty_dir(tmp_path, capsys):
     out = tmp_path / "ds"
     args = ["data", "synth", "--out", str(out), "--sites", "1", "--per-site", "2", "--public", "2",
             "--test", "1", "--size", "64x48", "--seed", "2", "--workers", "1", "--quiet"]
-    assert cli_main(args) == 0
+    assert cli_main(args + ["--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["splits"] == {"public": 2, "site-1": 2, "test": 1} and summary["size"] == [64, 48]
     assert cli_main(args) == 2

@@ -30,10 +30,16 @@ COMMAND_MODULES: tuple[str, ...] = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from fedpose.cli.common import CliParser
+
+    from fedpose import __version__
+
+    parser = CliParser(
         prog="fedpose",
         description="Federated, differentially private 2D human-pose training.",
+        epilog="Run `fedpose COMMAND --help` for a command's options and examples.",
     )
+    parser.add_argument("--version", action="version", version=f"fedpose {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMAND_MODULES:
         importlib.import_module(f"fedpose.cli.{name}").register(sub)
@@ -41,9 +47,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``fedpose ARGV``; returns the exit status (usage errors too: 2, one line on stderr)."""
     from fedpose.cli.common import run_handler
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # bare `fedpose`: what it can do
+        parser.print_help()
+        return 0
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed in one line
+        return exc.code if isinstance(exc.code, int) else 2
     return run_handler(args)
 
 

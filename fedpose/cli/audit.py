@@ -1,7 +1,7 @@
 """``fedpose audit``: empirical lower bound on ε from one training run (white-box or black-box canaries).
 
-    fedpose audit --config configs/train-dpsgd.toml [--canaries 1000] [--confidence 0.95] [--json] [--out DIR]
-    fedpose audit --config configs/train-dpsgd.toml --mode black-box   # canary images, scored by loss
+    fedpose audit --config configs/central.toml [--canaries 1000] [--confidence 0.95] [--json] [--out DIR]
+    fedpose audit --config configs/central.toml --mode black-box   # canary images, scored by loss
     fedpose audit --config configs/demo.toml --site site-1             # one round through the real site code
 
 A central config (``fedpose train``'s) audits ``train.steps`` steps of central training; a
@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fedpose.cli.common import UserError, open_unit_interval, positive_int, print_json
+from fedpose.cli.common import UserError, examples, open_unit_interval, positive_int, print_json
 
 #: exit status of an audit whose lower bound exceeds the claimed ε (the implementation leaks more than it says)
 VIOLATION_EXIT = 3
@@ -57,6 +57,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the audit's own coins (canary directions and inclusion)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--out", type=Path, help="directory for audit.json and scores.png (score distributions)")
+    parser.epilog = examples(
+        'fedpose audit --config configs/central.toml',
+        'fedpose audit --config configs/central.toml --mode black-box --canaries 500',
+        'fedpose audit --config configs/demo.toml --site site-1 --json',
+    )
     parser.set_defaults(handler=run)
 
 
@@ -71,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
             from fedpose.federation.config import FederationConfig
 
             raw.pop("synthetic", None)  # read by `fedpose simulate` only
-            federation = validate(FederationConfig, raw, str(args.config))
+            federation = validate(FederationConfig, raw, str(args.config), args.overrides)
             sites = {s.site_id: s for s in federation.sites}
             site = sites.get(args.site) if args.site else federation.sites[0]
             if site is None:
@@ -84,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             if args.site:
                 raise UserError(f"--site needs a federation config ([[sites]]); {args.config} is a central one")
-            cfg = validate(RunConfig, raw, str(args.config))
+            cfg = validate(RunConfig, raw, str(args.config), args.overrides)
     except ConfigError as exc:
         raise UserError(str(exc)) from None
 
@@ -108,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"{summary['mechanism']} ({summary['setting']}, {summary['mode']}, {summary['canaries']} canaries):")
         print(f"  claimed:   {summary['epsilon_text']}, {summary['neighbouring_relation']}")
+        unit, why = summary["protection_unit"], summary["protection_unit_choice"]
+        print(f"  audited:   per {unit}{f' ({why})' if why else ''}, q = {summary['sample_rate']:.4g}, "
+              f"σ = {summary['noise_multiplier']:.4g}, {summary['steps']} steps, {summary['accountant'].upper()} accountant")
         print(f"  empirical: {summary['epsilon_lower_text']}")
         print(f"  best guesses: {summary['correct']}/{summary['guesses']} correct "
               f"(Steinke et al.: {summary['epsilon_lower_steinke']:.4g}, f-DP: {summary['epsilon_lower_fdp']:.4g})")

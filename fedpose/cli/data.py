@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fedpose.cli.common import UserError, print_json
+from fedpose.cli.common import UserError, examples, print_json
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,6 +31,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     synth.add_argument("--overwrite", action="store_true", help="replace a previous dataset in --out")
     synth.add_argument("--resume", action="store_true", help="continue an interrupted run with the same parameters")
     synth.add_argument("--quiet", action="store_true", help="no progress bar")
+    synth.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    synth.epilog = examples(
+        'fedpose data synth --out data/synth --sites 3 --per-site 500',
+        'fedpose data synth --out data/tiny --sites 1 --per-site 8 --public 8 --test 4 --size 64x64',
+    )
     synth.set_defaults(handler=run_synth)
 
 
@@ -50,11 +55,19 @@ def run_synth(args: argparse.Namespace) -> int:
         )
     except SyntheticDataError as exc:
         raise UserError(str(exc)) from None
-    print_json({
+    summary = {
         "out": str(args.out),
         "splits": {name: split["images"] for name, split in manifest["splits"].items()},
         "size": manifest["params"]["size"],
         "seed": manifest["params"]["seed"],
         "sites": {name: split["description"] for name, split in manifest["splits"].items()},
-    })
+    }
+    if args.json:
+        print_json(summary)
+        return 0
+    height, width = summary["size"]
+    print(f"synthetic dataset in {args.out} ({height}x{width} images, seed {summary['seed']}):")
+    for name, images in summary["splits"].items():
+        description = summary["sites"][name].removeprefix(f"{name}: ")
+        print(f"  {name}: {images} image{'' if images == 1 else 's'} — {description}")
     return 0

@@ -15,8 +15,7 @@ import io
 import sys
 from pathlib import Path
 
-from fedpose.cli.common import UserError, open_unit_interval, positive_float, positive_int
-from fedpose.cli.ldp import IMAGE_SUFFIXES
+from fedpose.cli.common import IMAGE_SUFFIXES, UserError, examples, open_unit_interval, positive_float, positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -31,6 +30,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--insecure-seed", type=int, default=None,
                         help="TESTS ONLY: seeded P and noise, NOT PRIVATE (the seed regenerates the noise); "
                         "default: CSPRNG (AES-256-CTR keyed from os.urandom)")
+    parser.epilog = examples(
+        'fedpose dprp clip.npy --out private.npy --epsilon 4 --delta 1e-5 --proj-dim 64',
+        'fedpose dprp frames/ --out private_frames/ --epsilon 4 --delta 1e-5 --proj-dim 64',
+    )
     parser.set_defaults(handler=_run)
 
 
@@ -56,8 +59,10 @@ def load_clip(path: Path):
         raise UserError(f"{path}: no such file or directory")
     try:
         clip = np.load(path, allow_pickle=False)
-    except (ValueError, OSError) as exc:
-        raise UserError(f"{path}: not a readable .npy array ({exc})") from exc
+    except (ValueError, OSError, EOFError) as exc:  # EOFError: an empty or truncated file
+        # not numpy's text for pickled data: it advises loading the file unsafely
+        reason = "it holds pickled objects, which are never loaded" if "pickle" in str(exc) else " ".join(str(exc).split())
+        raise UserError(f"{path}: not a readable .npy array ({reason})") from exc
     if clip.ndim != 4 or clip.shape[-1] != 3:
         raise UserError(f"{path}: expected an array F×H×W×3, got shape {clip.shape}")
     if clip.dtype == np.uint8:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 
-from fedpose.cli.common import UserError, print_json
+from fedpose.cli.common import UserError, collect_images, examples, print_json
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -17,14 +18,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "(MPII protocol, head boxes) on every record that has a head box.",
     )
     ev.add_argument("--checkpoint", required=True, type=Path,
-                    help="a fedpose checkpoint (e.g. RUN_DIR/checkpoints/best.pt), or a federation's model: the "
+                    help="a checkpoint file (e.g. RUN_DIR/checkpoints/best.pt), a `fedpose train` run directory (its "
+                         "last checkpoint), a `fedpose export` directory (model.pt), or a federation's model: the "
                          "coordinator's global.npz or its checkpoint directory")
     ev.add_argument("--data", required=True, type=Path, help="dataset directory, annotations json or COCO keypoints json")
-    ev.add_argument("--batch-size", type=int, default=32)
+    ev.add_argument("--batch-size", type=int, default=32, help="images per forward pass (default 32)")
     ev.add_argument("--max-samples", type=int, default=None, help="evaluate the first N records only")
     ev.add_argument("--overlays", type=Path, default=None, help="also write a PNG grid of the first 16 crops (prediction + GT)")
     ev.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     ev.add_argument("--device", default="auto", help="auto (CUDA when available, else the CPU), cpu, cuda or cuda:N")
+    ev.epilog = examples(
+        'fedpose eval --checkpoint runs/train --data data/test   # a run directory: its last checkpoint',
+        'fedpose eval --checkpoint release/ --data data/test --json   # an export directory (model.pt)',
+    )
     ev.set_defaults(handler=run_eval)
 
     pr = subparsers.add_parser(
@@ -34,12 +40,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "write <name>_pose.png overlays plus predictions.json to --out.",
     )
     pr.add_argument("--checkpoint", required=True, type=Path,
-                    help="a fedpose checkpoint, or the coordinator's global.npz (or its checkpoint directory)")
-    pr.add_argument("images", nargs="+", type=Path, metavar="IMAGE")
+                    help="a checkpoint file (e.g. RUN_DIR/checkpoints/best.pt), a `fedpose train` run directory (its "
+                         "last checkpoint), a `fedpose export` directory (model.pt), or a federation's model: the "
+                         "coordinator's global.npz or its checkpoint directory")
+    pr.add_argument("images", nargs="+", type=Path, metavar="IMAGE",
+                    help="image files, or directories (walked recursively for images)")
     pr.add_argument("--out", required=True, type=Path, help="output directory")
     pr.add_argument("--min-confidence", type=float, default=0.0,
-                    help="hide joints whose confidence (peak SimCC probability) is below this")
+                    help="hide joints whose confidence is below this (0–1: the peak SimCC probability relative to a "
+                         "training target's peak; saturated outputs count as 0)")
     pr.add_argument("--device", default="auto", help="auto (CUDA when available, else the CPU), cpu, cuda or cuda:N")
+    pr.epilog = examples(
+        'fedpose predict --checkpoint release/ photos/ --out poses/   # every image under photos/',
+        'fedpose predict --checkpoint runs/demo/coordinator a.jpg b.png --out poses/ --min-confidence 0.3',
+    )
     pr.set_defaults(handler=run_predict)
 
 
@@ -56,10 +70,26 @@ def _load_model(path: Path, device_setting: str):
         if global_checkpoint_path(path) is not None:  # a federation's model: the coordinator's global.npz (or its dir)
             model = load_global_model(path).model
         else:
-            model, _ = model_from_checkpoint(path)
+            model, _ = model_from_checkpoint(_model_file(path))
     except (CheckpointError, ConfigError, GlobalModelError) as exc:
         raise UserError(str(exc)) from None
     return model.to(device), describe_device(device)
+
+
+#: what a directory given as --checkpoint may be, and the model file inside it (a coordinator
+#: directory is recognised by its global.npz)
+MODEL_IN_DIRECTORY = (("a `fedpose train` run directory", "checkpoints/last.pt"), ("a `fedpose export` directory", "model.pt"))
+
+
+def _model_file(path: Path) -> Path:
+    """--checkpoint: a checkpoint file as given; a run directory → its last checkpoint; an export directory → model.pt."""
+    if not path.is_dir():
+        return path
+    for _, name in MODEL_IN_DIRECTORY:
+        if (path / name).is_file():
+            return path / name
+    kinds = ", ".join(f"{what} ({name})" for what, name in MODEL_IN_DIRECTORY)
+    raise UserError(f"--checkpoint {path}: a directory that is none of {kinds} or a coordinator directory (global.npz)")
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -121,15 +151,14 @@ def run_predict(args: argparse.Namespace) -> int:
     from fedpose.runtime import model_device
     from fedpose.viz import draw_skeleton, save_png
 
+    images = collect_images([str(p) for p in args.images], exclude=args.out)  # files, and directories walked
     model, device = _load_model(args.checkpoint, args.device)
     height, width = model.input_size
-    missing = [str(p) for p in args.images if not p.is_file()]
-    if missing:
-        raise UserError(f"image not found: {', '.join(missing)}")
     args.out.mkdir(parents=True, exist_ok=True)
     predictions = []
+    saturated_joints = 0
     model.eval()
-    for path in args.images:
+    for path in images:
         try:
             with Image.open(path) as img:
                 original = np.asarray(img.convert("RGB"))
@@ -144,14 +173,31 @@ def run_predict(args: argparse.Namespace) -> int:
         with torch.no_grad():
             coords, confidence = (t.cpu() for t in model.decode(*model(item["image"].unsqueeze(0).to(model_device(model)))))
         joints = crop_to_original(coords[0].numpy(), item["center"].numpy(), float(item["scale"]), model.input_size)
-        conf = confidence[0].numpy()
+        normalized, saturated = (t[0].numpy() for t in model.codec.normalized_confidence(confidence))
+        conf = np.where(saturated, 0.0, normalized)
+        saturated_joints += int(saturated.sum())
         overlay = draw_skeleton(original, joints, (conf >= args.min_confidence).astype(np.float32))
         out_png = save_png(overlay, args.out / f"{path.stem}_pose.png")
         predictions.append({
             "image": str(path), "overlay": str(out_png),
-            "joints": {name: [round(float(x), 2), round(float(y), 2)] for name, (x, y) in zip(JOINT_NAMES, joints)},
-            "confidence": {name: round(float(c), 4) for name, c in zip(JOINT_NAMES, conf)},
+            "joints": {name: [round(float(x), 2), round(float(y), 2)] if np.isfinite([x, y]).all() else None
+                       for name, (x, y) in zip(JOINT_NAMES, joints)},
+            "confidence": {name: None if sat else round(float(c), 4) for name, c, sat in zip(JOINT_NAMES, conf, saturated)},
         })
         print(f"{path} → {out_png}")
-    atomic_write_json(args.out / "predictions.json", {"checkpoint": str(args.checkpoint), "device": device, "predictions": predictions})
+    atomic_write_json(args.out / "predictions.json", {
+        "checkpoint": str(args.checkpoint), "device": device, "confidence": CONFIDENCE_MEANING, "predictions": predictions})
+    if saturated_joints:
+        print(f"WARNING: {saturated_joints} of {NUM_JOINTS * len(images)} joints have saturated outputs (a peak "
+              "probability far sharper than any training target: typical of a diverged model); their confidence is "
+              "null in predictions.json", file=sys.stderr)
     return 0
+
+
+#: what predictions.json's confidences are (written into it)
+CONFIDENCE_MEANING = (
+    "per joint, the peak SimCC probability (the less certain axis) relative to the peak of a training target, capped "
+    "at 1 (1: as sharp as the labels the model was trained on); null where the output is saturated (more than "
+    "2× sharper than any target), which is not certainty. Uncalibrated: not a probability of "
+    "being correct"
+)

@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         raise UserError(f"export: {source} is neither a `fedpose train` run directory (checkpoints/) or checkpoint, "
                         f"nor a coordinator dir ({GLOBAL_CHECKPOINT})")
-    return _write(args.out, model, _withhold_seeds(report))
+    return _write(args.out, model, _withhold_machine_local(_withhold_seeds(report)))
 
 
 def _central(run_dir: Path, path: Path) -> tuple[Any, dict[str, Any]]:
@@ -130,9 +130,9 @@ def _central(run_dir: Path, path: Path) -> tuple[Any, dict[str, Any]]:
         )
     report = {"source": "central training", **_publishable_sections(publishable_report(privacy))}
     if path.stem == "best":
-        val = ((checkpoint.get("config") or {}).get("data") or {}).get("val")
-        report["model_selection"] = (f"best validation PCKh on {val}: the selection used that split and is NOT covered "
-                                     "by the guarantee unless the split is public")
+        # the split is named by its role, never by its path (hospital paths carry study and patient names)
+        report["model_selection"] = ("best validation PCKh on the run's validation split (data.val): the selection used "
+                                     "that split and is NOT covered by the guarantee unless the split is public")
     elif path.stem == "last":
         report["model_selection"] = "last checkpoint (no selection on data)"
     else:
@@ -161,6 +161,44 @@ def _withhold_seeds(value: Any) -> Any:
         return {key: _withhold_seeds(item) for key, item in value.items()}
     if isinstance(value, list):
         return [_withhold_seeds(item) for item in value]
+    return value
+
+
+#: An absolute path (POSIX, ~/…, or a Windows drive) inside a text: machine-local, never published.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~])(?:~|[A-Za-z]:[\\/]|/)[^\s'\"(),;]*[^\s'\"(),;.:]")
+MACHINE_LOCAL = "<machine-local value withheld>"
+
+
+def _machine_local_words() -> list[str]:
+    """This machine's host and user names (paths in hospitals also carry study and patient names)."""
+    import getpass
+    import socket
+
+    words = []
+    for get in (socket.gethostname, getpass.getuser):
+        try:
+            word = get()
+        except Exception:  # no user name in some containers: nothing to withhold
+            continue
+        # "a" or "ci" would mangle ordinary words; "root" names nobody
+        if word and len(word) >= 3 and word != "root":
+            words.append(word)
+    return words
+
+
+def _withhold_machine_local(value: Any, words: list[str] | None = None) -> Any:
+    """Every string with absolute paths, this host's name and this user's name replaced. The report
+    is built from allow-listed keys already; this is the last line for text that names a place."""
+    words = _machine_local_words() if words is None else words
+    if isinstance(value, str):
+        value = _ABSOLUTE_PATH.sub(MACHINE_LOCAL, value)
+        for word in words:
+            value = re.sub(rf"(?<![\w-]){re.escape(word)}(?![\w-])", MACHINE_LOCAL, value)
+        return value
+    if isinstance(value, dict):
+        return {key: _withhold_machine_local(item, words) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_withhold_machine_local(item, words) for item in value]
     return value
 
 

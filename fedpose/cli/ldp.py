@@ -6,21 +6,17 @@
 
 ``slice`` writes ``OUT/<stem>.png`` (the privatized image in RGB) or, with ``--format npy``,
 ``OUT/<stem>.npy``: the privatized YCbCr uint8 array (H×W×3) as released by the randomized
-response, before the conversion back to RGB. An image that cannot be decoded is reported by name
-and skipped; the other outputs are written normally and the exit code is 1.
+response, before the conversion back to RGB. An image that cannot be decoded is skipped; the other
+outputs are written normally, then one line on stderr names every skipped input and the exit code is 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import sys
 from pathlib import Path
 
-from fedpose.cli.common import UserError, positive_float, print_json
-
-IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".webp", ".ppm"})
-
+from fedpose.cli.common import UserError, collect_images, examples, positive_float, print_json
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("ldp", help="LDP-Slicing: pixel-wise ε-LDP images (budget allocation, privatize)")
@@ -28,21 +24,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     allocate = sub.add_parser("allocate", help="per-bit-plane budgets ε_{c,b} for an ε_total")
     allocate.add_argument("--epsilon", type=positive_float, required=True, help="ε_total per pixel")
-    allocate.add_argument("--allocation", choices=("sqrt", "uniform"), default="sqrt")
+    allocate.add_argument("--allocation", choices=("sqrt", "uniform"), default="sqrt",
+                          help="sqrt: ε_{c,b} ∝ √(w_c w_b), more budget to luma and high bits (default); uniform: equal")
     allocate.add_argument("--json", action="store_true", help="print one JSON object only")
+    allocate.epilog = examples(
+        'fedpose ldp allocate --epsilon 20',
+        'fedpose ldp allocate --epsilon 20 --allocation uniform --json',
+    )
     allocate.set_defaults(handler=_allocate)
 
     slice_ = sub.add_parser("slice", help="privatize images (files or directories, walked recursively)")
     slice_.add_argument("inputs", nargs="+", metavar="INPUT", help="image files or directories")
     slice_.add_argument("--out", required=True, help="output directory")
     slice_.add_argument("--epsilon", type=positive_float, required=True, help="ε_total per (masked) pixel")
-    slice_.add_argument("--no-ll-prune", dest="ll_prune", action="store_false", help="skip the Haar LL pruning")
+    slice_.add_argument("--no-ll-prune", dest="ll_prune", action="store_false",
+                        help="skip the Haar LL pruning: release the whole image, not only its edges and detail")
     slice_.add_argument("--ll-offset", type=float, default=0.0,
                         help="added after LL pruning, before the clamp (128 keeps negative details; default 0)")
-    slice_.add_argument("--allocation", choices=("sqrt", "uniform"), default="sqrt")
+    slice_.add_argument("--allocation", choices=("sqrt", "uniform"), default="sqrt",
+                        help="how ε_total is split over the bit planes (see `fedpose ldp allocate`; default sqrt)")
     slice_.add_argument("--insecure-seed", type=int, default=None,
                         help="TESTS ONLY: seeded PCG64, NOT PRIVATE (the seed undoes the flips); default: CSPRNG")
-    slice_.add_argument("--format", choices=("png", "npy"), default="png")
+    slice_.add_argument("--format", choices=("png", "npy"), default="png",
+                        help="png: the privatized image in RGB (default); npy: the released YCbCr uint8 array")
+    slice_.epilog = examples(
+        'fedpose ldp slice photos/ --out private/ --epsilon 20',
+        'fedpose ldp slice a.png --out private/ --epsilon 20 --no-ll-prune --ll-offset 128',
+    )
     slice_.set_defaults(handler=_slice)
 
 
@@ -60,38 +68,22 @@ def _allocate(args: argparse.Namespace) -> int:
     return 0
 
 
-def collect_images(inputs: list[str], exclude: Path | None = None) -> list[Path]:
-    """Files as given; directories walked recursively for image files (skipping ``exclude``, the
-    output directory). Sorted, deduplicated."""
-    skip = exclude.resolve() if exclude is not None else None
-
-    def wanted(p: Path) -> bool:
-        return p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and (skip is None or skip not in p.resolve().parents)
-
-    found: list[Path] = []
-    for item in inputs:
-        path = Path(item)
-        if path.is_dir():
-            found.extend(sorted(p for p in path.rglob("*") if wanted(p)))
-        elif path.is_file():
-            found.append(path)
-        else:
-            raise UserError(f"{path}: no such file or directory")
-    unique = list(dict.fromkeys(p.resolve() for p in found))
-    stems: dict[str, Path] = {}
-    for path in unique:
-        if path.stem in stems:
-            raise UserError(f"{path} and {stems[path.stem]} would both be written as '{path.stem}'; rename one")
-        stems[path.stem] = path
-    if not unique:
-        raise UserError("no images found in the given inputs")
-    return unique
+def what_is_kept(ll_prune: bool, ll_offset: float) -> str:
+    """What survives in the output, and how to keep more: LL pruning (the default) releases detail only."""
+    if not ll_prune:
+        return ("the whole image (--no-ll-prune): brightness, colour and detail, every bit plane flipped at its "
+                "budget; the guarantee holds per original pixel")
+    kept = ("each 2×2 block's average (the picture's brightness and colour) is zeroed before the flips (LL pruning, "
+            "the default, no budget spent), so only edges and fine detail are released")
+    if ll_offset == 0:
+        return (kept + ", and negative detail is clamped to 0: at moderate ε the result looks like static. Keep more "
+                "with --ll-offset 128 (negative detail too) or --no-ll-prune (the whole image)")
+    return kept + f", shifted by --ll-offset {ll_offset:g} so negative detail survives; --no-ll-prune keeps the whole image"
 
 
 def _slice(args: argparse.Namespace) -> int:
     import numpy as np
-    from tqdm import tqdm
-
+    from fedpose.progress import progress_bar
     from fedpose.io import atomic_write
     from fedpose.privacy.input_privacy import InputPrivacyError, load_rgb
     from fedpose.viz import save_png
@@ -106,27 +98,32 @@ def _slice(args: argparse.Namespace) -> int:
         )
     except LdpSlicingError as exc:
         raise UserError(str(exc)) from exc
-    failed: list[str] = []
-    for path in tqdm(images, desc="ldp slice", unit="img", disable=len(images) < 20):
+    failed: list[str] = []  # reported once, at the end, in one line
+    bar = progress_bar(len(images), "ldp slice", unit="img", disable=len(images) < 20)
+    for path in images:
+        bar.update(1)
         try:
             result = slicer(load_rgb(path))
         except InputPrivacyError as exc:
-            print(f"fedpose: error: {exc}", file=sys.stderr)
-            failed.append(str(path))
+            failed.append(" ".join(str(exc).split()))
             continue
+        # privatized images are made to be handed on: the umask's mode, not owner-only
         if args.format == "png":
-            save_png(result.rgb, out_dir / f"{path.stem}.png")
+            save_png(result.rgb, out_dir / f"{path.stem}.png", shared=True)
         else:
             buffer = io.BytesIO()
             np.save(buffer, result.ycbcr)
-            atomic_write(out_dir / f"{path.stem}.npy", lambda fh: fh.write(buffer.getvalue()))
+            atomic_write(out_dir / f"{path.stem}.npy", lambda fh: fh.write(buffer.getvalue()), shared=True)
+    bar.close()
     guarantee = slicer.guarantee()
     written = len(images) - len(failed)
-    print(
-        f"wrote {written} image(s) to {out_dir} ({args.format}); {guarantee['guarantee_statement']}; "
-        f"δ = 0; {guarantee['block_note']}; randomness: {guarantee['randomness']}"
-    )
+    print(f"wrote {written} {'image' if written == 1 else 'images'} to {out_dir} ({args.format})")
+    print(f"  guarantee: {guarantee['guarantee_statement']}; δ = 0")
+    print(f"  unit: {guarantee['block_note']}")
+    print(f"  kept: {what_is_kept(args.ll_prune, args.ll_offset)}")
+    print(f"  randomness: {guarantee['randomness']}")
     if failed:
-        print(f"fedpose: error: {len(failed)} input(s) could not be decoded: {', '.join(failed)}", file=sys.stderr)
-        return 1
+        others = f"the other {written} were written" if written else "nothing was written"
+        raise UserError(f"{len(failed)} of {len(images)} input(s) could not be decoded and were skipped ({others}): "
+                        f"{'; '.join(failed)}")
     return 0

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fedpose.cli.common import UserError
+from fedpose.cli.common import UserError, examples
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -16,18 +16,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show = sub.add_parser("show", help="one line per site: reported ε (guarantee, δ), rounds joined/refused/missing")
     show.add_argument("--db", required=True, type=Path, help="ledger database (coordinator checkpoint_dir/ledger.sqlite)")
     show.add_argument("--eps-max", type=float, default=None, help="also mark sites whose reported ε reached this")
+    show.epilog = examples(
+        'fedpose ledger show --db runs/demo/coordinator/ledger.sqlite --eps-max 8',
+    )
     show.set_defaults(handler=_show)
 
     export = sub.add_parser("export", help="dump every (site, round) entry")
     export.add_argument("--db", required=True, type=Path, help="ledger database")
-    export.add_argument("--format", choices=("json", "csv"), default="json")
+    export.add_argument("--format", choices=("json", "csv"), default="json", help="json (default) or csv")
     export.add_argument("--out", type=Path, default=None, help="write here (atomically) instead of stdout")
+    export.epilog = examples(
+        'fedpose ledger export --db runs/demo/coordinator/ledger.sqlite --format csv --out ledger.csv',
+    )
     export.set_defaults(handler=_export)
 
 
 def _open(path: Path):
     from fedpose.federation.ledger import BudgetLedger, LedgerError
 
+    if path.is_dir():  # SQLite would answer "disk I/O error"
+        raise UserError(f"{path}: a directory, not a ledger database file")
     try:
         return BudgetLedger(path, read_only=True)
     except LedgerError as exc:

@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from fedpose.cli.common import UserError, print_json
+from fedpose.cli.common import UserError, examples, print_json
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,6 +24,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--gt", required=True, type=Path, help="ground-truth annotations (json or dataset dir)")
     parser.add_argument("--pred", required=True, type=Path, help='predictions json: {"preds": N×16×2}')
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.epilog = examples(
+        'fedpose pckh --gt data/mpii-valid/valid.json --pred data/mpii-valid/preds_hg_s8.json',
+    )
     parser.set_defaults(handler=run)
 
 

@@ -18,7 +18,15 @@ import json
 import math
 from pathlib import Path
 
-from fedpose.cli.common import UserError, nonnegative_float, open_unit_interval, positive_float, positive_int, print_json
+from fedpose.cli.common import (
+    UserError,
+    examples,
+    nonnegative_float,
+    open_unit_interval,
+    positive_float,
+    positive_int,
+    print_json,
+)
 
 #: the registry's names (fedpose.privacy.accountants.ACCOUNTANTS), listed here so `--help` needs no numerics import
 ACCOUNTANT_NAMES = ("rdp", "pld", "prv")
@@ -61,16 +69,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     eps = sub.add_parser("epsilon", help="ε of T Poisson-subsampled Gaussian steps (RDP, PLD or PRV accountant)")
     eps.add_argument("--noise-multiplier", type=nonnegative_float, required=True, help="σ (noise std / clip C)")
     _add_common(eps)
+    eps.epilog = examples(
+        'fedpose privacy epsilon --noise-multiplier 1.0 --sample-rate 0.01 --steps 1000 --delta 1e-5',
+        'fedpose privacy epsilon --noise-multiplier 1.0 --sample-rate 0.5 --steps 100 --delta 1e-5 --unit patient --accountant rdp',
+    )
     eps.set_defaults(handler=_epsilon)
 
     noise = sub.add_parser("noise", help="smallest noise multiplier σ (to 0.5%%) reaching a target ε")
-    noise.add_argument("--target-epsilon", type=positive_float, required=True)
+    noise.add_argument("--target-epsilon", type=positive_float, required=True, help="the ε to reach (at --delta)")
     _add_common(noise)
+    noise.epilog = examples(
+        'fedpose privacy noise --target-epsilon 4 --sample-rate 0.01 --steps 1000 --delta 1e-5',
+        'fedpose privacy noise --target-epsilon 8 --sample-rate 0.05 --steps 500 --delta 1e-5 --guarantee FDP',
+    )
     noise.set_defaults(handler=_noise)
 
-    rep = sub.add_parser("report", help="summarise a privacy.json written by training")
-    rep.add_argument("path", type=Path)
-    rep.add_argument("--json", action="store_true")
+    rep = sub.add_parser("report", help="summarise a privacy.json written by training (or a run / export directory)")
+    rep.add_argument("path", type=Path, metavar="PATH",
+                     help="a privacy.json, a `fedpose train` run directory (its privacy.json) or a `fedpose export` "
+                          "directory (its privacy_report.json)")
+    rep.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    rep.epilog = examples(
+        "fedpose privacy report runs/train   # the run's privacy.json",
+        "fedpose privacy report release/ --json   # an export's privacy_report.json",
+    )
     rep.set_defaults(handler=_report)
 
     budget = sub.add_parser(
@@ -80,7 +102,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     budget.add_argument("--accountant", choices=ACCOUNTANT_NAMES, default=None, help="the accountant to compare with or switch to")
     budget.add_argument("--apply", action="store_true",
                         help="switch the budget to --accountant (recorded in the budget with ε before and after)")
-    budget.add_argument("--json", action="store_true")
+    budget.add_argument("--json", action="store_true", help="print one JSON object only")
+    budget.epilog = examples(
+        'fedpose privacy budget runs/demo/site-1',
+        'fedpose privacy budget runs/demo/site-1 --accountant pld --apply',
+    )
     budget.set_defaults(handler=_budget)
 
     adopt = sub.add_parser(
@@ -158,20 +184,35 @@ def _noise(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     from fedpose.privacy.report import describe
 
+    path = _report_file(args.path)
     try:
-        report = json.loads(args.path.read_text())
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{args.path}: not valid JSON ({exc})") from None
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: not valid JSON ({' '.join(str(exc).split())})") from None
     if not isinstance(report, dict) or "mechanism" not in report:
-        raise UserError(f"{args.path}: not a fedpose privacy.json (no 'mechanism' key)")
+        raise UserError(f"{path}: not a fedpose privacy.json (no 'mechanism' key)")
     if args.json:
         print_json(report)
     else:
         try:
             print(describe(report))
         except KeyError as exc:
-            raise UserError(f"{args.path}: privacy.json lacks key {exc}") from None
+            raise UserError(f"{path}: the privacy report lacks key {exc}") from None
     return 0
+
+
+#: what a directory given to `privacy report` holds: a run's report, or an export's
+REPORT_FILES = ("privacy.json", "privacy_report.json")
+
+
+def _report_file(path: Path) -> Path:
+    """A report file as given, or the report inside a run or export directory."""
+    if not path.is_dir():
+        return path
+    for name in REPORT_FILES:
+        if (path / name).is_file():
+            return path / name
+    raise UserError(f"{path}: a directory without {' or '.join(REPORT_FILES)} (give a run or export directory, or the file)")
 
 
 def _budget(args: argparse.Namespace) -> int:

@@ -169,7 +169,9 @@ def _handle(args: argparse.Namespace) -> int:
 
     gpus = gpus_per_site(federation, torch.cuda.device_count())
     per_site = f"{federation.simulation.cpus_per_site:g} CPU" + (f" + {gpus:g} GPU" if gpus else "")
-    print(f"simulating run '{federation.run_id}': {len(federation.sites)} sites, {federation.coordinator.rounds} rounds, "
+    sites, rounds = len(federation.sites), federation.coordinator.rounds
+    print(f"simulating run '{federation.run_id}': {sites} site{'' if sites == 1 else 's'}, "
+          f"{rounds} round{'' if rounds == 1 else 's'}, "
           f"{per_site} per site; state in {checkpoint_dir}; Flower's log in {log_path}", flush=True)
     try:
         # Flower's log (its tracebacks of failed ClientApps included) goes to the log file; the

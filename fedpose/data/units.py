@@ -76,7 +76,7 @@ def resolve_unit(requested: str, records: Sequence[PoseRecord], where: str) -> U
         why = {"patient": "every record has a patient_id",
                "image": "not every record has a patient_id, but every record names its image",
                "record": "records name neither a patient nor an image"}[unit]
-        return UnitResolution(unit, AUTO_UNIT, f"default: the coarsest unit the annotations support ({why})")
+        return UnitResolution(unit, AUTO_UNIT, f"chosen automatically: the coarsest unit the annotations support ({why})")
     if requested not in UNITS_FINEST_FIRST:
         raise UnitError(f"{where}: unknown protection unit {requested!r}; choose one of {', '.join(UNITS_FINEST_FIRST)} or auto")
     missing = _missing(records, requested)  # type: ignore[arg-type]
@@ -88,7 +88,7 @@ def resolve_unit(requested: str, records: Sequence[PoseRecord], where: str) -> U
             f"{len(records)} records lack it (first: record {missing[0]}, image {first.image!r}). Annotate them, "
             f"or choose a finer unit (supported here: {', '.join(supported_units(records))})"
         )
-    return UnitResolution(requested, requested, "configured (privacy.unit)")  # type: ignore[arg-type]
+    return UnitResolution(requested, requested, "as configured (privacy.unit)")  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

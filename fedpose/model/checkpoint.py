@@ -15,6 +15,7 @@ dict (e.g. ImageNet weights someone copied onto the machine); nothing is ever do
 from __future__ import annotations
 
 import random
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -102,10 +103,18 @@ def save_checkpoint(
 def _torch_load(path: Path) -> Any:
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
+    if path.is_dir():
+        raise CheckpointError(f"{path}: a directory, not a checkpoint file")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns about a foreign file's pickle protocol before refusing it
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for corrupt / foreign files
-        raise CheckpointError(f"{path}: not a readable torch checkpoint ({exc})") from exc
+        # Not torch's text: it advises weights_only=False, i.e. running whatever code the file holds.
+        raise CheckpointError(
+            f"{path}: not a readable torch checkpoint (damaged, truncated, or not written by fedpose; it is only ever "
+            f"read as weights, never unpickled as arbitrary objects; {type(exc).__name__})"
+        ) from exc
 
 
 def save_weights_only(path: str | Path, model: nn.Module, extra: dict[str, Any] | None = None) -> Path:

@@ -51,6 +51,10 @@ class SimCCHead(nn.Module):
         return self.cls_x(tokens), self.cls_y(tokens)
 
 
+#: a peak probability this many times a training target's peak is saturation, not confidence
+SATURATION_FACTOR = 2.0
+
+
 @dataclass(frozen=True)
 class SimCCCodec:
     """Maps coordinates in the input frame ↔ SimCC bins for an input of ``input_size`` (H, W)."""
@@ -71,6 +75,23 @@ class SimCCCodec:
         centres = torch.arange(num_bins, device=coords.device, dtype=coords.dtype)
         offset = centres - coords.unsqueeze(-1) * self.split_factor
         return torch.log_softmax(-offset.square() / (2 * self.sigma**2), dim=-1)
+
+    def target_peak(self) -> float:
+        """The largest probability a training target puts on one bin (a joint on a bin centre, far
+        from the edges): the sharpest output the loss ever asks for."""
+        bins = min(self.bins)
+        return float(self.log_targets(torch.tensor([bins / 2 / self.split_factor]), bins).exp().max())
+
+    def normalized_confidence(self, peak: Tensor) -> tuple[Tensor, Tensor]:
+        """(confidence, saturated) of :meth:`decode`'s peak probabilities.
+
+        confidence = peak / :meth:`target_peak`, capped at 1: 1 is as sharp as a training target, so
+        the raw peak (about 0.07 at σ = 6 bins for a well-trained model) reads on a scale that means
+        something. ``saturated`` marks peaks more than :data:`SATURATION_FACTOR` × sharper than any
+        target — logits blown up (typically a diverged model), which is not certainty."""
+        target = self.target_peak()
+        saturated = ~(peak <= SATURATION_FACTOR * target)  # a non-finite peak (NaN logits) included
+        return (peak / target).clamp(max=1.0), saturated
 
     def targets(self, joints: Tensor) -> tuple[Tensor, Tensor]:
         """(…, J, 2) joints → (target_x, target_y) probability vectors."""

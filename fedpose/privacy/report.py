@@ -209,7 +209,8 @@ def relation_of(guarantee_name: str) -> str:
 #: was computed from declared values. Never the dataset size, losses, gradient norms, batch
 #: sizes, seeds or RNG state (privacy.json of a central run is site-internal and may hold N).
 PUBLISHABLE_KEYS = frozenset({
-    "mechanism", "guarantee", "guarantee_statement", "unit_protected", "protection_unit", "guarantee_sentence",
+    "mechanism", "guarantee", "guarantee_statement", "unit_protected", "protection_unit", "protection_unit_choice",
+    "guarantee_sentence",
     "max_records_per_unit", "public", "epsilon", "delta",
     "epsilon_text", "accountant", "neighbouring_relation", "adjacency", "dataset_size_public", "noise_multiplier",
     "max_grad_norm", "sample_rate", "steps", "randomness", "guarantee_void", "input_privacy", "basis", "public_view",

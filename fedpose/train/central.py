@@ -4,6 +4,7 @@ Run directory (``train.out_dir``)::
 
     config.toml        the resolved configuration (defaults filled in)
     metrics.json       {"train": [per-step records], "val": [periodic validation PCKh],
+                        "divergence": [where the loss began to blow up, see DivergenceMonitor],
                         "privacy": the ε text, "NO PRIVACY GUARANTEE (seeded test noise): …" under
                         privacy.insecure_seeded_noise, "device": where it ran (train.device)}
     curves.png         training loss and validation PCKh
@@ -40,7 +41,7 @@ from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
 from fedpose.privacy.mechanisms import get_mechanism
 from fedpose.runtime import configure_device, describe_device, resolve_device
 from fedpose.train.evaluate import evaluate
-from fedpose.train.loop import calibrate_batch_norm, train_steps
+from fedpose.train.loop import DivergenceMonitor, calibrate_batch_norm, describe_divergence, train_steps
 from fedpose.train.optim import build_optimizer, build_scheduler
 
 CHECKPOINT_DIR = "checkpoints"
@@ -85,13 +86,36 @@ def resolve_resume(path: str | Path) -> Path:
     return path
 
 
-def config_from_checkpoint(checkpoint: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
+def resume_run_dir(path: str | Path) -> Path:
+    """The directory a resumed run continues in: the run directory given, or the one holding the
+    checkpoint file given (RUN_DIR/checkpoints/X.pt). Never the ``train.out_dir`` saved in the
+    checkpoint: a copied run resumed there would write into the original."""
+    path = Path(path)
+    if path.is_dir():
+        return path
+    if path.parent.name == CHECKPOINT_DIR:
+        return path.parent.parent
+    raise ConfigError(
+        f"--resume {path}: this checkpoint is not inside a run's {CHECKPOINT_DIR}/ directory, so there is no run "
+        f"directory to continue in (a resumed run writes where its checkpoint is); put it at "
+        f"RUN_DIR/{CHECKPOINT_DIR}/{LAST} and resume RUN_DIR"
+    )
+
+
+def config_from_checkpoint(
+    checkpoint: dict[str, Any], overrides: list[str] | None = None, run_dir: str | Path | None = None
+) -> RunConfig:
+    """The checkpoint's configuration plus ``overrides``; ``run_dir`` (see :func:`resume_run_dir`)
+    replaces the saved ``train.out_dir``, so the run continues where it was resumed from."""
     from fedpose.config import apply_overrides
 
     if not isinstance(checkpoint.get("config"), dict):
         raise ConfigError("the checkpoint holds no run configuration (was it written by fedpose train?)")
-    raw = apply_overrides(dict(checkpoint["config"]), overrides or [])
-    return validate(RunConfig, raw, "checkpoint config + --set")
+    raw = dict(checkpoint["config"])
+    if run_dir is not None:
+        raw["train"] = {**(raw.get("train") or {}), "out_dir": str(run_dir)}
+    raw = apply_overrides(raw, overrides or [])
+    return validate(RunConfig, raw, "the checkpoint's config", overrides)
 
 
 class _ReplayableDataset(Dataset):
@@ -121,9 +145,12 @@ class RunState:
     train: list[dict[str, Any]] = field(default_factory=list)
     val: list[dict[str, Any]] = field(default_factory=list)
     best: float = -math.inf
+    #: DivergenceMonitor events (each the step a divergence began), recorded in metrics.json
+    divergence: list[dict[str, Any]] = field(default_factory=list)
 
     def metrics(self) -> dict[str, Any]:
-        return {"train": self.train, "val": self.val, "best_val_mean": None if self.best == -math.inf else self.best}
+        return {"train": self.train, "val": self.val, "best_val_mean": None if self.best == -math.inf else self.best,
+                "divergence": self.divergence}
 
 
 def _load_dataset(path: Path, cfg: RunConfig, train: bool, seed: int, with_public_view: bool = False) -> Any:
@@ -166,6 +193,28 @@ def resolve_protection_unit(
     return choice, UnitIndex.from_records(records, choice.unit, where)
 
 
+def build_training_engine(
+    cfg: RunConfig, model: Any, train_set: Any, train_dir: Path, public_set: Any, seed: int,
+    checkpoint: dict[str, Any] | None = None,
+) -> tuple[Any, Any]:
+    """(GradientEngine, UnitResolution or None) of a central run on ``train_set``: the one place that
+    decides the protection unit, q, σ and the accountant — `fedpose train` and `fedpose audit` both
+    build their engine here, so an audit audits exactly the guarantee training would run.
+
+    A resumed run (``checkpoint``) keeps the accountant and unit its ledger started with (a
+    checkpoint from before accountants were selectable: RDP), so neither σ nor ε changes silently."""
+    from fedpose.privacy.engine import build_engine
+
+    privacy_cfg = cfg.privacy
+    saved_ledger = (checkpoint.get("extra") or {}).get("accountant") if checkpoint is not None else None
+    if saved_ledger is not None and privacy_cfg.accountant is None:
+        privacy_cfg = privacy_cfg.model_copy(update={"accountant": saved_ledger.get("accountant", "rdp")})
+    unit_choice, units = resolve_protection_unit(cfg, train_set.records, train_dir, checkpoint)
+    engine = build_engine(privacy_cfg, model, len(train_set), cfg.train.batch_size, cfg.train.steps, public_set, seed,
+                          chunk_size=cfg.train.chunk_size, units=units)
+    return engine, unit_choice
+
+
 def _curve_rows(state: RunState) -> list[dict[str, Any]]:
     rows = [{"step": r["step"], "loss": r["loss"]} for r in state.train if "loss" in r]
     rows += [{"step": v["step"], "val PCKh@0.5 Mean": v["Mean"]} for v in state.val]
@@ -184,7 +233,6 @@ def run_training(
     ``stop_after`` ends this invocation after that many steps (checkpointing there) without
     changing the schedule, e.g. to time-slice a long run on a shared machine; resume continues it.
     """
-    from fedpose.privacy.engine import build_engine
     from fedpose.privacy.input_privacy import prepare_site_dataset
 
     checkpoint = None
@@ -195,6 +243,12 @@ def run_training(
     device = resolve_device(cfg.train.device, "train.device")
     configure_device(device, cfg.train.threads)
     run_dir = Path(cfg.train.out_dir)
+    if resume is not None and run_dir.resolve() != resume_run_dir(resume).resolve():
+        raise ConfigError(
+            f"train.out_dir: a resumed run continues in the run directory it is resumed from "
+            f"({resume_run_dir(resume)}), not in {run_dir}; to continue into another directory, copy the run there "
+            "and resume the copy"
+        )
     if checkpoint is None and (run_dir / CHECKPOINT_DIR / LAST).exists():
         raise ConfigError(
             f"train.out_dir: {run_dir} already holds a run; continue it with --resume {run_dir} or choose another train.out_dir"
@@ -236,15 +290,7 @@ def run_training(
     model.to(device)  # before the optimizer exists, so its state is created (or loaded) on the device
     model.train_mode()
     stream = _ReplayableDataset(train_set)
-    privacy_cfg = cfg.privacy
-    saved_ledger = ((checkpoint.get("extra") or {}).get("accountant") if checkpoint is not None else None)
-    if saved_ledger is not None and privacy_cfg.accountant is None:
-        # A resumed run keeps the accountant it started with (a checkpoint from before accountants were
-        # selectable: RDP), so neither σ nor the reported ε changes silently mid-run.
-        privacy_cfg = privacy_cfg.model_copy(update={"accountant": saved_ledger.get("accountant", "rdp")})
-    unit_choice, units = resolve_protection_unit(cfg, train_set.records, Path(train_dir), checkpoint)
-    engine = build_engine(privacy_cfg, model, len(train_set), cfg.train.batch_size, total_steps, public_set, stream_seed,
-                          chunk_size=cfg.train.chunk_size, units=units)
+    engine, unit_choice = build_training_engine(cfg, model, train_set, Path(train_dir), public_set, stream_seed, checkpoint)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     state = RunState()
@@ -254,7 +300,8 @@ def run_training(
         scheduler.load_state_dict(checkpoint["scheduler"])
         saved = checkpoint.get("metrics") or {}
         state = RunState(start_step, list(saved.get("train", [])), list(saved.get("val", [])),
-                         saved.get("best_val_mean") if saved.get("best_val_mean") is not None else -math.inf)
+                         saved.get("best_val_mean") if saved.get("best_val_mean") is not None else -math.inf,
+                         list(saved.get("divergence", [])))
         extra = checkpoint.get("extra") or {}
         if engine.accountant is not None and extra.get("accountant") is not None:
             from fedpose.privacy.accountant import PrivacyLedger
@@ -283,7 +330,7 @@ def run_training(
         log(f"{SEEDED_NO_GUARANTEE}: privacy.insecure_seeded_noise draws the noise from train.seed = {seed}; "
             "anyone who knows the seed can remove it (tests only)")
     if unit_choice is not None:
-        log(f"protection unit: {unit_choice.unit} ({unit_choice.reason}); {engine.dataset_size} {unit_choice.unit}s, "
+        log(f"protection unit: {unit_choice.unit} ({unit_choice.reason}); {engine.dataset_size} {unit_choice.unit}{'' if engine.dataset_size == 1 else 's'}, "
             f"Poisson-sampled at q = {engine.sample_rate:.4g}, each {unit_choice.unit}'s gradient clipped to C as one")
 
     def privacy_report() -> dict[str, Any]:
@@ -314,9 +361,24 @@ def run_training(
 
     end_step = total_steps if stop_after is None else min(total_steps, start_step + max(1, stop_after))
 
+    monitor = DivergenceMonitor()
+
+    def watch(record: dict[str, Any]) -> dict[str, Any] | None:
+        # an empty Poisson batch has no loss (NaN): nothing to judge
+        if "loss" not in record or record.get("batch_units", 1) == 0:
+            return None
+        return monitor.update(record["step"], record["loss"])
+
+    for earlier in state.train:  # a resumed run judges its loss against the whole run's history
+        watch(earlier)
+
     def on_step(step: int, record: dict[str, Any]) -> None:
         state.step = step
         state.train.append(record)
+        event = watch(record)
+        if event is not None:
+            state.divergence.append(event)
+            log(describe_divergence(event))
         last = step == end_step
         if val_set is not None and (step % cfg.train.eval_every == 0 or last):
             scores = evaluate(model, val_set, batch_size=max(1, cfg.train.batch_size), max_samples=cfg.train.eval_samples)
@@ -332,7 +394,12 @@ def run_training(
         "run_dir": str(run_dir), "steps": state.step, **summary_info,
         "final_loss": state.train[-1].get("loss") if state.train else None,
         "val": state.val[-1] if state.val else None,
-        "privacy": report.get("epsilon_text"),
+        "epsilon_text": report.get("epsilon_text"),
+        "privacy": report,  # the privacy.json written beside it
+        "divergence": state.divergence,
     }
     log(f"{'done' if state.step == total_steps else 'stopped'}: {state.step}/{total_steps} steps; {report.get('epsilon_text')}")
+    if state.divergence:
+        log(f"WARNING: the training loss diverged (from step {state.divergence[0]['step']}; see 'divergence' in "
+            f"{run_dir / 'metrics.json'}): check the model before using it")
     return summary

@@ -44,6 +44,57 @@ def _check_finite(model: Any, step: int, metrics: dict[str, Any]) -> None:
     )
 
 
+class DivergenceMonitor:
+    """Flags a training loss that blows up while the weights are still finite (a non-finite weight
+    stops training: :class:`TrainingDiverged`).
+
+    Diverging means: the step's loss is not finite, or the mean loss over the last ``window`` steps
+    exceeds ``factor`` × the lowest such mean seen so far (judged once ``window`` steps are in, so the
+    noisy first steps of a private run are not compared with themselves). A warning is raised once
+    on entering that state and again only after the loss has come back below the threshold.
+    (A run whose loss went 3.19 → 3718 — the case that motivated it — crosses 10× within its window.)
+    """
+
+    def __init__(self, window: int = 10, factor: float = 10.0) -> None:
+        if window < 1 or not factor > 1:
+            raise ValueError(f"window must be >= 1 and factor > 1, got {window}, {factor}")
+        self.window, self.factor = int(window), float(factor)
+        self._recent: list[float] = []
+        self.best_mean = math.inf
+        self.diverged = False
+
+    def update(self, step: int, loss: float) -> dict[str, Any] | None:
+        """Feed one step's loss; returns a record of the divergence when this step enters it, else None."""
+        if not math.isfinite(loss):
+            was, self.diverged = self.diverged, True
+            return None if was else {"step": step, "reason": "non-finite loss", "loss": None}
+        self._recent = (self._recent + [float(loss)])[-self.window:]
+        if len(self._recent) < self.window:
+            return None
+        mean = sum(self._recent) / self.window
+        if mean <= self.factor * self.best_mean:
+            self.best_mean = min(self.best_mean, mean)
+            self.diverged = False
+            return None
+        if self.diverged:
+            return None
+        self.diverged = True
+        return {"step": step, "reason": f"mean loss over the last {self.window} steps is more than {self.factor:g}× its "
+                f"lowest so far", "loss_window_mean": mean, "lowest_window_mean": self.best_mean,
+                "ratio": mean / self.best_mean}
+
+
+def describe_divergence(event: dict[str, Any]) -> str:
+    """One warning line for a :class:`DivergenceMonitor` event."""
+    if event.get("loss") is None and "loss_window_mean" not in event:
+        what = "the loss is not finite"
+    else:
+        what = (f"mean loss {event['loss_window_mean']:.4g} over the last steps, {event['ratio']:.3g}× its lowest "
+                f"({event['lowest_window_mean']:.4g})")
+    return (f"WARNING: training is diverging at step {event['step']}: {what}. The model is likely useless from here; "
+            "lower optim.lr, or for a private run lower privacy.max_grad_norm or raise train.batch_size")
+
+
 def calibrate_batch_norm(model: Any, dataset: Dataset | None, images: int = CALIBRATION_IMAGES) -> None:
     """Frozen BatchNorm statistics for a from-scratch model, from the first ``images`` of ``dataset``
     (see :meth:`fedpose.model.PoseModel.calibrate_batch_norm`).
@@ -84,9 +135,9 @@ def train_steps(
     history: list[dict[str, Any]] = []
     bar = None
     if progress:
-        from tqdm.auto import tqdm
+        from fedpose.progress import progress_bar
 
-        bar = tqdm(total=steps, desc=description, initial=0, dynamic_ncols=True, leave=False)
+        bar = progress_bar(steps, description, unit="step")
     try:
         for i in range(steps):
             started = time.perf_counter()
@@ -114,4 +165,4 @@ def train_steps(
     return history
 
 
-__all__ = ["StepCallback", "TrainingDiverged", "evaluate", "train_steps"]
+__all__ = ["DivergenceMonitor", "StepCallback", "TrainingDiverged", "describe_divergence", "evaluate", "train_steps"]

@@ -246,9 +246,9 @@ def generate_dataset(
     specs = split_specs(params)
     todo = [s for s in specs if not (out / s.name / ANNOTATIONS_FILE).exists()]
     total = sum(s.count for s in todo)
-    from tqdm import tqdm
+    from fedpose.progress import progress_bar
 
-    bar = tqdm(total=total, desc="synth", unit="img", disable=not progress)
+    bar = progress_bar(total, "synth", unit="img", disable=not progress)
     pool = mp.get_context("spawn").Pool(workers) if workers > 1 and total > 1 else None
     try:
         # One ordered stream over all pending splits keeps both workers busy across split boundaries.
