@@ -291,11 +291,12 @@ def load_checkpoint_meta(path: str | Path) -> dict[str, Any]:
         return json.loads(bytes(data[_META_KEY]).decode()) if _META_KEY in data.files else {}
 
 
-def save_server_optimizer(path: str | Path, optimizer: ServerOptimizer) -> None:
+def save_server_optimizer(path: str | Path, optimizer: ServerOptimizer, round_id: int | None = None) -> None:
+    """``round_id``: the coordinator round whose global model this state goes with (in the meta)."""
     state = optimizer.state_dict()
     arrays = {f"{slot}/{name}": arr for slot, slot_arrays in state["arrays"].items() for name, arr in slot_arrays.items()}
-    save_array_checkpoint(path, arrays, {"name": state["name"], "hyper": state["hyper"], "steps": state["steps"],
-                                         "slots": sorted(state["arrays"])})
+    meta = {"name": state["name"], "hyper": state["hyper"], "steps": state["steps"], "slots": sorted(state["arrays"])}
+    save_array_checkpoint(path, arrays, meta if round_id is None else {**meta, "round": int(round_id)})
 
 
 def load_server_optimizer(path: str | Path, cfg: AggregationConfig, rounds: int = 1) -> ServerOptimizer:

@@ -10,7 +10,9 @@ Grid; tests use an in-process one).
 Checkpoint order per round: ledger rows first (one transaction), then server-optimizer state,
 then the global model + coordinator state (the commit point). A resume continues after the
 highest round found in either, so a crash in between never re-runs a round a site already spent
-on, and ledger rows are keyed by (site, round) so nothing is counted twice.
+on, and ledger rows are keyed by (site, round) so nothing is counted twice. The server optimizer
+resumes from the state stamped with the model checkpoint's round (the one before it is kept until
+the model is written): a round lost to the model is lost to the momentum too.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -57,6 +60,8 @@ from fedpose.federation.server.basis_service import NO_BASIS, BasisService
 log = logging.getLogger("fedpose.coordinator")
 
 OPTIMIZER_CHECKPOINT = "server_optimizer.npz"
+#: the server-optimizer state of the committed model while the next round's model is being written
+PREVIOUS_OPTIMIZER_CHECKPOINT = "server_optimizer.previous.npz"
 NODE_WAIT_POLL_S = 1.0
 NODE_SETTLE_S = 5.0  #: a fresh run waits until the connected-node count is stable this long
 
@@ -164,7 +169,7 @@ class RoundRunner:
                 raise ValueError(f"checkpoint in {self.dir} is of run '{meta.get('run_id')}', config says '{run.run_id}'")
             self.state = CoordinatorState.from_meta(meta["state"])
             self.global_state = arrays
-            self.optimizer = load_server_optimizer(self.dir / OPTIMIZER_CHECKPOINT, self.cfg.aggregation, self.cfg.rounds)
+            self.optimizer = self._committed_optimizer()
             self.history = [r for r in load_history(self.dir) if r.round <= self.state.round]
             if recorded > self.state.round:
                 # Killed after recording the ledger but before the model checkpoint: that round's
@@ -460,8 +465,23 @@ class RoundRunner:
     # -- persistence -----------------------------------------------------------------------------------
     def _save_checkpoint(self) -> None:
         self.state.basis = self.basis.state_dict()
-        save_server_optimizer(self.dir / OPTIMIZER_CHECKPOINT, self.optimizer)
+        current = self.dir / OPTIMIZER_CHECKPOINT
+        if current.exists():  # the committed model's state, until the new model is written
+            os.replace(current, self.dir / PREVIOUS_OPTIMIZER_CHECKPOINT)
+        save_server_optimizer(current, self.optimizer, round_id=self.state.round)
         save_array_checkpoint(self.dir / GLOBAL_CHECKPOINT, self.global_state, {"run_id": self.run.run_id, "state": self.state.to_meta()})
+
+    def _committed_optimizer(self) -> Any:
+        """The server optimizer as it was when the model checkpoint (round ``state.round``) was
+        written. A kill between the two writes leaves a newer state, whose momentum / moments hold
+        updates the model never took: the previous one is used then. (Unstamped: a checkpoint from
+        before the stamp, read as it always was.)"""
+        for path in (self.dir / OPTIMIZER_CHECKPOINT, self.dir / PREVIOUS_OPTIMIZER_CHECKPOINT):
+            if path.exists() and load_checkpoint_meta(path).get("round", self.state.round) == self.state.round:
+                return load_server_optimizer(path, self.cfg.aggregation, self.cfg.rounds)
+        self.ledger.close()
+        raise ValueError(f"resuming run '{self.run.run_id}': no server-optimizer state in {self.dir} goes with its model checkpoint "
+                         f"(round {self.state.round}); restore {OPTIMIZER_CHECKPOINT} from a backup")
 
     def finish(self) -> dict[str, Any]:
         summary = json.loads(self.ledger.to_json())
