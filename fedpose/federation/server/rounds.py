@@ -33,6 +33,7 @@ import numpy as np
 from fedpose.config import ModelSpec
 from fedpose.federation import protocol, witness
 from fedpose.federation.aggregation import (
+    ServerOptimizer,
     aggregate_round,
     build_server_optimizer,
     load_array_checkpoint,
@@ -471,7 +472,7 @@ class RoundRunner:
         save_server_optimizer(current, self.optimizer, round_id=self.state.round)
         save_array_checkpoint(self.dir / GLOBAL_CHECKPOINT, self.global_state, {"run_id": self.run.run_id, "state": self.state.to_meta()})
 
-    def _committed_optimizer(self) -> Any:
+    def _committed_optimizer(self) -> ServerOptimizer:
         """The server optimizer as it was when the model checkpoint (round ``state.round``) was
         written. A kill between the two writes leaves a newer state, whose momentum / moments hold
         updates the model never took: the previous one is used then. (Unstamped: a checkpoint from
