@@ -84,6 +84,11 @@ INSTRUCTION_FIELDS: dict[str, FieldRule] = {
         "cannot change the guarantee",
         "names the basis V projected onto after the noise (post-processing); V itself is checked before any "
         "spend (check_basis)"),
+    "ledger_records": FieldRule(
+        "cannot change the guarantee",
+        "the ledger's record of the site's earlier spends (fedpose.federation.witness): the site composes the "
+        "larger of its own events and the record, so a record can only raise its ε (a refusal: denial of "
+        "service), never lower it, and never changes σ, q, C or what a unit is"),
 }
 
 #: Every field of :class:`~fedpose.config.ModelSpec` (the model the coordinator asks the site to train).
