@@ -52,9 +52,18 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
     return rows
 
 
-def _row(key: str, field: FieldInfo) -> str:
+def markdown_text(text: str) -> str:
+    """``text`` with ``<`` outside code spans escaped: a renderer would take ``<checkpoint_dir>`` for an HTML tag and drop it."""
+    parts = re.split(r"(`+[^`]*`+)", text)
+    return "".join(part if part.startswith("`") else part.replace("<", "&lt;") for part in parts)
+
+
+def _row(key: str, field: FieldInfo, markdown: bool = False) -> str:
+    """One table row; ``markdown``: its description escaped for a rendered page (the README's table
+    predates the escaping and stays as it is until it moves to docs/configuration.md)."""
     default = "required" if field.is_required() else f"`{field.default!r}`"
     desc = " ".join((field.description or "").split()).replace("|", "\\|")
+    desc = markdown_text(desc) if markdown else desc
     return f"| `{key}` | {_type_name(field.annotation).replace('|', 'or')} | {default} | {desc} |"
 
 
@@ -102,38 +111,40 @@ def _anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
 
 
-def _section_tables(model: type[BaseModel], documented: dict[type[BaseModel], str]) -> list[str]:
-    """One table for the top-level keys, then one heading and table per section (sub-model) of ``model``.
+def _section_tables(model: type[BaseModel], documented: dict[type[BaseModel], str], prefix: str = "", level: int = 3) -> list[str]:
+    """The table of ``model``'s own keys, then a heading and tables per section (sub-model), nested
+    sections one heading level deeper (at most ``#####``).
 
     A section whose model is documented elsewhere on the page (``documented``: model -> the sentence
     that links there) is that link, not a second copy.
     """
     header = "| key | type | default | meaning |\n|---|---|---|---|"
-    top: list[str] = []
+    own: list[str] = []
     sections: list[str] = []
     for name, field in model.model_fields.items():
         sub = _submodel(field.annotation)
-        table = f"[{name}]"
+        table, keys = f"[{prefix}{name}]", f"{prefix}{name}."
         if sub is None and typing.get_origin(field.annotation) is list:
             (item,) = typing.get_args(field.annotation)
-            sub, table = _submodel(item), f"[[{name}]]"
+            sub, table, keys = _submodel(item), f"[[{prefix}{name}]]", f"{prefix}{name}[]."
         if sub is None:
-            top.append(_row(name, field))
+            own.append(_row(f"{prefix}{name}", field, markdown=True))
             continue
         about = " ".join((field.description or sub.__doc__ or "").split())
-        sections.append(f"\n### `{table}`\n")
         if table.startswith("[["):
             about = f"One table per entry, repeated. {about}".strip()
+        sections.append(f"\n{'#' * min(level, 5)} `{table}`\n")
         if sub in documented:
             sections.append(f"{about} {documented[sub].format(name=name)}".strip())
             continue
         if about:
             sections.append(about + "\n")
-        sections.extend([header, *_rows(sub, f"{name}[]." if table.startswith("[[") else f"{name}.")])
-    out = []
-    if top:
-        out += ["\n### Top-level keys\n", header, *top]
-    return out + sections
+        sections.extend(_section_tables(sub, documented, keys, level + 1))
+    if own and not prefix:
+        own = ["\n### Top-level keys\n", header, *own]
+    elif own:
+        own = [header, *own]
+    return own + sections
 
 
 def configuration_page() -> str:

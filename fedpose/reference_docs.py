@@ -22,8 +22,10 @@ USAGE_WIDTH = 100  #: fixed, so the usage lines do not depend on the terminal th
 
 
 def _cell(text: str) -> str:
-    """One table cell: on one line, ``|`` escaped."""
-    return " ".join(text.split()).replace("|", "\\|")
+    """One table cell: on one line, ``|`` and HTML-like ``<name>`` escaped."""
+    from fedpose.config_reference import markdown_text
+
+    return markdown_text(" ".join(text.split()).replace("|", "\\|"))
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> Iterator[tuple[argparse.ArgumentParser, str]]:
@@ -71,7 +73,7 @@ def _argument_rows(parser: argparse.ArgumentParser) -> list[str]:
 def cli_page() -> str:
     """``docs/cli.md``: one heading per subcommand with its usage and every argument's default and help."""
     from fedpose.cli import build_parser
-    from fedpose.config_reference import _anchor
+    from fedpose.config_reference import _anchor, markdown_text
 
     root = build_parser()
     commands = list(_subcommands(root))
@@ -82,15 +84,15 @@ def cli_page() -> str:
         "",
         f"{root.description} Every command also takes `-h` / `--help`.",
         "",
-        *[f"- [`{sub.prog}`](#{_anchor(sub.prog)}): {summary}" for sub, summary in commands],
+        *[f"- [`{sub.prog}`](#{_anchor(sub.prog)}): {markdown_text(summary)}" for sub, summary in commands],
     ]
     for sub, summary in commands:
         parts += ["", f"## `{sub.prog}`", ""]
         if summary:
-            parts += [summary + ("" if summary.endswith(".") else "."), ""]
+            parts += [markdown_text(summary + ("" if summary.endswith(".") else ".")), ""]
         parts += ["```text", _usage(sub), "```"]
         if sub.description and sub.description.strip() != summary.strip():
-            parts += ["", sub.description.strip()]
+            parts += ["", markdown_text(sub.description.strip())]
         rows = _argument_rows(sub)
         if rows:
             parts += ["", "| argument | default | meaning |", "|---|---|---|", *rows]

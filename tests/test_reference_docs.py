@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel
 
 from fedpose import reference_docs
-from fedpose.config_reference import CONFIG_FILES, _model, _submodel, configuration_page
+from fedpose.config_reference import CONFIG_FILES, _model, _submodel, configuration_page, markdown_text
 from fedpose.reference_docs import REGENERATE, cli_page, pages, stale_pages
 
 
@@ -80,7 +80,7 @@ def test_configuration_page_has_every_key_with_type_default_and_meaning() -> Non
             assert key in rows, f"{heading}: {key} missing"
             cells = [c.strip() for c in rows[key].strip("|").split(" | ")]
             assert len(cells) == 4 and all(cells[:3]), f"{heading}: {key} lacks type or default: {rows[key]}"
-            assert " ".join(description.split()).replace("|", "\\|") == cells[3], f"{heading}: {key} description"
+            assert markdown_text(" ".join(description.split()).replace("|", "\\|")) == cells[3], f"{heading}: {key} description"
 
 
 def test_configuration_page_links_shared_tables_instead_of_copying_them() -> None:
@@ -118,4 +118,12 @@ def test_cli_page_has_every_subcommand_and_argument_with_its_help() -> None:
             assert row is not None, f"{parser.prog}: {action.option_strings or action.dest} missing"
             if action.help:
                 words = re.sub(r"%\(\w+\)s", "", action.help).split()[:4]
-                assert " ".join(words).replace("%%", "%").replace("|", "\\|") in row, f"{parser.prog}: help of {action.dest}"
+                assert markdown_text(" ".join(words).replace("%%", "%").replace("|", "\\|")) in row, f"{parser.prog}: help of {action.dest}"
+
+
+def test_angle_bracket_placeholders_survive_rendering_and_code_spans_stay_verbatim() -> None:
+    assert markdown_text("default: <checkpoint_dir>/ledger.sqlite, `<dir>/x`, ``a <b>``") == \
+        "default: &lt;checkpoint_dir>/ledger.sqlite, `<dir>/x`, ``a <b>``"
+    for page in (configuration_page(), cli_page()):
+        outside_code = re.sub(r"`+[^`]*`+", "", re.sub(r"^```text\n.*?^```$", "", page, flags=re.M | re.S))
+        assert not re.findall(r"<(?!!--)[a-z]", outside_code.replace("-->", "")), "an unescaped <tag> in a generated page"
