@@ -79,8 +79,13 @@ def _flags(argv: list[str]) -> list[str]:
     return [a.split("=", 1)[0] for a in argv if a.startswith("--")]
 
 
+def _built(compose: dict) -> dict[str, dict]:
+    """The services built from this repo (the monitoring ones run published images: test_dashboard.py)."""
+    return {name: service for name, service in compose["services"].items() if "image" not in service}
+
+
 def test_compose_builds_from_existing_dockerfiles(compose: dict) -> None:
-    for name, service in compose["services"].items():
+    for name, service in _built(compose).items():
         build = service["build"]
         context = (DOCKER / build["context"]).resolve()
         assert context == REPO, f"{name}: build context must be the repo root"
@@ -88,7 +93,7 @@ def test_compose_builds_from_existing_dockerfiles(compose: dict) -> None:
 
 
 def test_compose_commands_and_flags_exist(compose: dict, help_text: dict[str, str]) -> None:
-    for name, service in compose["services"].items():
+    for name, service in _built(compose).items():
         argv = _service_argv(service)
         exe = argv[0]
         if exe in help_text:
@@ -126,7 +131,7 @@ def test_certificates_named_are_what_fedpose_certs_writes(compose: dict, tmp_pat
     sites = sorted(s for s in compose["services"] if s.startswith("site-"))
     write_dev_certificates(tmp_path, sites, extra_hosts=["superlink"])
     named = []
-    for service in compose["services"].values():
+    for service in _built(compose).values():
         for arg in _service_argv(service):
             named += re.findall(r"/certs/([\w./-]+)", arg)
         named += re.findall(r"/certs/([\w./-]+)", " ".join(str(v) for v in service.get("environment", {}).values()))
@@ -136,7 +141,7 @@ def test_certificates_named_are_what_fedpose_certs_writes(compose: dict, tmp_pat
 
 
 def test_site_and_coordinator_configs_are_valid_and_match_the_mounts(compose: dict) -> None:
-    for name, service in compose["services"].items():
+    for name, service in _built(compose).items():
         for arg in _service_argv(service):
             match = re.match(r'--node-config=site-config="(.+)"', arg)
             if not match:

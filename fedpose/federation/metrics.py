@@ -23,6 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from fedpose.eval.pckh import PCKH_KEYS
+
 if TYPE_CHECKING:
     from fedpose.federation.report import RoundRecord
     from fedpose.federation.site_budget import SiteBudget
@@ -31,7 +33,7 @@ ROUND_SECONDS_BUCKETS = (1, 5, 15, 30, 60, 120, 300, 600, 1200, 3600, float("inf
 
 
 class CoordinatorMetrics:
-    """round, participating sites, ε per site, update norms, rejected updates, basis bytes, round time."""
+    """round, participating sites, ε per site, update norms, site outcomes, bytes, round time, global PCKh."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -51,6 +53,12 @@ class CoordinatorMetrics:
         self.exhausted_sites = Gauge("fedpose_exhausted_sites", "Sites no longer selected (budget exhausted)", registry=r)
         self.basis_bytes_sent = Counter("fedpose_basis_bytes_sent", "Basis payload bytes sent to sites", ["transport"], registry=r)
         self.round_duration = Histogram("fedpose_round_duration_seconds", "Wall time of a round", buckets=ROUND_SECONDS_BUCKETS, registry=r)
+        # the coordinator's own view: PCKh on its held-out split, message sizes it sent and received
+        self.global_pckh = Gauge("fedpose_global_pckh", "PCKh of the global model on the coordinator's held-out split after "
+                                 "the last evaluated round (score: Mean = PCKh@0.5 Mean, Mean@0.1, or a joint group)",
+                                 ["score"], registry=r)
+        self.site_bytes = Counter("fedpose_site_bytes", "Bytes of round messages sent to (direction=down) and received "
+                                  "from (direction=up) each site", ["site", "direction"], registry=r)
 
         self._server: MetricsServer | None = None
 
@@ -75,7 +83,12 @@ class CoordinatorMetrics:
         self.round.set(entry.round)
         self.participating_sites.set(entry.accepted)
         self.round_duration.observe(entry.wall_seconds)
+        for score, value in (entry.pckh or {}).items():
+            if score in PCKH_KEYS and value is not None:  # the evaluation's "loss" is not a PCKh
+                self.global_pckh.labels(score=score).set(value)
         for site_id, site in entry.sites.items():
+            self.site_bytes.labels(site=site_id, direction="down").inc(site.bytes_down)
+            self.site_bytes.labels(site=site_id, direction="up").inc(site.bytes_up)
             if site.epsilon is not None and site.guarantee:
                 self.observe_site_report(site_id, float(site.epsilon), float(site.delta or 0.0), site.guarantee,
                                          site.accountant or "rdp")
