@@ -168,6 +168,37 @@ def test_a_state_dir_restored_one_round_older_refuses_until_adopted(data_root: P
 
 
 @pytest.mark.slow
+def test_an_older_budget_file_copied_over_the_current_one_is_caught_by_the_journal(data_root: Path, tmp_path: Path) -> None:
+    """Only budget.json put back from after round 1 (journal and marker current): the site's own
+    journal refuses it before any data work (an "error" reply naming only the class), nothing is
+    released, and `fedpose privacy adopt` puts the journaled round back."""
+    from fedpose.federation.site_budget import BudgetStateError
+
+    state = tmp_path / "site-1"
+    site = site_config(data_root, state, local_steps=STEPS)
+    log = SiteLog(state)
+    _rounds(tmp_path, InProcessTransport([site]), upto=1)
+    older = (state / "budget.json").read_bytes()
+    _rounds(tmp_path, InProcessTransport([site]), upto=2)
+    (state / "budget.json").write_bytes(older)
+
+    _rounds(tmp_path, InProcessTransport([site]), upto=3)
+    round3 = load_history(tmp_path / "coordinator")[-1].sites["site-1"]
+    assert round3.status == "error" and round3.reason.startswith("BudgetStateError")
+    assert _ledger_row(tmp_path, 3).status == "missing" and _ledger_row(tmp_path, 3).steps == 0
+    assert log.trained_rounds() == [1, 2] and _released_round(state) == 2
+    assert "below its spend journal" in log.lines()[-1]["note"] and "round 2" in log.lines()[-1]["note"]
+    with pytest.raises(BudgetStateError, match="below its spend journal"):
+        SiteBudget(state, "site-1", eps_max=50.0, delta=DELTA)
+
+    assert "adopted run 'r' round 2 (σ = 1, q = 0.25, 2 steps) from the journal" in _adopt(state)
+    _rounds(tmp_path, InProcessTransport([site]), upto=4)
+    assert log.trained_rounds() == [1, 2, 4]
+    site_eps, ledger_eps = _books(tmp_path, state)
+    assert site_eps == pytest.approx(true_epsilon(3), rel=1e-9) and ledger_eps == pytest.approx(site_eps, rel=1e-9)
+
+
+@pytest.mark.slow
 def test_a_deleted_state_dir_refuses_and_releases_nothing(data_root: Path, tmp_path: Path) -> None:
     """The whole state_dir deleted between rounds: the site starts a new state, sees the ledger
     knows it, and refuses every round (nothing trained, nothing released) until its operator acts."""
@@ -257,6 +288,7 @@ def test_an_inflated_record_makes_the_site_refuse_and_never_lowers_its_epsilon(d
         ["ok", "refused", "refused", "refused"]
 
 
+@pytest.mark.slow
 def test_a_lower_record_changes_nothing(data_root: Path, tmp_path: Path) -> None:
     """Fewer rounds on record than the site holds (a coordinator that lost or hides rows), or a
     record of another site: the site trains as it would without any record, at its own ε."""
