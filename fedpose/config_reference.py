@@ -1,24 +1,17 @@
 """Markdown reference of every configuration key, generated from the pydantic models.
 
-The README embeds :func:`reference_markdown` between ``<!-- config-reference:begin/end -->`` markers
-(regenerate with ``python -m fedpose.config_reference --write README.md``); ``docs/configuration.md``
-is :func:`configuration_page`, one heading per config file and section (regenerated with the CLI
-reference by ``python -m fedpose.reference_docs``). Tests check both are current.
+``docs/configuration.md`` is :func:`configuration_page`, one heading per config file and section
+(regenerated with the CLI reference by ``python -m fedpose.reference_docs``; a test checks it is
+current). It is the one configuration reference: the README links it.
 """
 
 from __future__ import annotations
 
-import argparse
 import re
-import sys
 import typing
-from pathlib import Path
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
-
-BEGIN = "<!-- config-reference:begin -->"
-END = "<!-- config-reference:end -->"
 
 
 def _type_name(annotation: object) -> str:
@@ -34,60 +27,24 @@ def _submodel(annotation: object) -> type[BaseModel] | None:
     return None
 
 
-def _rows(model: type[BaseModel], prefix: str) -> list[str]:
-    rows: list[str] = []
-    for name, field in model.model_fields.items():
-        key = f"{prefix}{name}"
-        sub = _submodel(field.annotation)
-        if sub is None and typing.get_origin(field.annotation) is list:
-            (item,) = typing.get_args(field.annotation)
-            if _submodel(item) is not None:
-                rows.append(f"| `{key}` | list of tables | required | one `[[{key}]]` table each, keys as below |")
-                rows.extend(_rows(item, f"{key}[]."))
-                continue
-        if sub is not None:
-            rows.extend(_rows(sub, f"{key}."))
-            continue
-        rows.append(_row(key, field))
-    return rows
-
-
 def markdown_text(text: str) -> str:
     """``text`` with ``<`` outside code spans escaped: a renderer would take ``<checkpoint_dir>`` for an HTML tag and drop it."""
     parts = re.split(r"(`+[^`]*`+)", text)
     return "".join(part if part.startswith("`") else part.replace("<", "&lt;") for part in parts)
 
 
-def _row(key: str, field: FieldInfo, markdown: bool = False) -> str:
-    """One table row; ``markdown``: its description escaped for a rendered page (the README's table
-    predates the escaping and stays as it is until it moves to docs/configuration.md)."""
+def _row(key: str, field: FieldInfo) -> str:
+    """One table row, its description escaped for a rendered page."""
     default = "required" if field.is_required() else f"`{field.default!r}`"
-    desc = " ".join((field.description or "").split()).replace("|", "\\|")
-    desc = markdown_text(desc) if markdown else desc
+    desc = markdown_text(" ".join((field.description or "").split()).replace("|", "\\|"))
     return f"| `{key}` | {_type_name(field.annotation).replace('|', 'or')} | {default} | {desc} |"
-
-
-def reference_markdown() -> str:
-    from fedpose.config import RunConfig
-    from fedpose.federation.config import FederationConfig
-
-    header = "| key | type | default | meaning |\n|---|---|---|---|"
-    parts = [
-        "#### `fedpose train` (RunConfig)\n",
-        header,
-        *_rows(RunConfig, ""),
-        "\n#### `fedpose simulate` / `fedpose deploy` (FederationConfig; a site file holds one `[[sites]]` table's keys)\n",
-        header,
-        *_rows(FederationConfig, ""),
-    ]
-    return "\n".join(parts) + "\n"
 
 
 #: the config files, in the order the page documents them: (heading, model, what reads it, the table
 #: of it that a later file reuses: "" for the whole file, None for none)
 CONFIG_FILES: tuple[tuple[str, str, str, str | None], ...] = (
     ("Central training", "fedpose.config:RunConfig",
-     "`fedpose train --config FILE` (e.g. `configs/train.toml`).", None),
+     "`fedpose train --config FILE` (e.g. `configs/central.toml`).", None),
     ("Coordinator", "fedpose.federation.deployment:CoordinatorRunConfig",
      "A deployed coordinator's TOML (`configs/coordinator.toml`, submitted with `flwr run`); "
      "its `[coordinator]` table is also the `[coordinator]` table of a federation file.", "coordinator"),
@@ -128,7 +85,7 @@ def _section_tables(model: type[BaseModel], documented: dict[type[BaseModel], st
             (item,) = typing.get_args(field.annotation)
             sub, table, keys = _submodel(item), f"[[{prefix}{name}]]", f"{prefix}{name}[]."
         if sub is None:
-            own.append(_row(f"{prefix}{name}", field, markdown=True))
+            own.append(_row(f"{prefix}{name}", field))
             continue
         about = " ".join((field.description or sub.__doc__ or "").split())
         if table.startswith("[["):
@@ -177,24 +134,3 @@ def configuration_page() -> str:
         parts += ["", f"## {heading}", "", f"{readers} Model: `{model.__module__}.{model.__name__}`.",
                   *_section_tables(model, elsewhere)]
     return "\n".join(parts) + "\n"
-
-
-def splice(readme: str, reference: str) -> str:
-    start, end = readme.index(BEGIN) + len(BEGIN), readme.index(END)
-    return readme[:start] + "\n" + reference + readme[end:]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--write", type=Path, help="splice the reference into this markdown file")
-    args = parser.parse_args(argv)
-    reference = reference_markdown()
-    if args.write:
-        args.write.write_text(splice(args.write.read_text(), reference))
-    else:
-        sys.stdout.write(reference)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -187,7 +187,7 @@ def describe(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
-#: What is released, in words (README "Privacy semantics" says the same)
+#: What is released, in words (docs/privacy.md says the same)
 WHAT_LEAVES = (
     "central training publishes only what `fedpose export` writes (weights + this report; checkpoints/, metrics.json "
     "and curves.png hold private-data statistics and stay internal); a federation site sends only its typed reply — "
