@@ -29,6 +29,14 @@ class GlobalModel:
     path: Path  #: the global.npz it was read from
     round: int  #: the last round folded into these weights (0: the initial model)
     run_id: str
+    ema: dict[str, Any] | None = None  #: {decay, averaged_rounds, round} when this is the moving average (global_ema.npz)
+
+    def describe(self) -> str:
+        """Which model this is, for reports: the round's global model or the average up to it."""
+        if self.ema:
+            return (f"moving average (decay {self.ema['decay']:g}) of the global models of the last "
+                    f"{self.ema['averaged_rounds']} rounds up to round {self.round}")
+        return f"global model after round {self.round}"
 
 
 def global_checkpoint_path(path: str | Path) -> Path | None:
@@ -70,4 +78,4 @@ def load_global_model(path: str | Path) -> GlobalModel:
     except RuntimeError as exc:  # missing / unexpected / mis-shaped tensors
         first = str(exc).splitlines()[0]
         raise GlobalModelError(f"{file}: its arrays do not fit its model spec ({first})") from None
-    return GlobalModel(model, file, int(state.get("round") or 0), str(meta.get("run_id") or ""))
+    return GlobalModel(model, file, int(state.get("round") or 0), str(meta.get("run_id") or ""), meta.get("ema"))

@@ -72,6 +72,7 @@ def test_the_average_is_a_recomputation_from_the_released_global_models_and_surv
     assert moved, "the sites' updates changed no weight: nothing to average"
     published = load_global_model(tmp_path / "coordinator")
     assert published.path.name == EMA_CHECKPOINT and published.round == 3
+    assert published.describe().startswith("moving average (decay 0.6) of the global models of the last 3 rounds")
     state = {k: v.numpy() for k, v in published.model.state_dict().items()}
     for name in float_names:
         expected = 0.3 * w1[name].astype(np.float64) + 0.3 * w2[name] + 0.4 * w3[name]
