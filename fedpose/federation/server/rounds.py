@@ -52,7 +52,7 @@ from fedpose.federation.report import (
     write_report,
 )
 from fedpose.federation.global_model import GLOBAL_CHECKPOINT
-from fedpose.federation.weight_ema import WeightEma
+from fedpose.federation.weight_ema import EMA_CHECKPOINT, WeightEma
 from fedpose.federation.server.basis_service import NO_BASIS, BasisService
 
 log = logging.getLogger("fedpose.coordinator")
@@ -471,7 +471,9 @@ class RoundRunner:
         summary.pop("entries", None)
         path = write_report(self.dir, {"run_id": self.run.run_id, "stopped_reason": self.state.stopped_reason,
                                        "aggregation": self.cfg.aggregation.strategy, "model_spec": self.state.model_spec.model_dump(mode="json"),
-                                       "initial_pckh": self.state.initial_pckh, "coordinator_device": self.device_text},
+                                       "initial_pckh": self.state.initial_pckh, "coordinator_device": self.device_text,
+                                       # which model each round's PCKh is of: the iterate, or its moving average
+                                       "evaluated_model": self.ema.meta() | {"file": EMA_CHECKPOINT} if self.ema else "global iterate"},
                             self.history, summary)
         self.echo(f"report: {path} (curves: {path.with_name('curves.png')})")
         return {"report": str(path), "rounds": len(self.history), "stopped_reason": self.state.stopped_reason}

@@ -4,6 +4,7 @@ evaluates and publishes, and a resumed run continues it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,8 @@ def test_the_average_is_a_recomputation_from_the_released_global_models_and_surv
     records, root = load_records(data / "test")
     scores = evaluate(published.model, PoseDataset(records, root, input_size=(64, 64), train=False), batch_size=16)
     assert load_history(tmp_path / "coordinator")[-1].pckh["Mean"] == pytest.approx(scores["Mean"])
+    report = json.loads((tmp_path / "coordinator" / "report.json").read_text())
+    assert report["evaluated_model"] == {"decay": 0.6, "averaged_rounds": 3, "round": 3, "file": EMA_CHECKPOINT}
 
 
 def test_an_ema_step_averages_floats_in_float64_and_copies_integer_buffers() -> None:
