@@ -220,6 +220,28 @@ def test_a_federated_export_takes_each_site_s_spend_from_the_ledger(tmp_path: Pa
     assert main(["export", str(coordinator), "--out", str(tmp_path / "b"), "--checkpoint", "best"]) != 0  # no 'best' here
 
 
+def test_a_federated_export_of_a_run_with_a_moving_average_publishes_the_average(tmp_path: Path) -> None:
+    """coordinator.ema on: the directory's model is global_ema.npz, and the report says it is an average."""
+    import numpy as np
+
+    from fedpose.federation.aggregation import load_array_checkpoint, save_array_checkpoint
+    from fedpose.federation.ledger import BudgetLedger, LedgerEntry
+    from fedpose.model import load_checkpoint
+
+    coordinator = _coordinator_dir(tmp_path, model_round=2)
+    arrays, meta = load_array_checkpoint(coordinator / "global.npz")
+    name = next(k for k, v in arrays.items() if k.startswith("head.") and v.dtype == np.float32)
+    averaged = dict(arrays) | {name: arrays[name] + 1.0}
+    save_array_checkpoint(coordinator / "global_ema.npz", averaged, meta | {"ema": {"decay": 0.9, "averaged_rounds": 2, "round": 2}})
+    with BudgetLedger(coordinator / "ledger.sqlite") as ledger:
+        ledger.record_many([LedgerEntry("site-1", r, "ok", epsilon=r * 1.0, delta=1e-5, guarantee="DP", steps=10) for r in (1, 2)])
+    out = tmp_path / "release"
+    assert main(["export", str(coordinator), "--out", str(out)]) == 0
+    report = json.loads((out / "privacy_report.json").read_text())
+    assert report["model_selection"].startswith("moving average (decay 0.9) of the global models of the last 2 rounds up to round 2")
+    np.testing.assert_array_equal(load_checkpoint(out / "model.pt")["model"][name].numpy(), averaged[name])
+
+
 def test_a_federated_export_with_a_stale_report_and_no_ledger_is_refused(tmp_path: Path, capsys) -> None:
     coordinator = _coordinator_dir(tmp_path, model_round=3)
     (coordinator / "report.json").write_text(json.dumps({"run_id": "demo", "rounds": [{"round": 1}, {"round": 2}], "sites": [

@@ -235,3 +235,28 @@ def test_init_weights_rejects_wrong_file(tmp_path) -> None:
         load_init_weights(make(), tmp_path / "other.pt")
     with pytest.raises(CheckpointError, match="not a fedpose checkpoint"):
         load_checkpoint(tmp_path / "other.pt")
+
+
+@pytest.mark.slow  # ~40 s on a loaded 2-core machine
+def test_the_mid_backbone_gives_the_engine_exact_per_sample_gradients() -> None:
+    """tiny_vit_mid (the sweep-base candidate; depths 1, 2, 3, 1): the engine's per-sample gradients
+    (norm-tuned LayerNorms included) equal a per-sample loop; the finetune set is stage 3 + every
+    LayerNorm + the head, as for the product's model."""
+    scenario = "finetune"
+    from fedpose.privacy.per_sample import frozen_features, per_sample_gradients
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_model(ModelConfig(backbone="tiny_vit_mid", scenario=scenario), SIZE)
+    trainable = model.trainable_parameters()
+    assert all(k.startswith(("backbone.stages.3.", "head.")) or ".norm" in k for k in trainable)
+    assert any(k.startswith("backbone.stages.1.") for k in trainable)  # a LayerNorm before stage 3
+    images, joints, weight = batch(2)
+    grads, _ = per_sample_gradients(model, frozen_features(model, images), joints, weight)
+    for i in range(2):
+        model.zero_grad()
+        model.loss(*model(images[i : i + 1]), joints[i : i + 1], weight[i : i + 1]).sum().backward()
+        for name, param in trainable.items():
+            error = (grads[name][i] - param.grad).norm() / param.grad.norm().clamp_min(1e-8)
+            assert error < 1e-4, (name, error.item())

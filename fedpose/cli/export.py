@@ -227,7 +227,7 @@ def _federation(coordinator_dir: Path) -> tuple[Any, dict[str, Any]]:
     } for s in summaries]
     report = {"source": "federation", "run_id": federated.run_id or None, "sites": sites,
               "guarantee_statement": "each site's guarantee is about its own protection units (protection_unit: record, image or patient), composed over every local step of every round it joined",
-              "model_selection": f"global model after round {model_round} (no selection on data)"}
+              "model_selection": f"{federated.describe()} (no selection on data)"}
     return model, report
 
 

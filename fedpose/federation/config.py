@@ -157,6 +157,22 @@ class WarmStartConfig(Strict):
     optim: OptimConfig = Field(OptimConfig(warmup_steps=20), description="warm-start optimizer and schedule")
 
 
+class WeightEmaConfig(Strict):
+    """An exponential moving average of the global model over rounds (fedpose.federation.weight_ema):
+    post-processing of the aggregated privatized updates, free in privacy; evaluated and published
+    instead of the iterate, never sent to the sites."""
+
+    decay: float = Field(
+        0.0, ge=0, lt=1,
+        description="0: off; else ema ← decay·ema + (1−decay)·w_r after each round (a running mean of the rounds "
+        "so far while that weighs the newest round more); evaluation and global_ema.npz use the average",
+    )
+
+    @property
+    def on(self) -> bool:
+        return self.decay > 0
+
+
 class CoordinatorConfig(Strict):
     """The coordinator (`coordinator/` ServerApp)."""
 
@@ -176,6 +192,7 @@ class CoordinatorConfig(Strict):
     ledger_db: Path | None = Field(None, description="SQLite budget ledger (default: <checkpoint_dir>/ledger.sqlite)")
     seed: int = Field(0, description="seed for site selection and the public-sample choice")
     device: DeviceSetting = Field("auto", description=f"where the warm start, basis computation and evaluation run: {DEVICE_CHOICES}")
+    ema: WeightEmaConfig = Field(WeightEmaConfig(), description="moving average of the global model over rounds (off by default)")
     warm_start: WarmStartConfig = Field(
         WarmStartConfig(),
         description="train the initial global model on public_data first (a from-scratch model's BatchNorm "

@@ -4,7 +4,9 @@ The coordinator checkpoints the global model every round as named float arrays p
 (:func:`fedpose.federation.aggregation.save_array_checkpoint`; no pickle), with the model's
 architecture (its :class:`~fedpose.config.ModelSpec`) and the round in the meta. ``fedpose eval``,
 ``fedpose predict`` and ``fedpose export`` read it through :func:`load_global_model`, given the file
-or the coordinator's checkpoint directory.
+or the coordinator's checkpoint directory. With ``coordinator.ema`` on, the directory's model is the
+moving average (``global_ema.npz``, :mod:`fedpose.federation.weight_ema`); ``global.npz`` itself
+is the training iterate the sites receive and a resume continues from.
 """
 
 from __future__ import annotations
@@ -27,14 +29,28 @@ class GlobalModel:
     path: Path  #: the global.npz it was read from
     round: int  #: the last round folded into these weights (0: the initial model)
     run_id: str
+    ema: dict[str, Any] | None = None  #: {decay, averaged_rounds, round} when this is the moving average (global_ema.npz)
+
+    def describe(self) -> str:
+        """Which model this is, for reports: the round's global model or the average up to it."""
+        if self.ema:
+            return (f"moving average (decay {self.ema['decay']:g}) of the global models of the last "
+                    f"{self.ema['averaged_rounds']} rounds up to round {self.round}")
+        return f"global model after round {self.round}"
 
 
 def global_checkpoint_path(path: str | Path) -> Path | None:
     """``path`` itself when it is a coordinator's global model file, the one inside it when it is a
-    coordinator's checkpoint directory, else None (not a federated model)."""
+    coordinator's checkpoint directory (its moving average when the run keeps one), else None (not a
+    federated model)."""
+    from fedpose.federation.weight_ema import EMA_CHECKPOINT
+
     path = Path(path)
     if path.is_dir():
-        return path / GLOBAL_CHECKPOINT if (path / GLOBAL_CHECKPOINT).is_file() else None
+        for name in (EMA_CHECKPOINT, GLOBAL_CHECKPOINT):
+            if (path / name).is_file():
+                return path / name
+        return None
     return path if path.suffix == ".npz" else None
 
 
@@ -62,4 +78,4 @@ def load_global_model(path: str | Path) -> GlobalModel:
     except RuntimeError as exc:  # missing / unexpected / mis-shaped tensors
         first = str(exc).splitlines()[0]
         raise GlobalModelError(f"{file}: its arrays do not fit its model spec ({first})") from None
-    return GlobalModel(model, file, int(state.get("round") or 0), str(meta.get("run_id") or ""))
+    return GlobalModel(model, file, int(state.get("round") or 0), str(meta.get("run_id") or ""), meta.get("ema"))

@@ -28,6 +28,15 @@ CUSTOM_CONFIGS: Mapping[str, Mapping[str, Any]] = MappingProxyType({
         "window_sizes": (7, 7, 14, 7),
         "mbconv_expand_ratio": 2.0,
     }),
+    # About a third of tiny_vit_5m_224 (1.8 M backbone parameters against 5.1 M, same window
+    # sizes and head width 32): a candidate base for issue 26's sweep, where the product's model
+    # does not fit the machine time (benchmarks/base_sizing: step times of both).
+    "tiny_vit_mid": MappingProxyType({
+        "embed_dims": (48, 96, 128, 256),
+        "depths": (1, 2, 3, 1),
+        "num_heads": (2, 3, 4, 8),
+        "window_sizes": (7, 7, 14, 7),
+    }),
 })
 
 

@@ -146,6 +146,23 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return obj
 
 
+def check_start_checkpoint(path: str | Path, spec: ModelSpec, where: str = "model.init_checkpoint") -> None:
+    """Refuse a fedpose checkpoint whose architecture differs from ``spec`` in anything but the
+    scenario (a public pre-training run's ``scratch``/``full`` checkpoint is what a ``finetune``
+    federation starts from). :func:`load_init_weights` alone would quietly keep a random SimCC head
+    for another input size or split factor: a federation must start from the model it was given.
+    A timm state dict (no spec: ImageNet weights for the backbone) is accepted as it is."""
+    raw = _torch_load(Path(path))
+    if not is_fedpose_checkpoint(raw):
+        return
+    theirs = ModelSpec.model_validate(raw.get("model_spec") or {}).model_dump(mode="json", exclude={"scenario"})
+    ours = spec.model_dump(mode="json", exclude={"scenario"})
+    differ = [f"{key} {theirs[key]!r} (the model: {ours[key]!r})" for key in ours if theirs[key] != ours[key]]
+    if differ:
+        raise CheckpointError(f"{where} {path}: built for another model: {'; '.join(differ)} — pre-train at the "
+                              "federation's backbone and input size (configs/pretrain-federation.toml)")
+
+
 def _timm_backbone_state(raw: dict[str, Any], model: nn.Module) -> dict[str, torch.Tensor]:
     """timm TinyViT state dict → our ``backbone.*`` keys; drops the ImageNet classifier and the
     derived ``attention_bias_idxs``; resizes bias tables whose window differs (timm's filter)."""

@@ -56,6 +56,7 @@ from fedpose.federation.report import (
     write_report,
 )
 from fedpose.federation.global_model import GLOBAL_CHECKPOINT
+from fedpose.federation.weight_ema import EMA_CHECKPOINT, WeightEma
 from fedpose.federation.server.basis_service import NO_BASIS, BasisService
 
 log = logging.getLogger("fedpose.coordinator")
@@ -194,6 +195,9 @@ class RoundRunner:
             self.optimizer = build_server_optimizer(self.cfg.aggregation, rounds=self.cfg.rounds)
             self.history: list[RoundRecord] = []
         self.basis = BasisService.from_state(self.state.basis, self.cfg.basis.refresh_every_rounds)
+        # post-processing of the released global models; None when coordinator.ema is off
+        self.ema = (WeightEma.resume(self.dir, self.cfg.ema.decay, self.state.round, self.echo) if resuming
+                    else WeightEma(self.cfg.ema.decay)) if self.cfg.ema.on else None
 
     # -- model --------------------------------------------------------------------------------------
     def _initial_model(self) -> tuple[CoordinatorState, dict[str, np.ndarray]]:
@@ -201,11 +205,13 @@ class RoundRunner:
 
         from fedpose.federation.warm_start import warm_start
         from fedpose.model import build_model
-        from fedpose.model.checkpoint import model_spec
+        from fedpose.model.checkpoint import check_start_checkpoint, model_spec
 
         torch.manual_seed(self.cfg.seed)
         model = build_model(self.cfg.model, tuple(self.cfg.data.input_size)).to(self.device)
         from_scratch = self.cfg.model.init_checkpoint is None
+        if not from_scratch:
+            check_start_checkpoint(self.cfg.model.init_checkpoint, model_spec(model), "coordinator.model.init_checkpoint")
         if self.cfg.public_data is not None and (from_scratch or self.cfg.warm_start.steps > 0):
             done = warm_start(model, self.cfg.public_data, self.cfg.warm_start.steps, self.cfg.warm_start.optim,
                               self.cfg.warm_start.batch_size, self.cfg.seed, calibrate=from_scratch, echo=self.echo)
@@ -215,18 +221,18 @@ class RoundRunner:
         state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
         return CoordinatorState(model_spec=spec), state
 
-    def global_model(self) -> Any:
-        """The current global model as a torch module, on the coordinator's device."""
+    def global_model(self, weights: dict[str, np.ndarray] | None = None) -> Any:
+        """The current global model (or ``weights`` in its architecture) as a torch module, on the coordinator's device."""
         import torch
 
         from fedpose.model import build_model_from_spec
 
         model = build_model_from_spec(self.state.model_spec)
-        model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in self.global_state.items()})
+        model.load_state_dict({k: torch.from_numpy(np.asarray(v)) for k, v in (weights or self.global_state).items()})
         return model.to(self.device)
 
     def evaluate(self) -> dict[str, float] | None:
-        """PCKh of the global model on the held-out split (``coordinator.data.val``)."""
+        """PCKh of the global model — its moving average when coordinator.ema is on — on the held-out split (``coordinator.data.val``)."""
         if self.cfg.data.val is None:
             return None
         from fedpose.train.evaluate import evaluate
@@ -236,7 +242,7 @@ class RoundRunner:
 
             records, root = load_records(self.cfg.data.val)
             self._eval_dataset = PoseDataset(records, root, input_size=self.state.model_spec.input_size, train=False)
-        return {k: float(v) for k, v in evaluate(self.global_model(), self._eval_dataset, batch_size=16).items() if isinstance(v, (int, float))}
+        return {k: float(v) for k, v in evaluate(self.global_model(self.ema.weights if self.ema else None), self._eval_dataset, batch_size=16).items() if isinstance(v, (int, float))}
 
     # -- selection ------------------------------------------------------------------------------------
     def exhausted_sites(self) -> set[str]:
@@ -411,6 +417,8 @@ class RoundRunner:
         aggregated, accepted, rejected = self._aggregate(round_id, updates, sites, entries)
         self.ledger.record_many(entries)  # 1) ledger
         self.state.round = round_id
+        if self.ema is not None:
+            self.ema.update(self.global_state, round_id)
         entry = RoundRecord(
             round=round_id, pckh=self.evaluate(), aggregated=aggregated, accepted=accepted, rejected=rejected,
             selected=len(selected), basis_version=self.basis.current_version, wall_seconds=time.perf_counter() - started,
@@ -470,7 +478,10 @@ class RoundRunner:
         if current.exists():  # the committed model's state, until the new model is written
             os.replace(current, self.dir / PREVIOUS_OPTIMIZER_CHECKPOINT)
         save_server_optimizer(current, self.optimizer, round_id=self.state.round)
-        save_array_checkpoint(self.dir / GLOBAL_CHECKPOINT, self.global_state, {"run_id": self.run.run_id, "state": self.state.to_meta()})
+        meta = {"run_id": self.run.run_id, "state": self.state.to_meta()}
+        if self.ema is not None:
+            self.ema.save(self.dir, meta)
+        save_array_checkpoint(self.dir / GLOBAL_CHECKPOINT, self.global_state, meta)
 
     def _committed_optimizer(self) -> ServerOptimizer:
         """The server optimizer as it was when the model checkpoint (round ``state.round``) was
@@ -489,7 +500,9 @@ class RoundRunner:
         summary.pop("entries", None)
         path = write_report(self.dir, {"run_id": self.run.run_id, "stopped_reason": self.state.stopped_reason,
                                        "aggregation": self.cfg.aggregation.strategy, "model_spec": self.state.model_spec.model_dump(mode="json"),
-                                       "initial_pckh": self.state.initial_pckh, "coordinator_device": self.device_text},
+                                       "initial_pckh": self.state.initial_pckh, "coordinator_device": self.device_text,
+                                       # which model each round's PCKh is of: the iterate, or its moving average
+                                       "evaluated_model": self.ema.meta() | {"file": EMA_CHECKPOINT} if self.ema else "global iterate"},
                             self.history, summary)
         self.echo(f"report: {path} (curves: {path.with_name('curves.png')})")
         return {"report": str(path), "rounds": len(self.history), "stopped_reason": self.state.stopped_reason}
