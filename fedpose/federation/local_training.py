@@ -253,7 +253,8 @@ def train_site_round(
         model = build_model_from_spec(model_spec)
         expected = model.state_dict()
         check_global_arrays(expected, global_state)
-        model.load_state_dict({k: torch.from_numpy(np.asarray(global_state[k])).to(expected[k].dtype) for k in expected})
+        model.load_state_dict({k: torch.from_numpy(np.asarray(global_state[k]).reshape(expected[k].shape)).to(expected[k].dtype)
+                               for k in expected})
         model.to(device)
         model.train_mode()
         # The coordinator serves one basis to the whole federation; a site whose mechanism does not

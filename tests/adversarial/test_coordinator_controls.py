@@ -210,6 +210,16 @@ def test_a_broken_global_model_is_refused_before_the_spend(data_root, weights, t
     unspent.check()
 
 
+def test_scalars_may_arrive_in_the_shape_flower_gives_them(data_root, weights, tmp_path) -> None:
+    """Flower's ArrayRecord turns a 0-d tensor (BatchNorm's num_batches_tracked) into shape (1,):
+    that is the same value, not a misshapen array."""
+    global_state, spec = weights
+    scalars = [k for k, v in global_state.items() if v.ndim == 0]
+    assert scalars
+    wire = {k: (v.reshape(1) if v.ndim == 0 else v) for k, v in global_state.items()}
+    assert run_site_round(site_config(data_root, tmp_path / "state"), "run", 1, wire, spec, 1).reply.status == "ok"
+
+
 # -- 2. the projection basis ---------------------------------------------------------------------------
 K = 2
 
