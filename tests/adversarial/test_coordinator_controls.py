@@ -98,6 +98,21 @@ def test_every_instruction_and_model_spec_field_is_classified() -> None:
     assert MODEL_SPEC_FIELDS["input_size"].pinned_for == {"FDP", "MaskDP"}
 
 
+@pytest.mark.parametrize("smuggled", [{"privacy": {"public_view": {"factor": 64}}}, {"public_view": {"factor": 64}},
+                                      {"mask": {"margin": 0.0}}, {"model_spec": {"public_view": {"factor": 64}}}])
+def test_the_public_view_and_the_mask_cannot_come_from_the_coordinator(smuggled) -> None:
+    """ψ's and the mask's settings exist only in the site's config: an instruction carrying them
+    anywhere is malformed (the wire models forbid unknown fields), not obeyed."""
+    from fedpose.federation.protocol import ProtocolError, decode_instruction
+    from site_round_helpers import PLACEHOLDER_SPEC
+
+    honest = TrainInstruction(run_id="run", round=1, local_steps=2, model_spec=PLACEHOLDER_SPEC).model_dump(mode="json")
+    for key, value in smuggled.items():
+        honest[key] = {**honest[key], **value} if isinstance(honest.get(key), dict) else value
+    with pytest.raises(ProtocolError, match="malformed train instruction"):
+        decode_instruction({"instruction": json.dumps(honest)})
+
+
 def test_an_fdp_site_refuses_a_new_input_size_after_its_first_release(data_root, weights, tmp_path) -> None:
     """The audit's attack: the same FDP site at 64 and then 32 pixels would release a ψ of each record
     on a 4× coarser block grid relative to the person (another view of the same records) under an
