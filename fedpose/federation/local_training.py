@@ -218,10 +218,10 @@ def train_site_round(
     The settings that change what the guarantee means are checked against those pinned in the
     site's state (:mod:`fedpose.federation.site_pins`), then the budget decision is made, from
     declared values only, before any data or basis work: a refused round (status "refused") spends
-    nothing and touches no data. An affordable round loads and checks its data, builds the global
-    model (its arrays checked) and receives the basis (V checked) next, then records the spend
-    durably, then trains — so a corrupt image, a non-finite weight or a bad V fails the round
-    before anything is spent. Raises on operational failures (bad weights, unreadable data, a
+    nothing and touches no data. An affordable round builds the global model (its arrays
+    checked), receives the basis (V checked) and loads and checks its data next, then records the
+    spend durably, then trains — so a non-finite weight, a bad V or a corrupt image fails the
+    round before anything is spent. Raises on operational failures (bad weights, unreadable data, a
     refused setting); :func:`run_site_round` turns those into a sanitized "error" reply.
     """
     import torch
@@ -266,7 +266,8 @@ def train_site_round(
         model = build_model_from_spec(model_spec)
         expected = model.state_dict()
         check_global_arrays(expected, global_state)
-        model.load_state_dict({k: torch.from_numpy(np.asarray(global_state[k])).to(expected[k].dtype) for k in expected})
+        model.load_state_dict({k: torch.from_numpy(np.asarray(global_state[k]).reshape(expected[k].shape)).to(expected[k].dtype)
+                               for k in expected})
         model.to(device)
         model.train_mode()
         # The coordinator serves one basis to the whole federation; a site whose mechanism does not

@@ -228,7 +228,8 @@ def check_global_arrays(expected: Mapping[str, Any], arrays: Mapping[str, np.nda
                                   f"{missing[:3]}), {len(unexpected)} unexpected (e.g. {unexpected[:3]})")
     for name, tensor in expected.items():
         array = np.asarray(arrays[name])
-        if tuple(array.shape) != tuple(tensor.shape):
+        # a 0-d tensor travels as shape (1,) in Flower's ArrayRecord (torch loads it the same way)
+        if tuple(array.shape) != tuple(tensor.shape) and not (len(tensor.shape) == 0 and array.shape == (1,)):
             raise GlobalModelRejected(f"global array {name}: shape {tuple(array.shape)}, the model spec needs {tuple(tensor.shape)}")
         if array.dtype.kind not in "biuf":
             raise GlobalModelRejected(f"global array {name}: dtype {array.dtype} is not numeric")

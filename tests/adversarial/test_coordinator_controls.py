@@ -98,6 +98,21 @@ def test_every_instruction_and_model_spec_field_is_classified() -> None:
     assert MODEL_SPEC_FIELDS["input_size"].pinned_for == {"FDP", "MaskDP"}
 
 
+@pytest.mark.parametrize("smuggled", [{"privacy": {"public_view": {"factor": 64}}}, {"public_view": {"factor": 64}},
+                                      {"mask": {"margin": 0.0}}, {"model_spec": {"public_view": {"factor": 64}}}])
+def test_the_public_view_and_the_mask_cannot_come_from_the_coordinator(smuggled) -> None:
+    """ψ's and the mask's settings exist only in the site's config: an instruction carrying them
+    anywhere is malformed (the wire models forbid unknown fields), not obeyed."""
+    from fedpose.federation.protocol import ProtocolError, decode_instruction
+    from site_round_helpers import PLACEHOLDER_SPEC
+
+    honest = TrainInstruction(run_id="run", round=1, local_steps=2, model_spec=PLACEHOLDER_SPEC).model_dump(mode="json")
+    for key, value in smuggled.items():
+        honest[key] = {**honest[key], **value} if isinstance(honest.get(key), dict) else value
+    with pytest.raises(ProtocolError, match="malformed train instruction"):
+        decode_instruction({"instruction": json.dumps(honest)})
+
+
 def test_an_fdp_site_refuses_a_new_input_size_after_its_first_release(data_root, weights, tmp_path) -> None:
     """The audit's attack: the same FDP site at 64 and then 32 pixels would release a ψ of each record
     on a 4× coarser block grid relative to the person (another view of the same records) under an
@@ -208,6 +223,16 @@ def test_a_broken_global_model_is_refused_before_the_spend(data_root, weights, t
         train_site_round(site, "run", 1, hostile, spec, 2)
     _refused_on_the_wire(run_site_round(site, "run", 1, hostile, spec, 2), "GlobalModelRejected")
     unspent.check()
+
+
+def test_scalars_may_arrive_in_the_shape_flower_gives_them(data_root, weights, tmp_path) -> None:
+    """Flower's ArrayRecord turns a 0-d tensor (BatchNorm's num_batches_tracked) into shape (1,):
+    that is the same value, not a misshapen array."""
+    global_state, spec = weights
+    scalars = [k for k, v in global_state.items() if v.ndim == 0]
+    assert scalars
+    wire = {k: (v.reshape(1) if v.ndim == 0 else v) for k, v in global_state.items()}
+    assert run_site_round(site_config(data_root, tmp_path / "state"), "run", 1, wire, spec, 1).reply.status == "ok"
 
 
 # -- 2. the projection basis ---------------------------------------------------------------------------
