@@ -153,6 +153,14 @@ def _check_auditable(cfg: RunConfig) -> None:
                          f"(choose {', '.join(NOISY_MECHANISM_NAMES)})")
 
 
+def _training_dir(cfg: RunConfig) -> tuple[Path, dict[str, Any] | None]:
+    """What `fedpose train` trains on: data.train, or its input-privatized copy (the same copy train
+    makes or reuses: auditing on it releases nothing new) — and that input guarantee."""
+    from fedpose.privacy.input_privacy import prepare_site_dataset
+
+    return prepare_site_dataset(cfg.data.train, cfg.input_privacy)
+
+
 class _CentralRun:
     """One central training run (model, engine, optimizer) that can be stepped in lockstep with a twin."""
 
@@ -163,7 +171,8 @@ class _CentralRun:
 
         _check_auditable(cfg)
         torch.manual_seed(cfg.train.seed)  # the twin of a reference run starts from the same weights
-        self.train_set = _load(Path(cfg.data.train), cfg, train=True) if train_set is None else train_set
+        train_dir, self.input_guarantee = _training_dir(cfg)
+        self.train_set = _load(train_dir, cfg, train=True) if train_set is None else train_set
         public = None
         if get_mechanism(cfg.privacy.mechanism).projects:
             if cfg.privacy.basis.public_data is None:
@@ -172,8 +181,8 @@ class _CentralRun:
         self.model = build_model(cfg.model, cfg.data.input_size)
         self.model.train_mode()
         # unit, q, σ and accountant exactly as `fedpose train` decides them on this config
-        self.engine, self.unit_choice = build_training_engine(cfg, self.model, self.train_set, Path(cfg.data.train),
-                                                              public, cfg.train.seed)
+        self.engine, self.unit_choice = build_training_engine(cfg, self.model, self.train_set, train_dir, public,
+                                                              cfg.train.seed)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, cfg.train.steps)
         self.batches = self.engine.batches(self.train_set)
@@ -181,6 +190,7 @@ class _CentralRun:
     def privacy_report(self) -> dict[str, Any]:
         """The engine's report, with why the unit is what it is (as `fedpose train` writes it)."""
         report = self.engine.privacy_report()
+        report["input_privacy"] = self.input_guarantee
         if self.unit_choice is not None:
             report["protection_unit_choice"] = self.unit_choice.reason
         return report
@@ -317,7 +327,7 @@ def _black_box_central(cfg: RunConfig, canaries: int | None, confidence: float, 
                          f"only a record's private part ({relation}): audit it white-box")
     count = DEFAULT_CANARIES if canaries is None else canaries
     rng = np.random.default_rng(seed)
-    records, root = load_records(Path(cfg.data.train))
+    records, root = load_records(_training_dir(cfg)[0])
     with tempfile.TemporaryDirectory(prefix="fedpose-audit-canaries-") as directory:
         canary_records = _ood_canary_records(count, cfg.data.input_size, Path(directory), rng)
         included = rng.random(count) < 0.5
@@ -327,7 +337,7 @@ def _black_box_central(cfg: RunConfig, canaries: int | None, confidence: float, 
             # N counts protection units, decided on the real records as `fedpose train` would.
             from fedpose.train.central import resolve_protection_unit
 
-            units = resolve_protection_unit(cfg, records, Path(cfg.data.train), None)[1]
+            units = resolve_protection_unit(cfg, records, root, None)[1]
             rate = min(1.0, cfg.train.batch_size / (units.num_units + count / 2))
             cfg = cfg.model_copy(update={"privacy": cfg.privacy.model_copy(update={"sample_rate": rate})})
         run = _CentralRun(cfg, train_set)
