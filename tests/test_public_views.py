@@ -370,7 +370,9 @@ def test_a_federated_site_round_with_fdp_trains_on_the_public_view(tmp_path: Pat
 
     data_root = make_site_data(tmp_path / "data")
     site = site_config(data_root, tmp_path / "state", mechanism="fdp", noise_multiplier=4.0)
-    dataset = load_site_dataset(site, INPUT_SIZE)
+    # a probe of the dataset writes its image-check cache into a state dir: not the site's own, which
+    # would then hold state without a budget and be refused as lost
+    dataset = load_site_dataset(site.model_copy(update={"state_dir": tmp_path / "probe"}), INPUT_SIZE)
     assert dataset.public_view is not None and dataset[0]["public_image"].shape == dataset[0]["image"].shape
     plain = load_site_dataset(site_config(data_root, tmp_path / "state2"), INPUT_SIZE)  # dpsgd: no ψ computed
     assert plain.public_view is None and "public_image" not in plain[0]
