@@ -83,7 +83,7 @@ def open_budget(site: SiteConfig) -> SiteBudget | None:
 
 
 def declared_noise(site: SiteConfig, local_steps: int) -> tuple[float, float]:
-    """(σ, q) of this round, from the site's config only (q is declared, so N stays secret)."""
+    """(σ, q) of this round, from the site's config only (q is declared: neither depends on N)."""
     from fedpose.privacy.engine import resolve_noise_multiplier
 
     if site.privacy.sample_rate is None:  # SiteConfig's validator forbids this for noisy mechanisms
@@ -149,6 +149,18 @@ def site_units(site: SiteConfig, dataset: Any, unit: str) -> Any:
     from fedpose.data.units import UnitIndex
 
     return UnitIndex.from_records(dataset.records, unit, f"site '{site.site_id}' data.train ({site.data.train})")  # type: ignore[arg-type]
+
+
+def check_site_capacity(site: SiteConfig, dataset: Any, unit: str) -> None:
+    """Refuse, before any spend, training data with more units than the site's fixed step shape
+    covers (:func:`fedpose.privacy.fixed_shape.check_capacity`; the message, naming N, stays in the
+    site's log)."""
+    from fedpose.privacy.fixed_shape import check_capacity, step_shape
+
+    privacy = site.privacy
+    shape = step_shape(unit, site.train.batch_size, float(privacy.sample_rate or 1.0), privacy.max_batch_units,
+                       privacy.max_records_per_unit)
+    check_capacity(shape, site_units(site, dataset, unit).num_units, unit, f"site '{site.site_id}' data.train ({site.data.train})")
 
 
 def load_site_dataset(site: SiteConfig, input_size: tuple[int, int]) -> Any:
@@ -234,6 +246,7 @@ def train_site_round(
             # Load (and check) the data before spending: a broken dataset must not cost ε. Only a
             # round the budget already allows gets here, so a refusal still touches no data.
             dataset = load_site_dataset(site, model_spec.input_size)
+            check_site_capacity(site, dataset, budget.unit)
         try:
             auth = budget.authorize_round(run_id, round_id, sigma, rate, local_steps)
         except BudgetExhausted as refusal:
