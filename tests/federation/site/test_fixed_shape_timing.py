@@ -141,3 +141,19 @@ def test_a_rounds_work_is_the_same_with_and_without_a_48_record_patient(source, 
         assert step == reference
     # the large patient, when sampled, fills its slot's 1 row: never more rows than any patient
     assert max(present.real_rows) <= 13
+
+
+def test_a_site_with_more_units_than_its_step_shape_covers_refuses_before_any_spend(source, tmp_path) -> None:
+    from fedpose.federation.site_budget import SiteBudget
+    from fedpose.privacy.fixed_shape import max_units
+
+    data, state = subset(source, tmp_path / "n96", 0, 96), tmp_path / "state"
+    # 3 slots at q = 1/12 cover a few patients only (overflow ≤ 1e-15 per step); this site has 24
+    assert max_units(1 / 12, 3) < 24
+    site = site_config(data.parent, state, sample_rate=1 / 12, max_batch_units=3)
+    site = site.model_copy(update={"data": site.data.model_copy(update={"train": str(data)})})
+    weights = global_model()
+    result = run_site_round(site, "run", 1, weights[0], weights[1], 2)
+    assert result.reply.status == "error" and result.reply.error_class == "BatchCapacityError"
+    assert not result.update
+    assert SiteBudget(state, "site-1", 50.0, 1e-5, "DP").epsilon == 0.0  # nothing spent
