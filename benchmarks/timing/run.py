@@ -1,7 +1,7 @@
 """Does a site round's wall time reveal the data? (issue 24, item 3)
 
     python benchmarks/timing/run.py                       # 5 rounds per condition, 3 local steps
-    python benchmarks/timing/run.py --rounds 9 --steps 4 --max-records-per-unit 1
+    python benchmarks/timing/run.py --rounds 5 --steps 3 --batch 2 --sample-rate 0.0833333 --max-records-per-unit 1  # results.json
 
 Writes benchmarks/timing/results.json. Method:
 * the real site round (``fedpose.federation.local_training.run_site_round``, no Flower) on the

@@ -116,7 +116,6 @@ def round_work(data: Path, state: Path, weights: tuple[dict, dict]) -> WorkLog:
     return work
 
 
-@pytest.mark.slow
 def test_a_rounds_work_is_the_same_for_16_and_96_records(source, tmp_path) -> None:
     weights = global_model()
     small = round_work(subset(source, tmp_path / "n16", 0, 16), tmp_path / "state-16", weights)
@@ -131,7 +130,6 @@ def test_a_rounds_work_is_the_same_for_16_and_96_records(source, tmp_path) -> No
     assert max(small.real_rows) <= 4
 
 
-@pytest.mark.slow
 def test_a_rounds_work_is_the_same_with_and_without_a_48_record_patient(source, tmp_path) -> None:
     weights = global_model()
     present = round_work(subset(source, tmp_path / "present", 0, 96, large_patient=True), tmp_path / "state-p", weights)
