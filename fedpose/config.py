@@ -184,7 +184,8 @@ class PrivacyConfig(Strict):
     sample_rate: float | None = Field(
         None, gt=0, le=1,
         description="declared Poisson sampling rate q; the accountant, the noise normalisation (÷ train.batch_size) and "
-        "everything sent use it, so the dataset size N stays secret (required at federation sites; None: q = B/N and N is public)",
+        "everything sent use it, so N enters nothing sent except Δ, where the ε protects it like any statistic of the data "
+        "(required at federation sites; None: q = B/N and N is public)",
     )
     delta: float = Field(1e-5, gt=0, lt=1, description="δ at which ε is reported and budgets are enforced")
     insecure_seeded_noise: bool = Field(
@@ -199,10 +200,19 @@ class PrivacyConfig(Strict):
         "units and each unit's summed gradient is clipped to C as one. 'auto': the coarsest unit the training "
         "annotations support (patient if every record has patient_id, else image), decided when the data is loaded",
     )
-    max_records_per_unit: int | None = Field(
+    max_records_per_unit: int = Field(
+        4, ge=1,
+        description="record rows of each unit slot in every DP step (unit 'record': 1): a sampled unit with more records "
+        "is represented by this many chosen uniformly with the CSPRNG (its sum still clipped to C as one), a smaller one "
+        "is padded with zero-weight rows. A fixed number, never derived from the data: with max_batch_units it fixes "
+        "every step's work, so timing does not depend on the data (fedpose.privacy.fixed_shape)",
+    )
+    max_batch_units: int | None = Field(
         None, ge=1,
-        description="cap on records of one sampled unit used in one step (uniformly chosen with the CSPRNG); bounds "
-        "memory for patients with many images. A fixed number, never derived from the data; None = all records",
+        description="unit slots in every DP step: each Poisson batch is padded to this many units with zero-weight rows "
+        "(same forward/backward, so a step's cost is constant); a batch over it keeps a uniform subset, with probability "
+        "≤ 1e-15 per step for up to N_max units (added to δ as (1 + e^ε)·T·1e-15; a site with more units refuses). "
+        "None: the smallest u with P(Poisson(train.batch_size) > u) ≤ 1e-15 (N_max ≥ batch_size / sample_rate)",
     )
     basis: BasisConfig = BasisConfig()
     public_view: PublicViewConfig = PublicViewConfig()

@@ -161,7 +161,8 @@ def _patients(sizes: list[int]) -> UnitIndex:
 def test_poisson_sampling_is_over_units_and_takes_every_record_of_a_sampled_unit(model) -> None:
     sizes = [1, 3, 2, 5, 1, 4, 2, 2, 3, 1, 6, 2]  # 12 patients, 32 records
     units = _patients(sizes)
-    privacy = PrivacyConfig(mechanism="dpsgd", noise_multiplier=1.0, unit="patient", insecure_seeded_noise=True)
+    privacy = PrivacyConfig(mechanism="dpsgd", noise_multiplier=1.0, unit="patient", max_records_per_unit=6,
+                            insecure_seeded_noise=True)  # the cap (default 4) at the largest unit: no subsampling
     engine = build_engine(privacy, model, units.num_records, 3, 10, seed=0, units=units)
     assert engine.dataset_size == 12 and engine.sample_rate == pytest.approx(0.25)
     unit_of_record = {r: u for u, members in enumerate(units.members) for r in members}
@@ -187,8 +188,10 @@ def test_batches_carry_each_rows_unit(model) -> None:
     engine = build_engine(privacy, model, len(dataset), 2, 10, seed=1, units=units)
     seen_nonempty = False
     for _, batch in zip(range(8), engine.batches(dataset)):
-        index, unit_index = batch["index"].tolist(), batch["unit_index"].tolist()
-        assert len(index) == len(unit_index) == batch["image"].shape[0]
+        index, unit_index, real = batch["index"].tolist(), batch["unit_index"].tolist(), batch["row_mask"].tolist()
+        assert len(index) == len(unit_index) == len(real) == batch["image"].shape[0]
+        # the sampled units' rows (padding rows of the fixed shape, row_mask False, carry no unit)
+        index, unit_index = [i for i, r in zip(index, real) if r], [u for u, r in zip(unit_index, real) if r]
         groups: dict[int, list[int]] = {}
         for record, position in zip(index, unit_index):
             groups.setdefault(position, []).append(record)

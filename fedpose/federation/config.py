@@ -114,7 +114,7 @@ class SiteConfig(Strict):
     input_privacy: InputPrivacyConfig = InputPrivacyConfig()
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus port (None = no server)")
     aggregation_weight: float = Field(
-        1.0, gt=0, description="declared FedAvg weight of this site's update (a public setting: the dataset size is never sent)"
+        1.0, gt=0, description="declared FedAvg weight of this site's update (a public setting, never the dataset size)"
     )
     max_basis_k: int = Field(
         128, ge=1,

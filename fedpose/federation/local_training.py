@@ -86,7 +86,7 @@ def open_budget(site: SiteConfig) -> SiteBudget | None:
 
 
 def declared_noise(site: SiteConfig) -> tuple[float, float]:
-    """(σ, q) of a round, from the site's config only (q is declared, so N stays secret).
+    """(σ, q) of a round, from the site's config only (q is declared: neither depends on N).
 
     A ``privacy.target_epsilon`` is calibrated for the site's own ``local_steps``, whatever a
     round runs: otherwise a coordinator asking for one step would buy a σ that spends a whole
@@ -165,6 +165,18 @@ def site_units(site: SiteConfig, dataset: Any, unit: str) -> Any:
     from fedpose.data.units import UnitIndex
 
     return UnitIndex.from_records(dataset.records, unit, f"site '{site.site_id}' data.train ({site.data.train})")  # type: ignore[arg-type]
+
+
+def check_site_capacity(site: SiteConfig, dataset: Any, unit: str) -> None:
+    """Refuse, before any spend, training data with more units than the site's fixed step shape
+    covers (:func:`fedpose.privacy.fixed_shape.check_capacity`; the message, naming N, stays in the
+    site's log)."""
+    from fedpose.privacy.fixed_shape import check_capacity, step_shape
+
+    privacy = site.privacy
+    shape = step_shape(unit, site.train.batch_size, float(privacy.sample_rate or 1.0), privacy.max_batch_units,
+                       privacy.max_records_per_unit)
+    check_capacity(shape, site_units(site, dataset, unit).num_units, unit, f"site '{site.site_id}' data.train ({site.data.train})")
 
 
 def load_site_dataset(site: SiteConfig, input_size: tuple[int, int]) -> Any:
@@ -297,6 +309,7 @@ def train_site_round(
             # gets here, so a refusal still touches no data.
             prepare_model()
             dataset = load_site_dataset(site, model_spec.input_size)
+            check_site_capacity(site, dataset, budget.unit)
         try:
             auth = budget.authorize_round(run_id, round_id, sigma, rate, local_steps)
         except BudgetExhausted as refusal:

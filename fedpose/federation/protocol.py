@@ -15,9 +15,17 @@ Every field of :class:`SiteReply` says in a comment why it may leave the site. T
 the output of the privacy mechanism; everything else is a function of public values only (the
 site's declared σ, q, C, δ, ε_max and step counts, the coordinator's own instruction), so the
 coordinator learns nothing about a patient from it. In particular no loss or other statistic of
-private data, no dataset size (q is declared, see ``privacy.sample_rate``), no timing, and no
-free text: reasons are fixed codes, errors carry only their class name (details stay in the
-site's local log). ``sites/egress.py`` checks every outgoing message against this schema.
+private data, no dataset size (q is declared, see ``privacy.sample_rate``), and no free text:
+reasons are fixed codes, errors carry only their class name (details stay in the site's local
+log). ``sites/egress.py`` checks every outgoing message against this schema.
+
+The number of units N is therefore released only through Δ, where it is protected exactly like
+any other statistic of the data — by the ε, no more: a coordinator that crafts the global model
+so that every unit's clipped gradient points one known way reads N off one Δ within that ε. A
+reply's timing (its arrival, Flower's ``created_at``) depends on the data no more than that:
+every DP step has a fixed shape (:mod:`fedpose.privacy.fixed_shape`), so the steps' work is a
+function of declared settings only; the declared q and step shape bound N publicly from above
+(the guarantee's domain, N ≤ N_max in the privacy report).
 """
 
 from __future__ import annotations

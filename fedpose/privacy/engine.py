@@ -15,11 +15,17 @@ DP mechanisms (see :mod:`fedpose.privacy.mechanisms` for the table):
   into the units the guarantee is about: records, images or patients (``privacy.unit``). Without
   it every record is its own unit. N, B and q below count units, not records.
 * **Sampling** — Poisson over units: each unit joins each step's batch independently with
-  probability q = B/N (the sampling the RDP analysis assumes), and then *all* its records do
-  (at most ``privacy.max_records_per_unit`` of them, chosen uniformly with the same CSPRNG: a
-  fixed cap, so which records stand in for the unit never depends on other units). Batches vary
-  in size and may be empty (the step then releases noise only, and is still accounted). Each
-  row's unit travels in the batch as ``unit_index``.
+  probability q = B/N (the sampling the RDP analysis assumes), and then its records do (at most
+  ``privacy.max_records_per_unit`` of them, chosen uniformly with the same CSPRNG: a fixed cap, so
+  which records stand in for the unit never depends on other units). The sampled units vary in
+  number and may be none (the step then releases noise only, and is still accounted).
+* **Fixed shape** — every DP step computes the same rows (:mod:`fedpose.privacy.fixed_shape`):
+  ``max_batch_units`` unit slots × ``max_records_per_unit`` rows, the sampled units' records in
+  their slots and zero-weight padding rows (uniformly drawn records, ``row_mask`` False) in every
+  other; a batch over the slots keeps a uniform subset (probability ≤ η per step, added to δ).
+  So loading, the forward and the per-sample backward do the same work whatever was sampled,
+  and the reply's timing tells nothing of N or of which unit joined. Each row's slot travels in
+  the batch as ``unit_index``.
 * **Private gradient** — per-sample gradients of the trainable parameters with ``torch.func``
   (:mod:`fedpose.privacy.per_sample` explains why not Opacus hooks), summed per unit, each
   unit's sum clipped to flat L2 norm C as one, summed, plus N(0, σ²C²I), divided by the
@@ -39,8 +45,10 @@ DP mechanisms (see :mod:`fedpose.privacy.mechanisms` for the table):
 * **Device** — the engine works where the model's parameters are: each batch is moved there, the
   clipped sum, the noise (generated on that device, :mod:`fedpose.privacy.noise`), V and the
   projection live there. The caller places the model (``train.device``). The per-sample chunk is
-  ``chunk_size``, or on CUDA sized from free memory per step
-  (:func:`~fedpose.privacy.per_sample.auto_chunk_size`); running out of device memory raises
+  ``chunk_size``, or decided once when the engine is built, from the fixed step shape and the
+  device's free memory then (:func:`~fedpose.privacy.per_sample.auto_chunk_size`), never per step:
+  every step has the same shapes and chunks, so whether a step runs out of device memory does
+  not depend on which units were sampled. Running out raises
   :class:`~fedpose.runtime.DeviceOutOfMemory` naming the settings to lower.
 """
 
@@ -62,6 +70,7 @@ from fedpose.privacy.accountant import PrivacyLedger, default_accountant, noise_
 from fedpose.privacy.mechanisms import Mechanism, get_mechanism
 from fedpose.privacy.public_views import PUBLIC_VIEW_FUNCTIONS, public_view_kind, public_view_report
 from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
+from fedpose.privacy.fixed_shape import StepShape, check_capacity, step_shape
 from fedpose.privacy.noise import make_noise
 from fedpose.privacy.per_sample import (
     TrainableModel,
@@ -76,7 +85,7 @@ from fedpose.privacy.report import format_epsilon, guarantee_sentence, protected
 from fedpose.runtime import out_of_memory_hint, synchronize
 
 #: the settings that size a training step's memory, named when the device runs out (central runs and sites)
-STEP_MEMORY_SETTINGS = "train.batch_size or train.chunk_size"
+STEP_MEMORY_SETTINGS = "train.batch_size, privacy.max_batch_units, privacy.max_records_per_unit or train.chunk_size"
 
 
 #: keys separating the seeded (test-only) random streams, with the step index; see InsecureSeededNoise.reseed
@@ -168,7 +177,6 @@ class GradientEngine:
         #: canaries (the DP threat model), so it scores the canaries on the release minus this.
         self.audit_data_release: Tensor | None = None
         self._batches_drawn = 0
-        self._empty_template: dict | None = None
         self._shuffle = torch.Generator().manual_seed(self.seed + 1)
         self._public_rng = np.random.default_rng([self.seed, 2])
         self.basis: projection.Basis | None = None
@@ -177,6 +185,10 @@ class GradientEngine:
         self.basis_seconds: list[float] = []
         # Storage for the public gradient matrix and V, reused by every refresh (see compute_basis).
         self._basis_workspace: Tensor | None = None
+        #: per-sample chunk per (device, p), decided once from the fixed step shape (chunk_for)
+        self._chunks: dict[tuple[str, int], int] = {}
+        #: the fixed shape of every DP step (None for mechanism "none", whose batches are B records)
+        self.shape: StepShape | None = None
 
         if not mechanism.noisy:
             self.dataset_size_public = True
@@ -199,6 +211,9 @@ class GradientEngine:
             self.sample_rate = self.batch_size / self.dataset_size
         # The guarantee's neighbouring relation decides the analysis (FDP family: replace-one, see accountant);
         # a relation the configured accountant cannot handle fails here, before any step.
+        self.shape = step_shape(self.units.unit, self.batch_size, self.sample_rate, privacy.max_batch_units,
+                                privacy.max_records_per_unit)
+        check_capacity(self.shape, self.dataset_size, self.units.unit, "the training set")
         self.accountant = PrivacyLedger(relation=mechanism.guarantee.relation, accountant=resolve_accountant(privacy))
         self.noise_multiplier = resolve_noise_multiplier(privacy, self.sample_rate, self.planned_steps)
         # The CSPRNG unless a test asks for seeded noise, which voids the guarantee (see privacy_report).
@@ -228,8 +243,6 @@ class GradientEngine:
             yield from self._shuffled_batches(dataset)
 
     def _poisson_batches(self, dataset: Dataset) -> Iterator[dict]:
-        if self._empty_template is None:
-            self._empty_template = collate([dataset[0]])
         while True:
             assert self.noise is not None
             # Coins of the upcoming step: indexed by step (≥ steps_done, so a resumed run never
@@ -237,29 +250,53 @@ class GradientEngine:
             draw = max(self._batches_drawn, self.steps_done)
             self._batches_drawn = draw + 1
             self.noise.reseed(_SAMPLING_STREAM, draw)
-            rows, unit_of_row = self.sample_units()
-            batch = collate([dataset[i] for i in rows], self._empty_template)
-            batch["unit_index"] = torch.as_tensor(unit_of_row, dtype=torch.long)
+            records, slots, real = self.fixed_shape_rows(*self.sample_units())
+            batch = collate([dataset[i] for i in records])  # never empty: the fixed shape has rows
+            batch["unit_index"] = torch.as_tensor(slots, dtype=torch.long)
+            batch["row_mask"] = torch.as_tensor(real, dtype=torch.bool)
             yield batch
 
     def sample_units(self) -> tuple[list[int], list[int]]:
         """One step's Poisson draw over units: (record indices, position of each row's unit among
         the sampled units). Every record of a sampled unit is in (up to the fixed cap), none of an
-        unsampled one. Coins come from the engine's noise source (the CSPRNG unless seeded for tests)."""
-        assert self.noise is not None
+        unsampled one. More sampled units than the step's slots: a uniform subset of as many as there
+        are slots (:mod:`fedpose.privacy.fixed_shape`: probability ≤ η, added to δ). Coins come from
+        the engine's noise source (the CSPRNG unless seeded for tests)."""
+        assert self.noise is not None and self.shape is not None
         chosen = torch.nonzero(self.noise.uniform(self.dataset_size) < self.sample_rate).flatten().tolist()
-        cap = self.privacy.max_records_per_unit
+        if len(chosen) > self.shape.unit_slots:
+            keep = torch.argsort(self.noise.uniform(len(chosen)))[: self.shape.unit_slots].sort().values.tolist()
+            chosen = [chosen[k] for k in keep]
+        cap = self.shape.rows_per_unit
         rows: list[int] = []
         unit_of_row: list[int] = []
         for position, unit in enumerate(chosen):
             members = self.units.members[unit]
-            if cap is not None and len(members) > cap:
+            if len(members) > cap:
                 # uniform subset of size cap: the cap smallest of i.i.d. CSPRNG uniforms
                 keep = torch.argsort(self.noise.uniform(len(members)))[:cap].sort().values.tolist()
                 members = tuple(members[k] for k in keep)
             rows.extend(members)
             unit_of_row.extend([position] * len(members))
         return rows, unit_of_row
+
+    def fixed_shape_rows(self, rows: Sequence[int], unit_of_row: Sequence[int]) -> tuple[list[int], list[int], list[bool]]:
+        """Lay a draw of :meth:`sample_units` out in the step's fixed shape: (record of each row, its
+        unit slot, real or padding), always ``shape.rows`` long. Slot s holds rows [s·R, (s+1)·R):
+        sampled unit s's records first, then padding. A padding row holds a record drawn uniformly
+        from the training set (CSPRNG), so loading it costs what loading a sampled one does; its
+        gradient is zeroed before any sum."""
+        assert self.noise is not None and self.shape is not None
+        per_unit = self.shape.rows_per_unit
+        padding = (self.noise.uniform(self.shape.rows) * self.num_records).long().clamp_(max=self.num_records - 1).tolist()
+        records, real = list(padding), [False] * self.shape.rows
+        filled = [0] * self.shape.unit_slots
+        for record, position in zip(rows, unit_of_row):
+            row = position * per_unit + filled[position]
+            filled[position] += 1
+            records[row], real[row] = int(record), True
+        slots = [row // per_unit for row in range(self.shape.rows)]
+        return records, slots, real
 
     def _shuffled_batches(self, dataset: Dataset) -> Iterator[dict]:
         batch = min(self.batch_size, self.num_records)
@@ -303,9 +340,23 @@ class GradientEngine:
         batch["provenance"] = projection.PUBLIC
         return batch
 
+    @property
+    def step_rows(self) -> int:
+        """Rows of every step: the fixed shape's for DP mechanisms, B for "none"."""
+        return self.shape.rows if self.shape is not None else self.batch_size
+
     def chunk_for(self, device: torch.device, num_params: int) -> int:
-        """Samples per chunk of per-sample gradients on ``device``: ``chunk_size``, or sized for it."""
-        return self.chunk_size if self.chunk_size is not None else auto_chunk_size(device, num_params)
+        """Samples per chunk of per-sample gradients on ``device``: ``chunk_size``, or decided once per
+        device from the step's fixed row count and the memory available at that moment
+        (:func:`~fedpose.privacy.per_sample.auto_chunk_size`). :func:`build_engine` decides it for
+        the model's device before any step, so no step's chunk (nor whether it fits) depends on
+        what was sampled."""
+        if self.chunk_size is not None:
+            return self.chunk_size
+        key = (str(device), int(num_params))
+        if key not in self._chunks:
+            self._chunks[key] = auto_chunk_size(device, num_params, self.step_rows)
+        return self._chunks[key]
 
     def refresh_basis(self, model: TrainableModel) -> float:
         """Recompute V from the public set at the model's current weights, on the model's device;
@@ -396,25 +447,34 @@ class GradientEngine:
                 unit_index = torch.arange(size)
             if len(unit_index) != size:
                 raise ValueError(f"batch has {size} rows but {len(unit_index)} unit_index entries")
+            row_mask = batch.get("row_mask")  # padding rows of a fixed-shape step: computed, weighted 0
+            real = torch.ones(size, dtype=torch.bool, device=device) if row_mask is None else row_mask.to(device, torch.bool)
+            metrics["batch_size"] = float(real.sum())
             if int(torch.unique(unit_index).numel()) == size:  # one record per unit: the per-sample path
                 clipped_sum, norms, losses = clipped_gradient_sum(
-                    model, features[:size], batch["joints"], batch["weight"], clip, chunk
+                    model, features[:size], batch["joints"], batch["weight"], clip, chunk, row_mask=real
                 )
-                sample_nonfinite = ~torch.isfinite(norms)
+                sample_nonfinite = ~torch.isfinite(norms) & real
+                unit_real = real
             else:
                 clipped_sum, norms, losses, sample_nonfinite = clipped_unit_gradient_sum(
-                    model, features[:size], batch["joints"], batch["weight"], unit_index, clip, chunk
+                    model, features[:size], batch["joints"], batch["weight"], unit_index, clip, chunk, row_mask=real
                 )
+                labels = torch.unique(unit_index.to(device))  # ascending, like the returned norms
+                unit_real = torch.isin(labels, unit_index.to(device)[real])
+            # diagnostics over real rows and units only; site-local (rounds.jsonl), never sent
+            norms = norms[unit_real]
             finite = torch.isfinite(norms)
             metrics["batch_units"] = float(norms.numel())
-            metrics["nonfinite_samples"] = float(sample_nonfinite.sum())  # zeroed before clipping; site-local
-            sample_finite = ~sample_nonfinite
+            metrics["nonfinite_samples"] = float(sample_nonfinite.sum())  # zeroed before clipping
+            sample_finite = real & ~sample_nonfinite
             metrics["loss"] = float(losses[sample_finite].mean()) if bool(sample_finite.any()) else float("nan")
             metrics["grad_norm_median"] = float(norms[finite].median()) if bool(finite.any()) else float("nan")
-            metrics["clipped_fraction"] = float((norms > clip).float().mean())  # over units
+            metrics["clipped_fraction"] = float((norms > clip).float().mean()) if norms.numel() else 0.0  # over units
             if public_images is not None:
-                public_gradient, public_losses = mean_gradient(model, features[size:], batch["joints"], batch["weight"])
-                metrics["public_loss"] = float(public_losses.mean())
+                public_gradient, public_losses = mean_gradient(model, features[size:], batch["joints"], batch["weight"],
+                                                               row_mask=None if row_mask is None else real)
+                metrics["public_loss"] = float(public_losses[real].mean()) if bool(real.any()) else float("nan")
 
         if self.canary_gradients is not None:
             self.audit_data_release = self._release(clipped_sum, public_gradient)
@@ -458,7 +518,7 @@ class GradientEngine:
             "guarantee_statement": guarantee.statement,
             "protection_unit": self.units.unit,
             "unit_protected": protected_unit_text(guarantee, self.units.unit),
-            "max_records_per_unit": self.privacy.max_records_per_unit,
+            "max_records_per_unit": self.shape.rows_per_unit if self.shape is not None else self.privacy.max_records_per_unit,
             "public": guarantee.public,
             "steps": self.steps_done,
             "planned_steps": self.planned_steps,
@@ -497,8 +557,9 @@ class GradientEngine:
             "max_grad_norm": self.privacy.max_grad_norm,
             "sample_rate": self.sample_rate,
             "expected_batch_size": self.expected_batch_size,
-            "sampling": f"poisson over {unit}s (every record of a sampled {unit} is in the batch"
-            + (f", at most {self.privacy.max_records_per_unit}, chosen uniformly)" if self.privacy.max_records_per_unit else ")"),
+            "sampling": f"poisson over {unit}s (the records of a sampled {unit} are in the batch, at most "
+            f"{self.shape.rows_per_unit}, chosen uniformly; padded to a fixed {self.shape.unit_slots} {unit} slots)",
+            "fixed_shape": self.shape.report(unit, self.steps_done, epsilon, self.privacy.delta),
             "normalisation": f"declared batch size B (train.batch_size, expected {unit}s per batch)",
             "clipping": f"the summed gradient of each {unit}'s records clipped to C as one",
             "dataset_size_public": self.dataset_size_public,
@@ -565,7 +626,11 @@ def build_engine(
     on CUDA); ``memory_settings``: what the out-of-memory error tells the user to lower.
     """
     mechanism = get_mechanism(privacy_cfg.mechanism)
-    if not model.trainable_parameters():
+    params = model.trainable_parameters()
+    if not params:
         raise ValueError("the model has no trainable parameters (check model.scenario)")
-    return GradientEngine(privacy_cfg, mechanism, dataset_size, batch_size, planned_steps, public_dataset, seed, chunk_size,
-                          units, memory_settings)
+    engine = GradientEngine(privacy_cfg, mechanism, dataset_size, batch_size, planned_steps, public_dataset, seed, chunk_size,
+                            units, memory_settings)
+    if mechanism.noisy:  # the chunk, from the fixed step shape, before any step (see chunk_for)
+        engine.chunk_for(next(iter(params.values())).device, sum(p.numel() for p in params.values()))
+    return engine

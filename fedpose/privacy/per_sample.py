@@ -80,17 +80,31 @@ _DEVICE_MEMORY_SHARE = 0.5
 _MAX_AUTO_CHUNK = 1024
 
 
-def auto_chunk_size(device: torch.device, num_params: int) -> int:
-    """Samples per chunk for per-sample gradients of ``num_params`` parameters on ``device``:
-    :data:`DEFAULT_CHUNK_SIZE` on the CPU; on CUDA, half the memory available now (free in the
-    driver plus what torch's allocator holds unused) over ~4 float32 gradient copies per sample
-    (p = 4.7 M: 19 MB a copy)."""
-    if device.type != "cuda":
-        return DEFAULT_CHUNK_SIZE
-    free, _ = torch.cuda.mem_get_info(device)
-    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+def chunk_size_for(available_bytes: int, num_params: int, rows: int | None = None) -> int:
+    """Samples per chunk that fit ``available_bytes`` of device memory: half of it over ~4 float32
+    gradient copies per sample (p = 4.7 M: 19 MB a copy), at most ``rows`` (a step's fixed row
+    count: a larger chunk would never be filled) and :data:`_MAX_AUTO_CHUNK`."""
     per_sample = _GRADIENT_COPIES_PER_SAMPLE * 4 * max(1, num_params)
-    return max(1, min(_MAX_AUTO_CHUNK, int(_DEVICE_MEMORY_SHARE * (free + cached) // per_sample)))
+    cap = _MAX_AUTO_CHUNK if rows is None else max(1, min(_MAX_AUTO_CHUNK, int(rows)))
+    return max(1, min(cap, int(_DEVICE_MEMORY_SHARE * available_bytes // per_sample)))
+
+
+def available_device_memory(device: torch.device) -> int:
+    """Bytes a step may use on a CUDA ``device`` now: free in the driver plus what torch's allocator
+    holds unused."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def auto_chunk_size(device: torch.device, num_params: int, rows: int | None = None) -> int:
+    """Samples per chunk for per-sample gradients of ``num_params`` parameters on ``device``:
+    :data:`DEFAULT_CHUNK_SIZE` on the CPU; on CUDA sized from the memory available now
+    (:func:`chunk_size_for`). Callers decide it once, from a step's fixed shape, before training
+    (:class:`~fedpose.privacy.engine.GradientEngine`): per step, it would depend on what the
+    allocator happens to hold."""
+    if device.type != "cuda":
+        return DEFAULT_CHUNK_SIZE if rows is None else max(1, min(DEFAULT_CHUNK_SIZE, int(rows)))
+    return chunk_size_for(available_device_memory(device), num_params, rows)
 
 
 def frozen_features(model: TrainableModel, images: Tensor) -> Tensor:
@@ -229,6 +243,7 @@ def clipped_gradient_sum(
     weight: Tensor,
     max_grad_norm: float,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    row_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Σ_i clip(∇ l(x_i), C) as a flat vector (p,), plus per-sample norms (B,) and losses (B,).
 
@@ -240,23 +255,27 @@ def clipped_gradient_sum(
     coordinator chose to overflow it) would decide whether the site can release anything. Zero
     is a valid clipped value, so the sensitivity stays C. Such samples show up as non-finite
     entries of the returned norms (the caller counts them locally; they never leave the site).
+
+    ``row_mask`` (B,) bool: False marks a padding row of a fixed-shape step
+    (:mod:`fedpose.privacy.fixed_shape`). It is computed like any other row (same work) and its
+    gradient is set to exactly 0 before the sum, whatever its value.
     """
     if max_grad_norm <= 0:
         raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
     params = model.trainable_parameters()
     device = features.device
     total = torch.zeros(sum(p.numel() for p in params.values()), dtype=torch.float32, device=device)
+    mask = _row_mask(row_mask, features.shape[0], device)
     norms, losses = [], []
     for start in range(0, features.shape[0], chunk_size):
         stop = start + chunk_size
         grads, chunk_losses = per_sample_gradients(model, features[start:stop], joints[start:stop], weight[start:stop])
         chunk_norms = per_sample_norms(grads)
         factors = clip_factors(chunk_norms, max_grad_norm)
-        nonfinite = ~torch.isfinite(chunk_norms)
-        if bool(nonfinite.any()):
-            factors = torch.where(nonfinite, torch.zeros_like(factors), factors)
-            for g in grads.values():
-                g[nonfinite] = 0.0
+        dropped = ~torch.isfinite(chunk_norms) | ~mask[start:stop]  # non-finite or padding: exactly zero
+        factors = torch.where(dropped, torch.zeros_like(factors), factors)
+        for g in grads.values():  # unconditionally: a data-dependent branch would be a data-dependent cost
+            g[dropped] = 0.0
         # Σ_i factor_i · g_i per parameter, accumulated straight into the flat sum (one gemv each).
         offset = 0
         for g in grads.values():
@@ -278,6 +297,7 @@ def clipped_unit_gradient_sum(
     unit_index: Tensor,
     max_grad_norm: float,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    row_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Σ_u clip(Σ_{i ∈ u} ∇ l(x_i), C): per-sample gradients summed per protection unit, each
     unit's sum clipped to flat L2 norm C as one, so adding or removing a whole unit (a patient
@@ -293,6 +313,10 @@ def clipped_unit_gradient_sum(
     value, so the sensitivity stays C. Memory: rows are processed ``chunk_size`` at a time and
     the per-unit sums of one chunk take at most ``chunk_size × p`` floats, like the per-sample
     gradients themselves; a unit spanning chunks carries one partial sum (p,) forward.
+
+    ``row_mask`` (B,) bool: False marks a padding row (see :func:`clipped_gradient_sum`); its
+    gradient is set to exactly 0 before its unit's sum. A unit slot of padding rows only sums to 0
+    and adds exactly 0. The returned non-finite mask is over real rows only.
     """
     if max_grad_norm <= 0:
         raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
@@ -311,16 +335,17 @@ def clipped_unit_gradient_sum(
     order = torch.argsort(unit_index.long(), stable=True)
     labels = unit_index.long()[order]
     features, joints, weight = features[order], joints[order], weight[order]
+    mask = _row_mask(row_mask, rows, device)[order]
     unit_norms: list[Tensor] = []
     losses_sorted, nonfinite_sorted = [], []
     carry: Tensor | None = None  # partial sum of the unit whose rows continue into the next chunk
     for start in range(0, rows, chunk_size):
         stop = min(rows, start + chunk_size)
         grads, chunk_losses = per_sample_gradients(model, features[start:stop], joints[start:stop], weight[start:stop])
-        nonfinite = ~torch.isfinite(per_sample_norms(grads))
-        if bool(nonfinite.any()):
-            for g in grads.values():
-                g[nonfinite] = 0.0
+        nonfinite = ~torch.isfinite(per_sample_norms(grads)) & mask[start:stop]
+        dropped = nonfinite | ~mask[start:stop]  # non-finite or padding: exactly zero
+        for g in grads.values():  # unconditionally: a data-dependent branch would be a data-dependent cost
+            g[dropped] = 0.0
         chunk_units, local = torch.unique_consecutive(labels[start:stop], return_inverse=True)
         sums = torch.zeros(len(chunk_units), num_params, dtype=torch.float32, device=device)
         offset = 0
@@ -350,6 +375,15 @@ def clipped_unit_gradient_sum(
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(rows, device=order.device)
     return total, torch.cat(unit_norms), torch.cat(losses_sorted)[inverse], torch.cat(nonfinite_sorted)[inverse]
+
+
+def _row_mask(row_mask: Tensor | None, rows: int, device: torch.device) -> Tensor:
+    """(rows,) bool on ``device``: the given mask, or every row real."""
+    if row_mask is None:
+        return torch.ones(rows, dtype=torch.bool, device=device)
+    if row_mask.shape != (rows,):
+        raise ValueError(f"row_mask must have one entry per row ({rows}), got shape {tuple(row_mask.shape)}")
+    return row_mask.to(device=device, dtype=torch.bool)
 
 
 def buffer_view(buffer: Tensor, shape: tuple[int, int], what: str) -> Tensor:
@@ -390,11 +424,19 @@ def gradient_matrix(
     return matrix
 
 
-def mean_gradient(model: TrainableModel, features: Tensor, joints: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
-    """Plain (unclipped, noise-free) gradient of the batch-mean loss, flat (p,), and losses (B,)."""
+def mean_gradient(model: TrainableModel, features: Tensor, joints: Tensor, weight: Tensor,
+                  row_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Plain (unclipped, noise-free) gradient of the batch-mean loss, flat (p,), and losses (B,).
+    With ``row_mask``, the mean over the real rows (padding rows computed, weighted 0; no real row:
+    a zero gradient)."""
     params = model.trainable_parameters()
     logits_x, logits_y = model.forward_trainable(features)
     losses = model.loss(logits_x, logits_y, joints, weight)
-    grads = torch.autograd.grad(losses.mean(), list(params.values()), allow_unused=True)
+    if row_mask is None:
+        objective = losses.mean()
+    else:
+        mask = _row_mask(row_mask, losses.shape[0], losses.device)
+        objective = torch.where(mask, losses, torch.zeros_like(losses)).sum() / mask.sum().clamp(min=1)
+    grads = torch.autograd.grad(objective, list(params.values()), allow_unused=True)
     flat = flatten([torch.zeros_like(p) if g is None else g for p, g in zip(params.values(), grads)])
     return flat.detach(), losses.detach()

@@ -177,7 +177,13 @@ def describe(report: Mapping[str, Any]) -> str:
     if report.get("dataset_size_public", True):
         lines.append(f"dataset size N: public (q = B/N; N = {report.get('dataset_size', 'not recorded')})")
     else:
-        lines.append("dataset size N: secret (the sampling rate q is declared, N enters nothing released)")
+        lines.append("dataset size N: secret (the sampling rate q is declared: N enters nothing released but the "
+                     "private update, where the ε protects it like any other statistic of the data)")
+    shape = report.get("fixed_shape")
+    if shape:
+        extra = shape.get("delta_overflow")
+        lines.append(f"step shape: {shape['statement']}"
+                     + (f" (here {extra:.2g}: δ in total {shape['delta_total']:.6g})" if extra is not None else ""))
     lines.append(f"treated as public: {report['public']}")
     lines.append(
         f"noise multiplier σ = {report['noise_multiplier']:.4g}, clip C = {report['max_grad_norm']:g}, "
@@ -214,6 +220,7 @@ PUBLISHABLE_KEYS = frozenset({
     "max_records_per_unit", "public", "epsilon", "delta",
     "epsilon_text", "accountant", "neighbouring_relation", "adjacency", "dataset_size_public", "noise_multiplier",
     "max_grad_norm", "sample_rate", "steps", "randomness", "guarantee_void", "input_privacy", "basis", "public_view",
+    "fixed_shape",
 })
 
 

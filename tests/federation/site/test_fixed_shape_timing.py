@@ -1,0 +1,157 @@
+"""An observer of a site's replies times them (their arrival, Flower's ``created_at``): the time a
+round takes must not tell N, nor whether a large patient is in the data (issue 24, item 3).
+
+Wall-clock time on a shared 2-core machine is noise, so these tests observe the *work* of the real
+site round exactly instead: per step, the records loaded, every batch tensor's shape, the shape of
+every input each module of the model sees (the frozen forward, each per-sample chunk under vmap,
+the public view) and the per-sample chunk size. Under the same declared settings that work must
+be identical whatever the data. ``benchmarks/timing`` measures the wall clock of the same rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fedpose.federation.local_training import run_site_round
+from site_round_helpers import INPUT_SIZE, global_model, site_config
+
+#: declared settings shared by every dataset below (patients: the synthetic sites' unit)
+DECLARED = {"sample_rate": 1 / 12, "max_records_per_unit": 1, "local_steps": 2, "batch_size": 2}
+LARGE_PATIENT = 48
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """96 synthetic records of 24 patients (4 images each)."""
+    from fedpose.data.synthetic import ensure_dataset
+
+    root = tmp_path_factory.mktemp("timing-data")
+    ensure_dataset(root, sites=1, per_site=96, public=4, test=4, size=INPUT_SIZE, seed=0, progress=False)
+    return root / "site-1"
+
+
+def subset(source: Path, target: Path, first: int, last: int, large_patient: bool = False) -> Path:
+    """A dataset of records [first, last) of ``source``; ``large_patient``: the first 48 of them are
+    one patient."""
+    records = json.loads((source / "annotations.json").read_text())[first:last]
+    if large_patient:
+        for record in records[:LARGE_PATIENT]:
+            record["patient_id"] = "large-patient"
+    target.mkdir(parents=True)
+    for record in records:
+        (target / record["image"]).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(source / record["image"], target / record["image"])
+    (target / "annotations.json").write_text(json.dumps(records))
+    return target
+
+
+class WorkLog:
+    """``engine_hook`` for :func:`run_site_round`: records the work of every step."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self.real_rows: list[int] = []
+        self._loaded: list[int] = []
+
+    def __call__(self, engine: Any) -> None:
+        log, batches, step = self, engine.batches, engine.step
+
+        class Counting:  # the site's dataset, counting what is loaded
+            def __init__(self, dataset: Any) -> None:
+                self.dataset = dataset
+
+            def __len__(self) -> int:
+                return len(self.dataset)
+
+            def __getitem__(self, index: int) -> Any:
+                log._loaded.append(1)
+                return self.dataset[index]
+
+        def counted_batches(dataset: Any) -> Any:
+            return batches(Counting(dataset))
+
+        def observed_step(model: Any, batch: dict) -> dict:
+            inputs: list[tuple[str, tuple]] = []
+
+            def record(name: str):
+                def hook(module: Any, args: tuple) -> None:
+                    if args and hasattr(args[0], "shape"):
+                        inputs.append((name, tuple(args[0].shape)))
+                return hook
+
+            handles = [module.register_forward_pre_hook(record(name)) for name, module in model.named_modules()]
+            try:
+                metrics = step(model, batch)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            params = model.trainable_parameters()
+            log.steps.append({
+                "loaded": len(log._loaded),
+                "batch": {k: tuple(v.shape) for k, v in batch.items() if hasattr(v, "shape")},
+                "inputs": inputs,
+                "chunk": engine.chunk_for(next(iter(params.values())).device, sum(p.numel() for p in params.values())),
+            })
+            log._loaded.clear()
+            log.real_rows.append(int(metrics["batch_size"]))
+            return metrics
+
+        engine.batches, engine.step = counted_batches, observed_step
+
+
+def round_work(data: Path, state: Path, weights: tuple[dict, dict]) -> WorkLog:
+    privacy = {k: v for k, v in DECLARED.items() if k != "batch_size"}
+    site = site_config(data.parent, state, **privacy)
+    site = site.model_copy(update={"data": site.data.model_copy(update={"train": str(data)}),
+                                   "train": site.train.model_copy(update={"batch_size": DECLARED["batch_size"]})})
+    work = WorkLog()
+    result = run_site_round(site, "run", 1, weights[0], weights[1], DECLARED["local_steps"], engine_hook=work)
+    assert result.reply.status == "ok", result.reply
+    assert len(work.steps) == DECLARED["local_steps"]
+    return work
+
+
+def test_a_rounds_work_is_the_same_for_16_and_96_records(source, tmp_path) -> None:
+    weights = global_model()
+    small = round_work(subset(source, tmp_path / "n16", 0, 16), tmp_path / "state-16", weights)
+    large = round_work(subset(source, tmp_path / "n96", 0, 96), tmp_path / "state-96", weights)
+    reference = small.steps[0]
+    # the fixed shape: 21 patient slots (the default for B = 2) × 1 row, every one loaded and computed
+    assert reference["batch"]["image"][0] == reference["loaded"] == 21
+    assert reference["inputs"], "the model saw no input"
+    for step in small.steps + large.steps:
+        assert step == reference
+    # ... while what was sampled is the data's: at most 4 patients of 16 records (1 row each)
+    assert max(small.real_rows) <= 4
+
+
+def test_a_rounds_work_is_the_same_with_and_without_a_48_record_patient(source, tmp_path) -> None:
+    weights = global_model()
+    present = round_work(subset(source, tmp_path / "present", 0, 96, large_patient=True), tmp_path / "state-p", weights)
+    absent = round_work(subset(source, tmp_path / "absent", 48, 96), tmp_path / "state-a", weights)
+    reference = absent.steps[0]
+    for step in present.steps + absent.steps:
+        assert step == reference
+    # the large patient, when sampled, fills its slot's 1 row: never more rows than any patient
+    assert max(present.real_rows) <= 13
+
+
+def test_a_site_with_more_units_than_its_step_shape_covers_refuses_before_any_spend(source, tmp_path) -> None:
+    from fedpose.federation.site_budget import SiteBudget
+    from fedpose.privacy.fixed_shape import max_units
+
+    data, state = subset(source, tmp_path / "n96", 0, 96), tmp_path / "state"
+    # 3 slots at q = 1/12 cover a few patients only (overflow ≤ 1e-15 per step); this site has 24
+    assert max_units(1 / 12, 3) < 24
+    site = site_config(data.parent, state, sample_rate=1 / 12, max_batch_units=3)
+    site = site.model_copy(update={"data": site.data.model_copy(update={"train": str(data)})})
+    weights = global_model()
+    result = run_site_round(site, "run", 1, weights[0], weights[1], 2)
+    assert result.reply.status == "error" and result.reply.error_class == "BatchCapacityError"
+    assert not result.update
+    assert SiteBudget(state, "site-1", 50.0, 1e-5, "DP").epsilon == 0.0  # nothing spent
