@@ -22,10 +22,11 @@ log). ``sites/egress.py`` checks every outgoing message against this schema.
 The number of units N is therefore released only through Δ, where it is protected exactly like
 any other statistic of the data — by the ε, no more: a coordinator that crafts the global model
 so that every unit's clipped gradient points one known way reads N off one Δ within that ε. A
-reply's timing (its arrival, Flower's ``created_at``) depends on the data no more than that:
-every DP step has a fixed shape (:mod:`fedpose.privacy.fixed_shape`), so the steps' work is a
-function of declared settings only; the declared q and step shape bound N publicly from above
-(the guarantee's domain, N ≤ N_max in the privacy report).
+reply's timing (its arrival, Flower's ``created_at``): every DP step has a fixed shape
+(:mod:`fedpose.privacy.fixed_shape`), so the steps' work is a function of declared settings only;
+the work outside the steps (reading annotations, the first round's image check, the unit index)
+still grows with N — its order of magnitude, not one patient (docs/privacy.md). The declared q and
+step shape bound N publicly from above (the guarantee's domain, N ≤ N_max in the privacy report).
 """
 
 from __future__ import annotations
