@@ -169,3 +169,20 @@ def test_a_torn_last_line_is_not_an_entry_and_the_next_reply_continues_the_chain
 def test_report_without_a_log_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["site", "report", "--state-dir", str(tmp_path)]) == 2
     assert "no audit log (audit.jsonl)" in capsys.readouterr().err
+
+
+def test_an_update_that_cannot_be_logged_is_not_sent(site_rounds, tmp_path: Path) -> None:
+    """The log is written before the reply leaves: when it cannot be, the round becomes an error
+    reply carrying no update (its spend stays counted: conservative)."""
+    from fedpose.federation.site_budget import SiteBudget
+
+    state = _copy(site_rounds[0], tmp_path)
+    (state / AUDIT_FILE).unlink()
+    (state / AUDIT_FILE).mkdir()  # unwritable as a file, even for root
+    site = site_config(site_rounds[0].parent / "data", state)
+    weights, spec = global_model()
+    result = run_site_round(site, "run", 4, weights, spec, 2)
+    assert (result.reply.status, result.reply.error_class) == ("error", "IsADirectoryError")
+    assert not result.update and not result.reply.carries_update
+    budget = SiteBudget(state, "site-1", 50.0, 1e-5, "DP", unit="patient")
+    assert budget.entry("run", 4).status == "spent"
