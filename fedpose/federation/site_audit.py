@@ -133,11 +133,11 @@ def record_reply(state_dir: str | Path, reply: SiteReply, update: Mapping[str, n
     released = dict(update) if reply.carries_update else {}
     with _state_lock(state_dir):
         path = state_dir / AUDIT_FILE
-        entries, complete = _read(path)
-        if complete is not None:  # a torn last line (the site stopped mid-append): never an entry
+        entries, torn_at = _read(path)
+        if torn_at is not None:  # a torn last line (the site stopped mid-append): never an entry
             with open(path, "r+b") as fh:
-                fh.truncate(complete)
-        last = entries[-1] if entries else None
+                fh.truncate(torn_at)
+        last = entries[-1][1] if entries else None
         fields = AuditEntry(
             seq=(last.seq + 1) if last else 1, prev=last.hash if last else GENESIS, at=time.time(),
             site_id=reply.site_id, run_id=reply.run_id, round=reply.round, asked=asked, status=reply.status,
@@ -161,28 +161,32 @@ class AuditLogError(ValueError):
     """The audit log, or its agreement with the budget, is broken: the message names the first bad entry."""
 
 
-def _read(path: Path) -> tuple[list[AuditEntry], int | None]:
-    """(the entries, unchecked; the byte offset to cut a torn last line at, or None)."""
+def _read(path: Path) -> tuple[list[tuple[dict[str, Any], AuditEntry]], int | None]:
+    """(each entry as written and as parsed — unchecked; the byte offset to cut a torn last line at,
+    or None). A last line without its newline that does not parse is a cut-short append, not an entry."""
     if not path.exists():
         return [], None
     data = path.read_bytes()
-    entries: list[AuditEntry] = []
+    entries: list[tuple[dict[str, Any], AuditEntry]] = []
     offset = 0
     for raw in data.split(b"\n"):
         end = offset + len(raw)
         if raw.strip():
             try:
-                entries.append(AuditEntry.model_validate(json.loads(raw)))
+                doc = json.loads(raw)
+                entries.append((doc, AuditEntry.model_validate(doc)))
             except ValueError as exc:
-                if end == len(data):  # no newline after it: the append was cut short
+                if end == len(data):
                     return entries, offset
-                raise AuditLogError(f"{path}, line {len(entries) + 1}: malformed entry ({type(exc).__name__})") from None
+                raise AuditLogError(f"{path}, entry {len(entries) + 1}: malformed ({type(exc).__name__})") from None
         offset = end + 1
     return entries, None
 
 
 @dataclass(frozen=True)
 class Verification:
+    """What :func:`verify` checked."""
+
     entries: int
     spends_checked: int
     unlogged_spends: tuple[tuple[str, int], ...]  #: budget spends with no logged reply (see :func:`verify`)
@@ -190,7 +194,7 @@ class Verification:
 
 def read_log(state_dir: str | Path) -> list[AuditEntry]:
     """The site's audit log as written (not verified; :func:`verify` checks it). Empty when there is none."""
-    return _read(Path(state_dir) / AUDIT_FILE)[0]
+    return [entry for _, entry in _read(Path(state_dir) / AUDIT_FILE)[0]]
 
 
 def verify(state_dir: str | Path) -> Verification:
@@ -209,22 +213,10 @@ def verify(state_dir: str | Path) -> Verification:
     path = state_dir / AUDIT_FILE
     if not path.exists():
         raise AuditLogError(f"no audit log at {path}")
-    lines = [line for line in path.read_bytes().split(b"\n")]
     previous: AuditEntry | None = None
     entries: list[AuditEntry] = []
-    number = 0
-    for index, raw in enumerate(lines):
-        if not raw.strip():
-            continue
-        number += 1
+    for number, (doc, entry) in enumerate(_read(path)[0], 1):
         where = f"{path}, entry {number}"
-        try:
-            doc = json.loads(raw)
-            entry = AuditEntry.model_validate(doc)
-        except ValueError as exc:
-            if index == len(lines) - 1:  # a torn last line, never acknowledged: not an entry
-                break
-            raise AuditLogError(f"{where}: malformed ({type(exc).__name__})") from None
         if _entry_hash(doc) != entry.hash:
             raise AuditLogError(f"{where} (run '{entry.run_id}' round {entry.round}): its content does not match its hash "
                                 "— the entry was edited after it was written")
