@@ -56,7 +56,7 @@ def test_export_writes_weights_and_an_allow_listed_report_only(central_run: Path
 
     out = tmp_path / "release"
     assert main(["export", str(central_run), "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["PRIVACY.txt", "model.pt", "privacy_report.json"]
+    assert sorted(p.name for p in out.iterdir()) == ["MODEL_CARD.md", "PRIVACY.txt", "model.safetensors", "privacy_report.json"]
     report = json.loads((out / "privacy_report.json").read_text())
     assert set(report) - {"source", "model_selection"} <= PUBLISHABLE_KEYS
     assert _keys(report) <= ALLOWED_KEYS, _keys(report) - ALLOWED_KEYS
@@ -64,11 +64,15 @@ def test_export_writes_weights_and_an_allow_listed_report_only(central_run: Path
     assert report["model_selection"].startswith("last checkpoint")
     assert "(DP, δ = 1e-05, PLD)" in report["epsilon_text"] and "randomness" in report
 
-    checkpoint = torch.load(out / "model.pt", weights_only=False)
-    assert checkpoint["optimizer"] is None and checkpoint["rng"] is None and checkpoint["metrics"] is None
-    assert checkpoint["config"] is None and checkpoint["step"] == 0
-    model, _ = model_from_checkpoint(out / "model.pt")  # `fedpose eval` / `predict` read it
+    # safetensors: tensors and a str→str metadata map (the model spec), nothing that unpickles
+    from safetensors import safe_open
+    with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
+        metadata = fh.metadata()
+    assert set(metadata) == {"fedpose.format", "fedpose.model_spec"}
+    assert json.loads(metadata["fedpose.model_spec"])["backbone"] == "tiny_vit_test"
+    model, _ = model_from_checkpoint(out / "model.safetensors")  # `fedpose eval` / `predict` read it
     trained, _ = model_from_checkpoint(central_run / "checkpoints" / "last.pt")
+    assert model.state_dict().keys() == trained.state_dict().keys()
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), trained.state_dict().values()))
     text = (out / "PRIVACY.txt").read_text()
     assert "unit protected" in text and "randomness" in text
@@ -90,8 +94,11 @@ def test_an_export_holds_nothing_machine_local(central_run: Path, tmp_path: Path
 
     out = tmp_path / "best"
     assert main(["export", str(central_run), "--out", str(out), "--checkpoint", "best"]) == 0
-    texts = {name: (out / name).read_text() for name in ("privacy_report.json", "PRIVACY.txt")}
-    texts["model.pt"] = json.dumps(torch.load(out / "model.pt", weights_only=True)["extra"], ensure_ascii=False)
+    from safetensors import safe_open
+
+    texts = {name: (out / name).read_text() for name in ("privacy_report.json", "PRIVACY.txt", "MODEL_CARD.md")}
+    with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
+        texts["model.safetensors"] = json.dumps(fh.metadata(), ensure_ascii=False)
     local = [str(central_run.parent), "synth/test", "synth/public", socket.gethostname()]
     local += [getpass.getuser()] if getpass.getuser() != "root" else []
     for name, text in texts.items():
@@ -149,7 +156,6 @@ def _copy_run(central_run: Path, tmp_path: Path) -> Path:
 
 def test_nested_sections_are_allow_listed_and_seeds_withheld(central_run: Path, tmp_path: Path) -> None:
     """A test-only seeded run names its seed in the randomness text; an LDP section carries settings only."""
-    import torch
 
     run = _copy_run(central_run, tmp_path)
     privacy = json.loads((run / "privacy.json").read_text())
@@ -165,9 +171,9 @@ def test_nested_sections_are_allow_listed_and_seeds_withheld(central_run: Path, 
     assert report["basis"] == {"k": 8, "public_samples": 6}
     assert report["input_privacy"]["budgets"] == {"Y": [0.1], "Cb": [0.1], "Cr": [0.1]}
     assert "seed withheld" in report["randomness"] and "seed withheld" in report["input_privacy"]["randomness"]
-    for name in ("privacy_report.json", "PRIVACY.txt"):
+    for name in ("privacy_report.json", "PRIVACY.txt", "MODEL_CARD.md"):
         assert "424242" not in (out / name).read_text()
-    assert "424242" not in json.dumps(torch.load(out / "model.pt", weights_only=True)["extra"])
+    assert b"424242" not in (out / "model.safetensors").read_bytes()
 
 
 def test_a_privacy_record_older_than_the_model_is_refused(central_run: Path, tmp_path: Path, capsys) -> None:
@@ -186,7 +192,7 @@ def test_checkpoint_files_are_accepted_and_the_output_dir_holds_only_the_export(
     assert "NOT covered by the guarantee" in json.loads((out / "privacy_report.json").read_text())["model_selection"]
     assert main(["export", str(central_run), "--out", str(out)]) == 0  # replacing an earlier export is fine
     assert main(["export", str(central_run), "--out", str(central_run)]) != 0  # never mixed into a run directory
-    assert not (central_run / "model.pt").exists()
+    assert not (central_run / "model.safetensors").exists()
 
 
 def _coordinator_dir(tmp_path: Path, model_round: int) -> Path:
@@ -298,3 +304,74 @@ def test_a_damaged_or_foreign_global_model_is_named(tmp_path: Path, capsys: pyte
 
     assert main(["eval", "--checkpoint", str(tmp_path / "nothing.npz"), "--data", mpii]) != 0
     assert "no coordinator model here" in capsys.readouterr().err
+
+
+def test_export_writes_safetensors_and_a_model_card_that_eval_reads_with_the_same_pckh(
+        central_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 28.5: the published model is safetensors + MODEL_CARD.md; `fedpose eval` on it scores
+    exactly what it scores on the checkpoint it came from, and the card carries that score."""
+    test_set = central_run.parent / "synth" / "test"
+    out = tmp_path / "release"
+    assert main(["export", str(central_run), "--out", str(out), "--eval-data", str(test_set),
+                 "--eval-name", "the synthetic test split (public)"]) == 0
+    capsys.readouterr()
+    scores = {}
+    for source in (central_run / "checkpoints" / "last.pt", out):
+        assert main(["eval", "--checkpoint", str(source), "--data", str(test_set), "--json", "--device", "cpu"]) == 0
+        scores[source] = json.loads(capsys.readouterr().out)
+    original, exported = scores.values()
+    for key in ("Head", "Mean", "Mean@0.1", "samples"):
+        assert exported[key] == pytest.approx(original[key], abs=1e-9, nan_ok=True), key
+
+    card = (out / "MODEL_CARD.md").read_text()
+    for heading in ("## Architecture", "## Training data and privacy guarantees", "## Evaluation", "## Intended use", "## Limits"):
+        assert heading in card
+    assert "`tiny_vit_test`" in card and "64×64" in card
+    report = json.loads((out / "privacy_report.json").read_text())
+    assert f"guarantee: {report['epsilon_text']}" in card and "(DP, δ = 1e-05, PLD)" in card  # never a bare ε
+    assert "PCKh@0.5 on the synthetic test split (public) (4 people" in card
+    mean = original["Mean"]
+    assert (f"| {mean:.2f} |" if mean == mean else "| n/a |") in card
+    assert main(["predict", "--checkpoint", str(out), str(sorted((test_set / "images").iterdir())[0]),
+                 "--out", str(tmp_path / "pred"), "--device", "cpu"]) == 0
+
+
+def test_a_federated_model_card_lists_every_site_s_guarantee_and_unit(tmp_path: Path) -> None:
+    coordinator = _coordinator_dir(tmp_path, model_round=2)
+    (coordinator / "report.json").write_text(json.dumps({"run_id": "demo", "rounds": [{"round": 1}, {"round": 2}], "sites": [
+        {"site_id": "site-1", "epsilon": 2.5, "delta": 1e-5, "guarantee": "DP", "rounds_joined": 2, "unit": "patient",
+         "accountant": "pld"},
+        {"site_id": "site-2", "epsilon": 1.25, "delta": 1e-6, "guarantee": "DP", "rounds_joined": 1}]}))
+    assert main(["export", str(coordinator), "--out", str(tmp_path / "release")]) == 0
+    card = (tmp_path / "release" / "MODEL_CARD.md").read_text()
+    assert "| site-1 | patient | 2 | ε = 2.5 (DP, δ = 1e-05, PLD) per patient |" in card
+    assert "| site-2 | record | 1 | ε = 1.25 (DP, δ = 1e-06, RDP) per record |" in card
+    assert "Not evaluated at export" in card and "Federated run `demo`" in card
+
+
+def test_old_pt_exports_stay_readable_and_a_foreign_safetensors_file_is_named(
+        central_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    from fedpose.model import model_from_checkpoint
+    from fedpose.model.checkpoint import save_weights_only
+
+    trained, _ = model_from_checkpoint(central_run / "checkpoints" / "last.pt")
+    old = tmp_path / "old-release"
+    old.mkdir()
+    save_weights_only(old / "model.pt", trained)  # what exports wrote before safetensors
+    test_set = str(central_run.parent / "synth" / "test")
+    assert main(["eval", "--checkpoint", str(old), "--data", test_set, "--json", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert main(["export", str(central_run), "--out", str(old)]) == 0  # re-exporting over it replaces the pickle
+    assert not (old / "model.pt").exists() and (old / "model.safetensors").exists()
+
+    foreign = tmp_path / "foreign.safetensors"
+    save_file({"w": torch.zeros(2)}, str(foreign))
+    assert main(["eval", "--checkpoint", str(foreign), "--data", test_set]) == 2
+    assert f"{foreign}: a safetensors file, but not a fedpose model" in capsys.readouterr().err
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes((old / "model.safetensors").read_bytes()[:100])
+    assert main(["eval", "--checkpoint", str(damaged), "--data", test_set]) == 2
+    assert f"{damaged}: not a readable safetensors file" in capsys.readouterr().err

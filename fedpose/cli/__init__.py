@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "deploy",
     "certs",
     "ledger",
+    "site",
     "export",
 )
 

@@ -19,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     ev.add_argument("--checkpoint", required=True, type=Path,
                     help="a checkpoint file (e.g. RUN_DIR/checkpoints/best.pt), a `fedpose train` run directory (its "
-                         "last checkpoint), a `fedpose export` directory (model.pt), or a federation's model: the "
+                         "last checkpoint), a `fedpose export` directory (model.safetensors), or a federation's model: the "
                          "coordinator's global.npz or its checkpoint directory")
     ev.add_argument("--data", required=True, type=Path, help="dataset directory, annotations json or COCO keypoints json")
     ev.add_argument("--batch-size", type=int, default=32, help="images per forward pass (default 32)")
@@ -29,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ev.add_argument("--device", default="auto", help="auto (CUDA when available, else the CPU), cpu, cuda or cuda:N")
     ev.epilog = examples(
         'fedpose eval --checkpoint runs/train --data data/test   # a run directory: its last checkpoint',
-        'fedpose eval --checkpoint release/ --data data/test --json   # an export directory (model.pt)',
+        'fedpose eval --checkpoint release/ --data data/test --json   # an export directory (model.safetensors)',
     )
     ev.set_defaults(handler=run_eval)
 
@@ -41,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     pr.add_argument("--checkpoint", required=True, type=Path,
                     help="a checkpoint file (e.g. RUN_DIR/checkpoints/best.pt), a `fedpose train` run directory (its "
-                         "last checkpoint), a `fedpose export` directory (model.pt), or a federation's model: the "
+                         "last checkpoint), a `fedpose export` directory (model.safetensors), or a federation's model: the "
                          "coordinator's global.npz or its checkpoint directory")
     pr.add_argument("images", nargs="+", type=Path, metavar="IMAGE",
                     help="image files, or directories (walked recursively for images)")
@@ -78,11 +78,13 @@ def _load_model(path: Path, device_setting: str):
 
 #: what a directory given as --checkpoint may be, and the model file inside it (a coordinator
 #: directory is recognised by its global.npz)
-MODEL_IN_DIRECTORY = (("a `fedpose train` run directory", "checkpoints/last.pt"), ("a `fedpose export` directory", "model.pt"))
+MODEL_IN_DIRECTORY = (("a `fedpose train` run directory", "checkpoints/last.pt"),
+                      ("a `fedpose export` directory", "model.safetensors"),
+                      ("an export from before safetensors", "model.pt"))
 
 
 def _model_file(path: Path) -> Path:
-    """--checkpoint: a checkpoint file as given; a run directory → its last checkpoint; an export directory → model.pt."""
+    """--checkpoint: a checkpoint file as given; a run directory → its last checkpoint; an export directory → model.safetensors (model.pt for older exports)."""
     if not path.is_dir():
         return path
     for _, name in MODEL_IN_DIRECTORY:

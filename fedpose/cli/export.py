@@ -12,10 +12,15 @@ What a run directory holds, and who may see it:
   the accountant's state); a site's ``state_dir`` (budget, LDP copy, released update,
   ``rounds.jsonl``); a coordinator's ``report.json``, ``history.json`` and ``ledger.sqlite`` are
   operator records;
-* publishable: what this command writes — ``model.pt`` (architecture + weights only; readable by
-  ``fedpose eval`` / ``predict``), ``privacy_report.json`` (allow-listed keys, see
+* publishable: what this command writes — ``model.safetensors`` (architecture in its metadata +
+  weights only, no pickle: safe to open; read by ``fedpose eval`` / ``predict``), ``MODEL_CARD.md``
+  (architecture, training data by site and protection unit, each guarantee, evaluation, intended
+  use, limits), ``privacy_report.json`` (allow-listed keys, see
   :data:`fedpose.privacy.report.PUBLISHABLE_KEYS` and :data:`PUBLISHABLE_SECTION_KEYS`; seeds
-  withheld) and ``PRIVACY.txt``.
+  withheld) and ``PRIVACY.txt``. Nothing in them names a path, host or user.
+
+``--eval-data`` scores the exported weights on a dataset for the model card. Use a public test set:
+a score on private data is itself a release that no guarantee covers (the card says which it was).
 
 ``best.pt`` is chosen by PCKh on the run's validation split. If that split is private, the choice
 itself is a release that no guarantee covers, so ``--checkpoint last`` is the default and exporting
@@ -36,10 +41,13 @@ from typing import Any
 from fedpose.cli.common import UserError
 from fedpose.federation.global_model import GLOBAL_CHECKPOINT, GlobalModelError, load_global_model
 
-MODEL_FILE = "model.pt"
+MODEL_FILE = "model.safetensors"
+CARD_FILE = "MODEL_CARD.md"
 REPORT_FILE = "privacy_report.json"
 TEXT_FILE = "PRIVACY.txt"
-EXPORTED_FILES = (MODEL_FILE, REPORT_FILE, TEXT_FILE)
+EXPORTED_FILES = (MODEL_FILE, CARD_FILE, REPORT_FILE, TEXT_FILE)
+#: what exports before safetensors wrote (a pickle-based checkpoint): replaced, never kept beside the new model
+LEGACY_MODEL_FILE = "model.pt"
 COORDINATOR_REPORT = "report.json"  # fedpose.federation.report.REPORT_FILE
 DEFAULT_LEDGER = "ledger.sqlite"  # the coordinator's default ledger_db, inside its checkpoint_dir
 
@@ -80,6 +88,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--checkpoint", choices=("last", "best"), default=None,
                         help="central run directories: which checkpoint (default last; best = chosen on the validation "
                              "split, reported as such)")
+    parser.add_argument("--eval-data", type=Path, default=None,
+                        help="score the exported model (PCKh) on this dataset for the model card; use a public test set "
+                             "(a score on private data is a release no guarantee covers)")
+    parser.add_argument("--eval-name", default="the evaluation set given at export",
+                        help="how the model card names --eval-data (never its path), e.g. 'MPII validation (public)'")
     parser.set_defaults(handler=run)
 
 
@@ -102,7 +115,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         raise UserError(f"export: {source} is neither a `fedpose train` run directory (checkpoints/) or checkpoint, "
                         f"nor a coordinator dir ({GLOBAL_CHECKPOINT})")
-    return _write(args.out, model, _withhold_machine_local(_withhold_seeds(report)))
+    if args.eval_data is not None and not args.eval_data.exists():
+        raise UserError(f"export: --eval-data {args.eval_data} does not exist")
+    evaluation = _evaluate(model, args.eval_data, args.eval_name) if args.eval_data is not None else None
+    return _write(args.out, model, _withhold_machine_local(_withhold_seeds(report)), evaluation)
 
 
 def _central(run_dir: Path, path: Path) -> tuple[Any, dict[str, Any]]:
@@ -255,16 +271,96 @@ def _site_summaries(coordinator_dir: Path) -> tuple[list[dict[str, Any]], int, P
     return list(summary.get("sites", [])), max(rounds, default=int(summary.get("rounds_completed") or 0)), report_path
 
 
-def _write(out: Path, model: Any, report: dict[str, Any]) -> int:
+def _evaluate(model: Any, data: Path, name: str) -> dict[str, Any]:
+    """PCKh of the exported weights on ``data``, for the model card (named by ``name``, never by path)."""
+    from fedpose.data.dataset import PoseDataset, load_records
+    from fedpose.train.evaluate import evaluate
+
+    records, root = load_records(data)
+    if not records:
+        raise UserError(f"export: --eval-data {data} has no records")
+    try:
+        scores = evaluate(model.cpu(), PoseDataset(records, root, input_size=model.input_size, train=False), batch_size=16)
+    except ValueError as exc:
+        raise UserError(f"export: --eval-data {data}: {exc}") from None
+    return {"name": name, **scores}
+
+
+def model_card(model: Any, report: dict[str, Any], evaluation: dict[str, Any] | None) -> str:
+    """``MODEL_CARD.md``: what a hospital receiving the model needs to judge it. Built from the
+    model spec, the publishable report and the operator's evaluation only; every ε with its
+    guarantee, δ, unit and accountant (``epsilon_text``)."""
+    import math
+
+    from fedpose.joints import JOINT_NAMES
+    from fedpose.model.checkpoint import model_spec
+
+    spec = model_spec(model)
+    parameters = sum(p.numel() for p in model.parameters())
+    lines = ["# Model card", "",
+             "A 2D human-pose estimator (16 MPII joints) trained with differential privacy by fedpose.", "",
+             "## Architecture", "",
+             f"- backbone `{spec.backbone}` ({spec.scenario}), SimCC head (split factor {spec.split_factor}, label σ "
+             f"{spec.label_sigma:g}{f', hidden {spec.head_hidden}' if spec.head_hidden else ''}), {parameters:,} parameters",
+             f"- input: one person crop of {spec.input_size[1]}×{spec.input_size[0]} pixels (width × height); output: "
+             f"{len(JOINT_NAMES)} joints ({', '.join(JOINT_NAMES)}) with a confidence each",
+             f"- file: `{MODEL_FILE}` (safetensors: tensors and a metadata map, no pickle; the model spec is in its metadata). "
+             "Read by `fedpose eval --checkpoint DIR` and `fedpose predict --checkpoint DIR`.", "",
+             "## Training data and privacy guarantees", ""]
+    if report.get("source") == "federation":
+        lines += [f"Federated run `{report.get('run_id')}`; {report['guarantee_statement']}.", "",
+                  "| site | protection unit | rounds joined | guarantee |", "| --- | --- | --- | --- |"]
+        lines += [f"| {s['site_id']} | {s.get('protection_unit') or 'record'} | {s.get('rounds_joined')} | {s['epsilon_text']} |"
+                  for s in report.get("sites", [])]
+    else:
+        lines += [f"Central training by one data holder, mechanism `{report.get('mechanism')}`.", "",
+                  f"- guarantee: {report.get('epsilon_text')}",
+                  f"- protection unit: {report.get('protection_unit', 'record')}; unit protected: {report.get('unit_protected')}",
+                  f"- adjacency: {report.get('adjacency', report.get('neighbouring_relation'))}; "
+                  f"treated as public: {report.get('public')}"]
+        if report.get("guarantee_void"):
+            lines.append("- **the guarantee is void**: the noise was seeded (a test run) and can be regenerated")
+    lines += ["", f"Model selection: {report['model_selection']}.", "",
+              f"`{REPORT_FILE}` and `{TEXT_FILE}` beside this card hold the full privacy report.", "", "## Evaluation", ""]
+    if evaluation is None:
+        lines.append("Not evaluated at export. Score it on a public test set: `fedpose eval --checkpoint DIR --data TEST_SET`.")
+    else:
+        def score(key: str) -> str:
+            return "n/a" if math.isnan(evaluation[key]) else f"{evaluation[key]:.2f}"
+
+        keys = ("Head", "Shoulder", "Elbow", "Wrist", "Hip", "Knee", "Ankle", "Mean", "Mean@0.1")
+        lines += [f"PCKh@0.5 on {evaluation['name']} ({evaluation['samples']} people, MPII protocol, head boxes; "
+                  "Mean@0.1 is PCKh@0.1):", "",
+                  "| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys), "| " + " | ".join(score(k) for k in keys) + " |", "",
+                  "A score on a private set is itself a release no guarantee above covers; publish scores on public data."]
+    lines += ["", "## Intended use", "",
+              "Research and development of 2D pose estimation on single-person crops similar to the training data "
+              "(MPII-style images, the person roughly centred). Not a medical device: not for diagnosis or for "
+              "decisions about an individual patient.", "",
+              "## Limits", "",
+              "- Differential privacy bounds what the weights reveal about one protection unit (record, image or "
+              "patient, per site above) to the stated (ε, δ) under the stated accountant; it says nothing about "
+              "units a site did not protect, about a site's participation in the run, or about its dataset size "
+              "beyond DP resolution.",
+              "- DP noise costs accuracy: expect lower PCKh than a non-private model of the same size, and worse on "
+              "poses, people and image sources rare in the training data.",
+              "- The model takes the whole input as the person box; multi-person images need a person detector first."]
+    return "\n".join(lines) + "\n"
+
+
+def _write(out: Path, model: Any, report: dict[str, Any], evaluation: dict[str, Any] | None = None) -> int:
     from fedpose.io import atomic_write_json, atomic_write_text
-    from fedpose.model.checkpoint import save_weights_only
+    from fedpose.model.checkpoint import save_safetensors
     from fedpose.privacy.report import describe
 
-    # Only ever the three files: never mixed into a run directory or beside other artefacts.
-    if out.exists() and (not out.is_dir() or any(p.name not in EXPORTED_FILES for p in out.iterdir())):
+    # Only ever the export's files: never mixed into a run directory or beside other artefacts.
+    known = (*EXPORTED_FILES, LEGACY_MODEL_FILE)
+    if out.exists() and (not out.is_dir() or any(p.name not in known for p in out.iterdir())):
         raise UserError(f"export: {out} exists and holds other files; the export goes to a new directory (or replaces an earlier export)")
     out.mkdir(parents=True, exist_ok=True)
-    save_weights_only(out / MODEL_FILE, model, extra={"privacy": report})
+    save_safetensors(out / MODEL_FILE, model)
+    (out / LEGACY_MODEL_FILE).unlink(missing_ok=True)  # an earlier export's pickle checkpoint: not beside the new model
+    atomic_write_text(out / CARD_FILE, _withhold_machine_local(model_card(model, report, evaluation)))
     atomic_write_json(out / REPORT_FILE, report)
     if report.get("source") == "federation":
         lines = [f"federated run {report.get('run_id')}: {report['guarantee_statement']}"]
@@ -273,5 +369,5 @@ def _write(out: Path, model: Any, report: dict[str, Any]) -> int:
         lines = [describe(report)]
     lines.append(f"model selection: {report['model_selection']}")
     atomic_write_text(out / TEXT_FILE, "\n".join(lines) + "\n")
-    print(f"exported {out / MODEL_FILE}, {out / REPORT_FILE}, {out / TEXT_FILE}")
+    print(f"exported {out / MODEL_FILE}, {out / CARD_FILE}, {out / REPORT_FILE}, {out / TEXT_FILE}")
     return 0

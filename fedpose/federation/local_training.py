@@ -10,7 +10,9 @@ What leaves the site is one :class:`~fedpose.federation.protocol.SiteReply` plus
 only ever updated with privatized gradients (clipped + noised by the engine), so releasing it is
 post-processing. The reply's other fields are functions of public values (declared σ, q, δ,
 ε_max, step counts). Diagnostics computed from private data (loss, zeroed non-finite samples,
-wall time) go to ``<state_dir>/rounds.jsonl`` and the site's log only.
+wall time) go to ``<state_dir>/rounds.jsonl`` and the site's log only. Every reply is entered in
+the site's hash-chained audit log (``<state_dir>/audit.jsonl``, :mod:`fedpose.federation.site_audit`)
+before it is returned: public values only, for the site's privacy officer.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ from typing import Any, Callable
 import numpy as np
 
 from fedpose.config import ModelSpec
-from fedpose.federation import witness
+from fedpose.federation import site_audit, witness
 from fedpose.federation.config import SiteConfig
 from fedpose.federation.protocol import PrivacyReport, ReasonCode, ReplyStatus, SiteReply, SpendRecord, error_class_name
-from fedpose.federation.site_budget import BudgetExhausted, SiteBudget
+from fedpose.federation.site_budget import GENESIS_FILE, BudgetExhausted, SiteBudget
 from fedpose.federation.site_pins import check_global_arrays, check_pinned_settings
 from fedpose.privacy.mechanisms import get_mechanism
 
@@ -202,6 +204,43 @@ def load_site_dataset(site: SiteConfig, input_size: tuple[int, int]) -> Any:
 
 
 def train_site_round(
+    site: SiteConfig,
+    run_id: str,
+    round_id: int,
+    global_state: dict[str, np.ndarray],
+    model_spec: ModelSpec,
+    local_steps: int,
+    basis_version: int = -1,
+    basis_message: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None,
+    threads: int | None = None,
+    engine_hook: Callable[[Any], None] | None = None,
+    ledger_records: Sequence[SpendRecord] = (),
+) -> SiteRoundResult:
+    """:func:`_train_site_round`, its reply entered in the site's audit log before it is returned
+    (:func:`~fedpose.federation.site_audit.record_reply`): a reply that cannot be logged raises, so
+    its update is never sent."""
+    result = _train_site_round(site, run_id, round_id, global_state, model_spec, local_steps, basis_version,
+                               basis_message, threads, engine_hook, ledger_records)
+    asked = site_audit.instruction_of(local_steps, basis_version, model_spec, global_state, ledger_records, site.site_id)
+    site_audit.record_reply(site.state_dir, result.reply, result.update, asked)
+    return result
+
+
+def _asked(site: SiteConfig, args: tuple[Any, ...], kwargs: dict[str, Any]) -> site_audit.AuditInstruction | None:
+    """The audit log's view of an instruction :func:`train_site_round` failed on (None: unreadable)."""
+    import inspect
+
+    try:
+        bound = inspect.signature(_train_site_round).bind(site, "", 0, *args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        return site_audit.instruction_of(a["local_steps"], a["basis_version"], a["model_spec"], a["global_state"],
+                                         a["ledger_records"], site.site_id)
+    except Exception:  # noqa: BLE001 - a malformed instruction is logged as unreadable
+        return None
+
+
+def _train_site_round(
     site: SiteConfig,
     run_id: str,
     round_id: int,
@@ -394,11 +433,19 @@ def run_site_round(site: SiteConfig, run_id: str, round_id: int, *args: Any, **k
             version = cached_basis_version(site)
         except Exception:  # noqa: BLE001
             version = -1
-        return SiteRoundResult(SiteReply(
+        reply = SiteReply(
             site_id=site.site_id, run_id=str(run_id), round=int(round_id), status="error", reason="site-error",
             error_class=error_class_name(exc), privacy=report, basis_version=version, local_steps=0,
             aggregation_weight=site.aggregation_weight, spends=spends,
-        ))
+        )
+        # logged when the site has a state (a new site that failed before creating one has nothing to
+        # audit, and a log alone would make its state dir look like a state that lost its budget)
+        if (Path(site.state_dir) / GENESIS_FILE).exists():
+            try:
+                site_audit.record_reply(site.state_dir, reply, {}, _asked(site, args, kwargs))
+            except Exception:  # noqa: BLE001 - the error reply releases no update; the failure goes to the local log
+                log.error("site %s round %s: cannot write its audit log:\n%s", site.site_id, round_id, traceback.format_exc())
+        return SiteRoundResult(reply)
 
 
 def _log_round(site: SiteConfig, run_id: str, round_id: int, outcome: str, started: float | None,

@@ -8,6 +8,12 @@ A fedpose checkpoint is a dict::
      "config": the run's config as plain data | None, "metrics": list/dict | None, "step": int,
      "rng": {"torch": ByteTensor, "python": tuple, "numpy": tuple}, "extra": dict}
 
+The publishable form of a model (``fedpose export``) is a safetensors file instead
+(:func:`save_safetensors`): tensors and a string metadata map, no pickle, so a model shared
+between hospitals can be opened without running anything it holds. Its metadata carries
+``fedpose.format`` and the model spec (JSON), so ``fedpose eval`` / ``predict`` rebuild the
+architecture from the file alone; ``.pt`` checkpoints stay readable.
+
 ``load_init_weights`` starts a model from either a fedpose checkpoint or a timm TinyViT state
 dict (e.g. ImageNet weights someone copied onto the machine); nothing is ever downloaded.
 """
@@ -28,6 +34,11 @@ from fedpose.io import atomic_write
 
 CHECKPOINT_FORMAT = "fedpose-checkpoint"
 CHECKPOINT_VERSION = 1
+SAFETENSORS_SUFFIX = ".safetensors"
+#: metadata keys of a fedpose safetensors file (safetensors metadata is a str → str map)
+SAFETENSORS_FORMAT = "fedpose-safetensors/1"
+SAFETENSORS_FORMAT_KEY = "fedpose.format"
+SAFETENSORS_SPEC_KEY = "fedpose.model_spec"
 
 
 class CheckpointError(ValueError):
@@ -131,13 +142,62 @@ def save_weights_only(path: str | Path, model: nn.Module, extra: dict[str, Any] 
     return path
 
 
+def save_safetensors(path: str | Path, model: nn.Module, metadata: dict[str, str] | None = None) -> Path:
+    """The architecture (model spec, in the metadata) and weights of ``model`` as safetensors,
+    written atomically: no optimizer, config, metrics, step or RNG state (they carry statistics of
+    the training data or the run's seed), and no pickle. ``metadata``: further public strings."""
+    import json
+
+    from safetensors.torch import save
+
+    # safetensors refuses views and shared storage: every tensor is written as its own contiguous copy
+    tensors = {key: value.detach().cpu().contiguous().clone() for key, value in model.state_dict().items()}
+    header = {**(metadata or {}), SAFETENSORS_FORMAT_KEY: SAFETENSORS_FORMAT,
+              SAFETENSORS_SPEC_KEY: json.dumps(model_spec(model).model_dump(mode="json"), sort_keys=True)}
+    data = save(tensors, metadata=header)
+    path = Path(path)
+    atomic_write(path, lambda fh: fh.write(data))
+    return path
+
+
+def load_safetensors(path: str | Path) -> dict[str, Any]:
+    """A fedpose safetensors file as a checkpoint dict (``model_spec``, ``model``, ``extra``: the
+    other metadata strings); :class:`CheckpointError` naming the file for anything else."""
+    import json
+
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"model file not found: {path}")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as fh:
+            metadata = dict(fh.metadata() or {})
+            tensors = {key: fh.get_tensor(key) for key in fh.keys()}
+    except Exception as exc:  # safetensors raises its own error types for a damaged header or data
+        raise CheckpointError(f"{path}: not a readable safetensors file (damaged or truncated; {type(exc).__name__})") from exc
+    if metadata.get(SAFETENSORS_FORMAT_KEY) != SAFETENSORS_FORMAT:
+        raise CheckpointError(f"{path}: a safetensors file, but not a fedpose model (metadata {SAFETENSORS_FORMAT_KEY} = "
+                              f"{metadata.get(SAFETENSORS_FORMAT_KEY)!r}, expected {SAFETENSORS_FORMAT!r})")
+    try:
+        spec = ModelSpec.model_validate(json.loads(metadata.pop(SAFETENSORS_SPEC_KEY)))
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"{path}: its model spec ({SAFETENSORS_SPEC_KEY}) is missing or malformed ({exc})") from None
+    metadata.pop(SAFETENSORS_FORMAT_KEY)
+    return {"format": CHECKPOINT_FORMAT, "version": CHECKPOINT_VERSION, "model_spec": spec.model_dump(mode="json"),
+            "model": tensors, "step": 0, "extra": metadata}
+
+
 def is_fedpose_checkpoint(obj: Any) -> bool:
     return isinstance(obj, dict) and obj.get("format") == CHECKPOINT_FORMAT
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Read a fedpose checkpoint (CPU tensors); raises CheckpointError for anything else."""
+    """Read a fedpose checkpoint (CPU tensors) — a ``.pt`` file or an exported ``.safetensors``
+    one; raises CheckpointError for anything else."""
     path = Path(path)
+    if path.suffix == SAFETENSORS_SUFFIX:
+        return load_safetensors(path)
     obj = _torch_load(path)
     if not is_fedpose_checkpoint(obj):
         raise CheckpointError(f"{path}: not a fedpose checkpoint (use model.init_checkpoint for timm weights)")

@@ -1,0 +1,261 @@
+"""The site's audit log for its privacy officer: every reply the site sent, hash-chained.
+
+``<state_dir>/audit.jsonl`` holds one line per reply, written by the site at the moment it replies
+(:func:`record_reply`, called from :func:`~fedpose.federation.local_training.train_site_round` and,
+for an error reply, :func:`~fedpose.federation.local_training.run_site_round`) and before the
+reply is handed to Flower: an update that could not be logged is not sent. Each line
+(:class:`AuditEntry`) says what was asked (the instruction's public fields), what the site answered
+(status, reason code), its cumulative ε after the round with guarantee, unit, δ and accountant, the
+(σ, q, steps) it spent for the round, and the size and SHA-256 of the update it released — public
+values only. The site-local diagnostics in ``rounds.jsonl`` (loss, timings, notes: statistics of
+the private data) are never read here.
+
+Why a file of its own and not the spend journal (``spends.jsonl``): the journal is written *before*
+training, one line per spend, and is what the budget may never be below; this log is written
+*after* it, one line per reply (refusals, errors and re-sent releases included), and records what
+left. Both name a spend; :func:`verify` checks that they agree.
+
+Tamper evidence: each entry carries ``prev``, the ``hash`` of the entry before it (the first
+carries :data:`GENESIS`), and its own ``hash``: the SHA-256 of its canonical JSON without the hash.
+An entry edited, deleted or moved breaks the chain at that entry; :func:`verify` also checks the
+log against the budget and the journal (a logged spend the budget or journal lacks: they were rolled
+back). What the chain cannot show: someone who can write the state dir can rewrite the whole chain
+(and the budget and journal) consistently, or cut entries off its end. The witnesses against that
+are outside the state dir: the coordinator's ledger and a copy of the log kept where the site's
+operators cannot write (docs/site-state.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from fedpose.config import ModelSpec
+from fedpose.federation.protocol import ReasonCode, ReplyStatus, SiteReply, SpendEvent, SpendRecord
+
+log = logging.getLogger(__name__)
+
+AUDIT_FILE = "audit.jsonl"
+AUDIT_FORMAT = "fedpose.site-audit/1"
+#: ``prev`` of the first entry
+GENESIS = "0" * 64
+
+
+class _Entry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class AuditInstruction(_Entry):
+    """What the coordinator asked, as far as the site can state it from the instruction's public fields."""
+
+    local_steps: int  #: steps asked (the site runs at most its own configured cap)
+    basis_version: int  #: projection-basis version the instruction named (-1: none)
+    model: ModelSpec  #: the architecture of the global model
+    global_sha256: str  #: :func:`arrays_sha256` of the global weights received
+    ledger_record_rounds: list[int]  #: rounds of this site the coordinator's ledger record listed
+
+
+class AuditEntry(_Entry):
+    """One reply of the site, as its audit log holds it (every field is public: from the instruction,
+    the reply, or a digest of what was released)."""
+
+    format: str = AUDIT_FORMAT
+    seq: int = Field(ge=1)  #: 1, 2, … in the order the site replied
+    prev: str  #: ``hash`` of the entry before (GENESIS for the first)
+    at: float  #: unix time of the reply
+    site_id: str
+    run_id: str
+    round: int
+    asked: AuditInstruction | None  #: None: the instruction could not be read (error reply)
+    status: ReplyStatus
+    reason: ReasonCode | None
+    error_class: str | None = None
+    local_steps: int  #: steps the round ran
+    guarantee: str | None  #: the site's guarantee ("DP", "FDP", "MaskDP", "none"); None: state unreadable
+    protection_unit: str | None
+    delta: float | None
+    accountant: str | None
+    epsilon: float | None  #: cumulative ε after the round (None: no guarantee, or state unreadable)
+    eps_max: float | None
+    rounds_spent: int | None
+    spend: SpendEvent | None  #: this round's (σ, q, steps) when the site's budget holds it as spent
+    update_bytes: int  #: bytes of the released update's arrays (0: nothing released)
+    update_sha256: str | None  #: :func:`arrays_sha256` of the released update (None: nothing released)
+    hash: str = ""  #: SHA-256 of the canonical JSON of every other field
+
+
+def arrays_sha256(arrays: Mapping[str, np.ndarray]) -> str:
+    """SHA-256 over named arrays in name order (name, dtype, shape, bytes each): the coordinator can
+    compute the same digest of what it received and compare it with the site's log."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        array = np.ascontiguousarray(arrays[name])
+        digest.update(json.dumps([name, array.dtype.str, list(array.shape)]).encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def _entry_hash(fields: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in fields.items() if k != "hash"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()).hexdigest()
+
+
+def instruction_of(local_steps: int, basis_version: int, model_spec: ModelSpec, global_state: Mapping[str, np.ndarray],
+                   ledger_records: Sequence[SpendRecord], site_id: str) -> AuditInstruction:
+    from fedpose.federation.witness import own_record
+
+    record = own_record(ledger_records, site_id)
+    return AuditInstruction(local_steps=int(local_steps), basis_version=int(basis_version), model=model_spec,
+                            global_sha256=arrays_sha256(global_state),
+                            ledger_record_rounds=sorted(e.round for e in record.events) if record else [])
+
+
+def record_reply(state_dir: str | Path, reply: SiteReply, update: Mapping[str, np.ndarray],
+                 asked: AuditInstruction | None) -> AuditEntry:
+    """Append the entry of ``reply`` (and the ``update`` it carries) to the site's audit log, chained
+    to the last entry, fsynced, under the state lock. Raises OSError when it cannot be written: the
+    caller then sends no update."""
+    from fedpose.federation.site_budget import _state_lock
+
+    state_dir = Path(state_dir)
+    privacy = reply.privacy
+    spend = next((e for e in reply.spends if e.round == reply.round), None)
+    released = dict(update) if reply.carries_update else {}
+    with _state_lock(state_dir):
+        path = state_dir / AUDIT_FILE
+        entries, torn_at = _read(path)
+        if torn_at is not None:  # a torn last line (the site stopped mid-append): never an entry
+            with open(path, "r+b") as fh:
+                fh.truncate(torn_at)
+        last = entries[-1][1] if entries else None
+        fields = AuditEntry(
+            seq=(last.seq + 1) if last else 1, prev=last.hash if last else GENESIS, at=time.time(),
+            site_id=reply.site_id, run_id=reply.run_id, round=reply.round, asked=asked, status=reply.status,
+            reason=reply.reason, error_class=reply.error_class, local_steps=reply.local_steps,
+            guarantee=privacy.guarantee if privacy else None, protection_unit=privacy.protection_unit if privacy else None,
+            delta=privacy.delta if privacy else None, accountant=privacy.accountant if privacy else None,
+            epsilon=privacy.epsilon if privacy else None, eps_max=privacy.eps_max if privacy else None,
+            rounds_spent=privacy.rounds_spent if privacy else None, spend=spend,
+            update_bytes=int(sum(np.asarray(a).nbytes for a in released.values())),
+            update_sha256=arrays_sha256(released) if released else None,
+        ).model_dump(mode="json")
+        fields["hash"] = _entry_hash(fields)
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(fields, ensure_ascii=False) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+    return AuditEntry.model_validate(fields)
+
+
+class AuditLogError(ValueError):
+    """The audit log, or its agreement with the budget, is broken: the message names the first bad entry."""
+
+
+def _read(path: Path) -> tuple[list[tuple[dict[str, Any], AuditEntry]], int | None]:
+    """(each entry as written and as parsed — unchecked; the byte offset to cut a torn last line at,
+    or None). A last line without its newline that does not parse is a cut-short append, not an entry."""
+    if not path.exists():
+        return [], None
+    data = path.read_bytes()
+    entries: list[tuple[dict[str, Any], AuditEntry]] = []
+    offset = 0
+    for raw in data.split(b"\n"):
+        end = offset + len(raw)
+        if raw.strip():
+            try:
+                doc = json.loads(raw)
+                entries.append((doc, AuditEntry.model_validate(doc)))
+            except ValueError as exc:
+                if end == len(data):
+                    return entries, offset
+                raise AuditLogError(f"{path}, entry {len(entries) + 1}: malformed ({type(exc).__name__})") from None
+        offset = end + 1
+    return entries, None
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What :func:`verify` checked."""
+
+    entries: int
+    spends_checked: int
+    unlogged_spends: tuple[tuple[str, int], ...]  #: budget spends with no logged reply (see :func:`verify`)
+
+
+def read_log(state_dir: str | Path) -> list[AuditEntry]:
+    """The site's audit log as written (not verified; :func:`verify` checks it). Empty when there is none."""
+    return [entry for _, entry in _read(Path(state_dir) / AUDIT_FILE)[0]]
+
+
+def verify(state_dir: str | Path) -> Verification:
+    """Check the chain and the log's agreement with the budget and the spend journal; raise
+    :class:`AuditLogError` naming the first bad entry.
+
+    The chain: every line parses, ``seq`` counts 1, 2, …, ``prev`` is the hash of the entry before
+    and ``hash`` is the entry's own. Agreement: every spend the log records is in the budget as spent
+    with the same (σ, q, steps), and in the journal. A budget spend with no logged reply is listed,
+    not refused: a site killed between its spend and its reply leaves exactly that (and so does a
+    log whose tail was cut — which only an outside copy or the ledger can tell apart)."""
+    from fedpose.federation.site_budget import (
+        JOURNAL_FILE, STATE_FILE, BudgetStateError, _parse_state, _read_signed, check_journal, read_journal)
+
+    state_dir = Path(state_dir)
+    path = state_dir / AUDIT_FILE
+    if not path.exists():
+        raise AuditLogError(f"no audit log at {path}")
+    previous: AuditEntry | None = None
+    entries: list[AuditEntry] = []
+    for number, (doc, entry) in enumerate(_read(path)[0], 1):
+        where = f"{path}, entry {number}"
+        if _entry_hash(doc) != entry.hash:
+            raise AuditLogError(f"{where} (run '{entry.run_id}' round {entry.round}): its content does not match its hash "
+                                "— the entry was edited after it was written")
+        expected_prev, expected_seq = (previous.hash, previous.seq + 1) if previous else (GENESIS, 1)
+        if entry.prev != expected_prev or entry.seq != expected_seq:
+            raise AuditLogError(f"{where} (run '{entry.run_id}' round {entry.round}, seq {entry.seq}): does not follow the "
+                                f"entry before it (expected seq {expected_seq} chained to {expected_prev[:12]}…) — an entry "
+                                "before it was deleted, or entries were reordered or inserted")
+        entries.append(entry)
+        previous = entry
+    budget_path = state_dir / STATE_FILE
+    logged_spends = [(n, e) for n, e in enumerate(entries, 1) if e.spend is not None]
+    if not budget_path.exists():
+        if logged_spends:
+            n, e = logged_spends[0]
+            raise AuditLogError(f"{path}, entry {n} (run '{e.run_id}' round {e.round}): a logged spend, but there is no "
+                                f"budget {budget_path}")
+        return Verification(len(entries), 0, ())
+    try:
+        state = _parse_state(_read_signed(budget_path, "site budget state"), budget_path)
+        check_journal(state_dir, state)
+        journal = {s.key: s for s in read_journal(state_dir)}
+    except BudgetStateError as exc:
+        raise AuditLogError(str(exc)) from None
+    spent = {e.key: e for e in state.entries if e.status == "spent"}
+    for n, e in logged_spends:
+        held = spent.get((e.run_id, e.round))
+        where = f"{path}, entry {n} (run '{e.run_id}' round {e.round})"
+        event = (e.spend.noise_multiplier, e.spend.sample_rate, e.spend.steps)  # type: ignore[union-attr]
+        if held is None:
+            raise AuditLogError(f"{where}: the site replied with this spend, but {budget_path} does not hold it — the budget "
+                                "was rolled back or edited")
+        if not held.same_request(*event):
+            raise AuditLogError(f"{where}: logged with σ={event[0]}, q={event[1]}, steps={event[2]}, but {budget_path} "
+                                f"holds σ={held.noise_multiplier}, q={held.sample_rate}, steps={held.steps}")
+        if state.journaled and (e.run_id, e.round) not in journal:
+            raise AuditLogError(f"{where}: the site replied with this spend, but {state_dir / JOURNAL_FILE} does not hold it")
+    logged = {(e.run_id, e.round) for _, e in logged_spends}
+    since = entries[0].at if entries else float("inf")
+    unlogged = tuple(sorted(key for key, held in spent.items() if key not in logged and held.recorded_at >= since
+                            and not held.reason.startswith("adopted")))
+    return Verification(len(entries), len(logged_spends), unlogged)

@@ -1,0 +1,188 @@
+"""The site's audit log (issue 28.3): written by the real site round at the moment it replies,
+public values only, hash-chained, and `fedpose site report --verify` catching an edited, deleted
+or reordered entry and a budget that disagrees with it."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fedpose.cli import main
+from fedpose.federation.local_training import ROUND_LOG, run_site_round
+from fedpose.federation.site_audit import AUDIT_FILE, GENESIS, arrays_sha256, read_log, verify
+from fedpose.federation.site_budget import JOURNAL_FILE, STATE_FILE
+from site_round_helpers import global_model, make_site_data, site_config
+
+#: recognisable private statistics planted in rounds.jsonl: none may appear in a report
+PLANTED = {"train_loss": 0.8642097531, "seconds": 97531.86420, "nonfinite_samples": 8642097, "note": "PRIVATE-NOTE-7f3a"}
+
+
+@pytest.fixture(scope="module")
+def site_rounds(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list, Path]:
+    """A real site's state after: round 1 ok, round 2 ok, round 2 asked again (re-sent, not re-noised),
+    round 3 with a global model missing an array (error). Also the state after round 1, kept aside."""
+    root = tmp_path_factory.mktemp("site-audit")
+    site = site_config(make_site_data(root / "data"), root / "state")
+    weights, spec = global_model()
+    results = [run_site_round(site, "run", 1, weights, spec, 2)]
+    after_round_1 = root / "after-round-1"
+    shutil.copytree(root / "state", after_round_1)
+    results.append(run_site_round(site, "run", 2, weights, spec, 2))
+    results.append(run_site_round(site, "run", 2, weights, spec, 2))
+    broken = {k: v for k, v in weights.items() if k != sorted(weights)[0]}
+    results.append(run_site_round(site, "run", 3, broken, spec, 2))
+    return root / "state", results, after_round_1
+
+
+def _copy(state: Path, tmp_path: Path) -> Path:
+    shutil.copytree(state, tmp_path / "state")
+    return tmp_path / "state"
+
+
+def test_every_reply_is_logged_with_its_public_values_and_the_chain_verifies(site_rounds) -> None:
+    state, results, _ = site_rounds
+    entries = read_log(state)
+    assert [(e.round, e.status, e.reason) for e in entries] == [(1, "ok", None), (2, "ok", None),
+                                                                (2, "ok", "resent-earlier-release"), (3, "error", "site-error")]
+    assert [e.seq for e in entries] == [1, 2, 3, 4] and entries[0].prev == GENESIS
+    assert all(b.prev == a.hash for a, b in zip(entries, entries[1:]))
+    weights, _ = global_model()
+    for entry, result in zip(entries, results):
+        reply = result.reply
+        assert entry.epsilon == (reply.privacy.epsilon if reply.privacy else None)
+        assert (entry.guarantee, entry.protection_unit, entry.delta, entry.accountant) == (
+            "DP", "patient", 1e-5, reply.privacy.accountant)
+        if reply.carries_update:  # what was released, by size and digest
+            assert entry.update_sha256 == arrays_sha256(result.update)
+            assert entry.update_bytes == sum(a.nbytes for a in result.update.values()) > 0
+            assert entry.spend is not None and (entry.spend.noise_multiplier, entry.spend.steps) == (1.0, 2)
+        else:
+            assert entry.update_sha256 is None and entry.update_bytes == 0
+    assert entries[1].update_sha256 == entries[2].update_sha256  # the re-sent release is the same bytes
+    assert entries[0].asked.global_sha256 == arrays_sha256(weights) and entries[0].asked.local_steps == 2
+    assert entries[3].asked.global_sha256 != entries[0].asked.global_sha256
+    assert entries[3].error_class is not None and entries[3].spend is None
+    assert entries[1].epsilon > entries[0].epsilon
+    result = verify(state)
+    assert (result.entries, result.spends_checked, result.unlogged_spends) == (4, 3, ())
+
+
+def test_the_report_shows_public_values_only(site_rounds, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """rounds.jsonl holds private statistics: plant recognisable ones and look for them in every format."""
+    state = _copy(site_rounds[0], tmp_path)
+    with open(state / ROUND_LOG, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"run_id": "run", "round": 1, "outcome": "ok", **PLANTED}) + "\n")
+    outputs = {}
+    for mode in ([], ["--json"], ["--csv"], ["--verify"]):
+        assert main(["site", "report", "--state-dir", str(state), *mode]) == 0
+        outputs[tuple(mode)] = capsys.readouterr().out
+    for text in outputs.values():
+        for value in PLANTED.values():
+            assert str(value) not in text
+        assert "8642" not in text and "97531" not in text
+    table = outputs[()]
+    assert "ε = " in table and "(DP, δ = 1e-05, PLD) per patient" in table and "resent-earlier-release" in table
+    doc = json.loads(outputs[("--json",)])
+    assert [e["seq"] for e in doc["entries"]] == [1, 2, 3, 4]
+    assert doc["entries"][0]["epsilon_text"].endswith("(DP, δ = 1e-05, PLD) per patient")
+    assert doc["entries"][0]["update_sha256"] == read_log(state)[0].update_sha256
+    rows = list(csv.DictReader(io.StringIO(outputs[("--csv",)])))
+    assert [r["status"] for r in rows] == ["ok", "ok", "ok", "error"] and rows[0]["noise_multiplier"] == "1.0"
+    assert "4 entries, hash chain intact; its 3 spends agree" in outputs[("--verify",)]
+
+
+def _lines(state: Path) -> list[str]:
+    return (state / AUDIT_FILE).read_text().splitlines(keepends=True)
+
+
+def _verify_fails(state: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(["site", "report", "--state-dir", str(state), "--verify"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fedpose: error: ") and "Traceback" not in captured.err
+    return lines[0]
+
+
+def test_verify_names_an_edited_entry(site_rounds, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = _copy(site_rounds[0], tmp_path)
+    lines = _lines(state)
+    entry = json.loads(lines[1])
+    entry["epsilon"] = entry["epsilon"] / 2  # a lower ε after round 2
+    lines[1] = json.dumps(entry) + "\n"
+    (state / AUDIT_FILE).write_text("".join(lines))
+    line = _verify_fails(state, capsys)
+    assert "entry 2 (run 'run' round 2): its content does not match its hash" in line
+
+    # the forger recomputes the entry's hash: the next entry's link breaks instead
+    from fedpose.federation.site_audit import _entry_hash
+
+    entry["hash"] = _entry_hash(entry)
+    lines[1] = json.dumps(entry) + "\n"
+    (state / AUDIT_FILE).write_text("".join(lines))
+    assert "entry 3 (run 'run' round 2, seq 3): does not follow the entry before it" in _verify_fails(state, capsys)
+
+
+def test_verify_names_a_deleted_entry(site_rounds, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = _copy(site_rounds[0], tmp_path)
+    lines = _lines(state)
+    (state / AUDIT_FILE).write_text("".join(lines[:1] + lines[2:]))
+    assert "entry 2 (run 'run' round 2, seq 3): does not follow the entry before it (expected seq 2" in _verify_fails(state, capsys)
+
+
+def test_verify_names_a_reordered_entry(site_rounds, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    state = _copy(site_rounds[0], tmp_path)
+    lines = _lines(state)
+    (state / AUDIT_FILE).write_text("".join([lines[0], lines[2], lines[1], lines[3]]))
+    assert "entry 2 (run 'run' round 2, seq 3): does not follow" in _verify_fails(state, capsys)
+
+
+def test_verify_names_a_budget_that_disagrees_with_the_log(site_rounds, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Budget and journal rolled back together to their copies after round 1 (consistent with each
+    other, so the site's own check passes): the log still says round 2 was spent and released."""
+    state, _, after_round_1 = site_rounds
+    state = _copy(state, tmp_path)
+    for name in (STATE_FILE, JOURNAL_FILE):
+        shutil.copy2(after_round_1 / name, state / name)
+    line = _verify_fails(state, capsys)
+    assert "entry 2 (run 'run' round 2): the site replied with this spend" in line and "budget.json does not hold it" in line
+
+
+def test_a_torn_last_line_is_not_an_entry_and_the_next_reply_continues_the_chain(site_rounds, tmp_path: Path) -> None:
+    from fedpose.federation.site_audit import record_reply
+
+    state = _copy(site_rounds[0], tmp_path)
+    with open(state / AUDIT_FILE, "a", encoding="utf-8") as fh:
+        fh.write('{"format": "fedpose.site-au')  # the site stopped mid-append
+    assert verify(state).entries == 4
+    reply = site_rounds[1][0].reply.model_copy(update={"round": 9, "spends": []})
+    record_reply(state, reply, site_rounds[1][0].update, None)
+    entries = read_log(state)
+    assert [e.seq for e in entries] == [1, 2, 3, 4, 5] and entries[4].prev == entries[3].hash
+    assert verify(state).entries == 5
+
+
+def test_report_without_a_log_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["site", "report", "--state-dir", str(tmp_path)]) == 2
+    assert "no audit log (audit.jsonl)" in capsys.readouterr().err
+
+
+def test_an_update_that_cannot_be_logged_is_not_sent(site_rounds, tmp_path: Path) -> None:
+    """The log is written before the reply leaves: when it cannot be, the round becomes an error
+    reply carrying no update (its spend stays counted: conservative)."""
+    from fedpose.federation.site_budget import SiteBudget
+
+    state = _copy(site_rounds[0], tmp_path)
+    (state / AUDIT_FILE).unlink()
+    (state / AUDIT_FILE).mkdir()  # unwritable as a file, even for root
+    site = site_config(site_rounds[0].parent / "data", state)
+    weights, spec = global_model()
+    result = run_site_round(site, "run", 4, weights, spec, 2)
+    assert (result.reply.status, result.reply.error_class) == ("error", "IsADirectoryError")
+    assert not result.update and not result.reply.carries_update
+    budget = SiteBudget(state, "site-1", 50.0, 1e-5, "DP", unit="patient")
+    assert budget.entry("run", 4).status == "spent"
