@@ -260,6 +260,8 @@ def _json_argv(command: str, private_run: Path, synth: Path, tmp_path: Path) -> 
     number = ["--sample-rate", "0.01", "--steps", "100", "--delta", "1e-5", "--accountant", "rdp"]  # rdp: fast
     if command == "privacy budget":
         SiteBudget(tmp_path / "site", "site-a", eps_max=10.0, delta=1e-5, guarantee="DP")
+    if command == "privacy adopt":  # a site whose budget holds every spend: nothing to adopt
+        SiteBudget(tmp_path / "adopting", "site-a", eps_max=10.0, delta=1e-5, guarantee="DP")
     if command == "site report":  # a site's audit log with one (error) reply in it
         from fedpose.federation.protocol import SiteReply
         from fedpose.federation.site_audit import record_reply
@@ -277,6 +279,7 @@ def _json_argv(command: str, private_run: Path, synth: Path, tmp_path: Path) -> 
         "privacy noise": ["privacy", "noise", "--target-epsilon", "2", *number],
         "privacy report": ["privacy", "report", str(private_run)],
         "privacy budget": ["privacy", "budget", str(tmp_path / "site")],
+        "privacy adopt": ["privacy", "adopt", str(tmp_path / "adopting"), "--dry-run"],
         "site report": ["site", "report", "--state-dir", str(tmp_path / "audited")],
         "ldp allocate": ["ldp", "allocate", "--epsilon", "8"],
         "data synth": ["data", "synth", "--out", str(tmp_path / "tiny"), "--sites", "1", "--per-site", "1", "--public", "1",

@@ -114,7 +114,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       "record it last refused on) to its budget — recorded, never lowering anything")
     adopt.add_argument("state_dir", type=Path, help="the site's state_dir (holds budget.json)")
     adopt.add_argument("--dry-run", action="store_true", help="show what would be adopted, change nothing")
-    adopt.add_argument("--json", action="store_true")
+    adopt.add_argument("--json", action="store_true", help="print one JSON object only")
+    adopt.epilog = examples(
+        "fedpose privacy adopt runs/demo/sites/site-1 --dry-run",
+        "fedpose privacy adopt runs/demo/sites/site-1",
+    )
     adopt.set_defaults(handler=_adopt)
 
 

@@ -213,14 +213,14 @@ def test_a_ray_failure_is_told_in_fedposes_words_and_a_site_failure_keeps_its_ow
 
     reason = (f"<class 'ray.exceptions.{ray_class}'>:<'The actor 6c1b32666883 is unavailable: RpcError: Socket closed "
               "rpc_code: 14. Worker ID: 3b2dcf93 Worker PID: 6879'>")
-    failure = node_reply(Message(Error(code=ErrorCode.UNKNOWN, reason=reason), reply_to=_train_message()))
-    assert failure.reply is None and failure.node == 1
+    failure = node_reply(Message(Error(code=ErrorCode.UNKNOWN, reason=reason), reply_to=_train_message()), 7, 3.0)
+    assert failure.reply is None and failure.node == 7  # the node the message went to, not the reply's source
     assert failure.failure.startswith(expected) and failure.failure.endswith("Ray's report is in the simulation log")
     assert "6879" not in failure.failure and "Socket" not in failure.failure
     # the site's own ClientApp failing keeps its (sanitized) class and message
     crashed = node_reply(Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION,
                                        reason="<class 'flwr.clientapp.client_app.ClientAppException'>:<'OSError'>"),
-                                 reply_to=_train_message()))
+                                 reply_to=_train_message()), 7, 3.0)
     assert crashed.failure.startswith("the site's ClientApp failed: ") and "OSError" in crashed.failure
 
 
