@@ -144,7 +144,7 @@ def flower_log_to(path: Path | None) -> Iterator[None]:
 
 
 def _handle(args: argparse.Namespace) -> int:
-    from fedpose.federation.server.rounds import GLOBAL_CHECKPOINT
+    from fedpose.federation.run_guard import directory_lock, probe, refuse_fresh_start
 
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     # Ray holds back a notice that repeats an earlier one and prints it at shutdown, from the
@@ -152,8 +152,12 @@ def _handle(args: argparse.Namespace) -> int:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     federation, synthetic, resolved = resolve_federation(args.config, args.overrides)
     checkpoint_dir = Path(federation.coordinator.checkpoint_dir)
-    if (checkpoint_dir / GLOBAL_CHECKPOINT).exists() and not args.resume:
-        raise UserError(f"{checkpoint_dir} holds a previous run of '{federation.run_id}': add --resume, or delete it to start over")
+    # The ServerApp takes the coordinator's locks itself (run_guard.coordinator_lock); refusing here
+    # too says so before any data is generated, with the same exit code (2) as deploy local.
+    probe(directory_lock(checkpoint_dir), f"the coordinator's checkpoint_dir {checkpoint_dir}", "coordinator")
+    if not args.resume:
+        refuse_fresh_start(checkpoint_dir, federation.coordinator.ledger_path, f"the coordinator's checkpoint_dir {checkpoint_dir}",
+                           "another coordinator.checkpoint_dir (or delete it to start over)")
     if args.resume:
         note = finished_run(checkpoint_dir, federation.run_id, federation.coordinator.rounds, "--resume --set coordinator.rounds={rounds}")
         if note is not None:

@@ -217,3 +217,29 @@ def test_a_coordinator_that_refused_to_start_makes_deploy_local_exit_2(tmp_path:
     assert report_failed_run("finished:failed", f"{refused}\nTraceback ...\n", tmp_path) == 2
     assert report_failed_run("finished:failed", f"{COORDINATOR_ERROR_PREFIX}LedgerError: the ledger is garbage\n", tmp_path) == 1
     assert capsys.readouterr().err.splitlines()[0] == refused
+
+
+def test_simulate_refuses_a_fresh_start_over_a_previous_run_and_a_checkpoint_dir_in_use_with_exit_2(tmp_path: Path, capsys) -> None:
+    """`fedpose simulate` answers as deploy local does (issue 25, item 7): one 'refused:' line,
+    exit 2, before any data is generated — for a ledger without a model checkpoint (once exit 1,
+    "the federation did not finish") and for a checkpoint_dir another coordinator holds."""
+    from fedpose.cli import main
+    from federation_helpers import tiny_federation
+
+    config = tiny_federation(tmp_path, tmp_path / "no-data-needed", sites=2)  # refused before data is looked at
+    ckpt = tmp_path / "coordinator"
+    _ledger_with_round(ckpt / "ledger.sqlite", 2)
+    assert main(["simulate", "--config", str(config)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith(f"fedpose: error: refused: a fresh start would overwrite the state of a previous run in the "
+                           f"coordinator's checkpoint_dir {ckpt} (ledger.sqlite with site reports up to round 2)")
+    assert not (tmp_path / "no-data-needed").exists()
+
+    holder = _hold_in_another_process(directory_lock(ckpt), role="coordinator")
+    try:
+        assert main(["simulate", "--config", str(config), "--resume"]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"fedpose: error: refused: the coordinator's checkpoint_dir {ckpt} is in use by coordinator pid {holder.pid}")
+    finally:
+        holder.kill()
+        holder.wait()
