@@ -210,8 +210,9 @@ class PrivacyConfig(Strict):
     max_batch_units: int | None = Field(
         None, ge=1,
         description="unit slots in every DP step: each Poisson batch is padded to this many units with zero-weight rows "
-        "(same forward/backward, so a step's cost is constant); a batch over it keeps a uniform subset, with probability "
-        "≤ 1e-15 per step for up to N_max units (added to δ as (1 + e^ε)·T·1e-15; a site with more units refuses). "
+        "(same forward/backward, so a step's cost is constant). A batch over it keeps every unit, in a whole multiple of "
+        "the slots (the (ε, δ) stays exact): a step of a multiple of the usual work, with probability ≤ 1e-15 per step "
+        "for up to N_max units, the timing protection's domain (a site with more units trains, warned in its local log). "
         "None: the smallest u with P(Poisson(train.batch_size) > u) ≤ 1e-15 (N_max ≥ batch_size / sample_rate)",
     )
     basis: BasisConfig = BasisConfig()

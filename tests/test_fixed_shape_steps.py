@@ -1,10 +1,13 @@
 """Fixed-shape DP steps (fedpose.privacy.fixed_shape): every step does the same work whatever was
 sampled, padding contributes exactly zero, a large unit still moves the sum by at most C, the
-overflow bound and the guarantee's domain are functions of public values, and the per-sample chunk
-is decided once, from the fixed shape, before any step (issue 24, items 3 and 8)."""
+overflow bound and the timing protection's domain are functions of public values, an overflowing
+batch keeps every sampled unit (so the accountant's (ε, δ) is exact, with no extra δ term) and a
+training set beyond the domain trains, warned in the log only, and the per-sample chunk is decided
+once, from the fixed shape, before any step (issue 24, items 3 and 8)."""
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -20,11 +23,10 @@ from fedpose.privacy import per_sample as per_sample_module
 from fedpose.privacy.engine import build_engine
 from fedpose.privacy.fixed_shape import (
     OVERFLOW_PROBABILITY,
-    BatchCapacityError,
     StepShape,
+    capacity_warning,
     default_max_batch_units,
     max_units,
-    overflow_delta,
 )
 from fedpose.privacy.per_sample import (
     chunk_size_for,
@@ -71,11 +73,9 @@ def test_the_domain_is_every_n_whose_overflow_stays_below_eta(batch_size: int, r
     assert n_max >= math.floor(batch_size / rate)  # a site declaring q ≤ B/N is always covered
 
 
-def test_overflow_delta_is_one_plus_e_to_the_eps_times_t_eta() -> None:
-    assert overflow_delta(0, 3.0) == 0.0
-    assert overflow_delta(1000, 8.0) == pytest.approx((1 + math.exp(8.0)) * 1000 * OVERFLOW_PROBABILITY)
-    assert overflow_delta(30_000, 8.0) < 0.01 * 1e-5  # the share of δ the constant was chosen for
-    assert overflow_delta(10, math.inf) == math.inf
+def test_an_overflowing_step_takes_the_smallest_whole_multiple_of_the_slots() -> None:
+    shape = StepShape(5, 2, 0.5)
+    assert [shape.slots_for(k) for k in (0, 1, 5, 6, 10, 11, 23)] == [5, 5, 5, 10, 10, 15, 25]
 
 
 @pytest.mark.parametrize("dataset_size", [4, 16, 17])
@@ -89,9 +89,39 @@ def test_the_reported_shape_is_a_function_of_public_values_only(model, dataset_s
     assert report["fixed_shape"]["max_units"] == max_units(0.25, 28) >= 16  # q = 0.25, B = 4: N ≤ N_max, public
 
 
-def test_a_training_set_beyond_the_domain_is_refused_naming_the_setting(model) -> None:
-    with pytest.raises(BatchCapacityError, match="privacy.max_batch_units = 3 .* covers at most"):
-        build_engine(dp(max_batch_units=3), model, 40, 2, 10)
+def test_the_report_states_the_accountants_delta_with_no_overflow_term(model) -> None:
+    engine = build_engine(dp(insecure_seeded_noise=False), model, 16, 4, 10)
+    dataset = TensorPoseSet(16)
+    for _, batch in zip(range(2), engine.batches(dataset)):
+        engine.step(model, batch)
+    report = engine.privacy_report()
+    assert report["delta"] == engine.privacy.delta
+    assert report["epsilon"] == engine.accountant.get_epsilon(engine.privacy.delta)[0]  # the accountant's, exactly
+    block = report["fixed_shape"]
+    assert not {key for key in block if key.startswith("delta")}  # no δ term of its own
+    assert "exact" in block["statement"] and "δ_overflow" not in block["statement"]
+    assert f"at most {block['max_units']} records" in block["statement"]
+
+
+def test_a_training_set_beyond_the_timing_domain_trains_warned_in_the_log_only(model, caplog) -> None:
+    shape = StepShape(3, 1, 0.25)
+    assert capacity_warning(shape, shape.max_units, "record", "here") is None  # N = N_max: covered, silent
+    with caplog.at_level(logging.WARNING, logger="fedpose.privacy.engine"):
+        within = build_engine(dp(max_batch_units=3), model, shape.max_units, 2, 10)
+    assert within.capacity_warning is None and not caplog.records
+    with caplog.at_level(logging.WARNING, logger="fedpose.privacy.engine"):
+        beyond = build_engine(dp(max_batch_units=3), model, 40, 2, 10)
+    assert beyond.capacity_warning == caplog.records[-1].getMessage()
+    assert "40 records" in beyond.capacity_warning and f"up to {shape.max_units}" in beyond.capacity_warning
+    assert "privacy.max_batch_units = 3" in beyond.capacity_warning and "privacy.sample_rate" in beyond.capacity_warning
+    assert "guarantee is unchanged" in beyond.capacity_warning
+    # the same guarantee, the same report: nothing that is released says the set is beyond N_max
+    assert (beyond.noise_multiplier, beyond.sample_rate) == (within.noise_multiplier, within.sample_rate)
+    assert beyond.privacy_report()["fixed_shape"] == within.privacy_report()["fixed_shape"]
+    dataset = TensorPoseSet(40)
+    for _, batch in zip(range(3), beyond.batches(dataset)):
+        beyond.step(model, batch)
+    assert beyond.steps_done == 3
 
 
 # -- every step does the same work -------------------------------------------------------------------------
@@ -122,17 +152,69 @@ def test_every_batch_has_the_fixed_shape_whatever_was_sampled(model) -> None:
     assert len(real_counts) > 1 and large_seen > 0  # the draws differ; the shape does not
 
 
-def test_a_full_batch_keeps_a_uniform_subset_of_its_units(model) -> None:
-    units = patients([1] * 8)
-    engine = build_engine(dp(unit="patient", sample_rate=0.5), model, 8, 4, 10, units=units)
-    engine.shape = StepShape(2, 1, 0.5)  # far fewer slots than sampled units: overflow is common
-    kept = np.zeros(8)
-    for step in range(2000):
+def test_an_overflowing_batch_keeps_every_sampled_unit_in_whole_multiples_of_the_shape(model) -> None:
+    sizes = [5, 1, 2, 3, 1, 4, 2, 1, 3, 2]
+    units = patients(sizes)
+    dataset = TensorPoseSet(units.num_records)
+    engine = build_engine(dp(unit="patient", sample_rate=0.6, max_records_per_unit=2), model, len(dataset), 4, 10,
+                          units=units)
+    engine.shape = StepShape(2, 2, 0.6)  # far fewer slots than sampled units: overflow is common
+    unit_of_record = {r: u for u, members in enumerate(units.members) for r in members}
+    counts, sampled_units = np.zeros(len(sizes)), []
+    for step in range(1500):
         engine.noise.reseed(engine_module._SAMPLING_STREAM, step)
         rows, positions = engine.sample_units()
-        assert len(rows) <= 2 and positions == list(range(len(rows)))
-        kept[rows] += 1
-    assert stats.chisquare(kept).pvalue > 1e-4  # no unit is favoured by its index
+        sampled = sorted({unit_of_record[r] for r in rows})
+        sampled_units.append(len(sampled))
+        counts[sampled] += 1
+        # every record of a sampled unit up to the cap, each unit in its own position: nothing dropped
+        assert [rows.count(r) for r in rows] == [1] * len(rows)
+        for unit in sampled:
+            assert sum(unit_of_record[r] == unit for r in rows) == min(2, sizes[unit])
+        records, slots, real = engine.fixed_shape_rows(rows, positions)
+        num_slots = 2 * max(1, math.ceil(len(sampled) / 2))
+        assert len(records) == len(slots) == len(real) == num_slots * 2
+        assert slots == [row // 2 for row in range(num_slots * 2)]
+        assert sorted(r for r, keep in zip(records, real) if keep) == sorted(rows)
+        for slot in range(num_slots):  # a slot: one unit's records first, then padding
+            block = real[slot * 2: slot * 2 + 2]
+            assert block == sorted(block, reverse=True)
+            assert len({unit_of_record[r] for r, keep in zip(records[slot * 2: slot * 2 + 2], block) if keep}) <= 1
+    assert max(sampled_units) > 4  # the draws overflowed by more than one multiple
+    # exactly Poisson: each unit joins independently with probability q, so K ~ Binomial(10, 0.6)
+    assert stats.binomtest(int(counts.sum()), 1500 * len(sizes), 0.6).pvalue > 1e-4
+    observed = np.bincount(sampled_units, minlength=len(sizes) + 1)
+    assert stats.chisquare(observed[2:9], stats.binom.pmf(range(2, 9), 10, 0.6) / stats.binom.pmf(range(2, 9), 10, 0.6).sum()
+                           * observed[2:9].sum()).pvalue > 1e-4
+
+
+def test_padding_of_an_overflowing_step_contributes_exactly_zero(model) -> None:
+    units = patients([1] * 12)
+    dataset = TensorPoseSet(12)
+    engine = build_engine(dp(unit="patient", sample_rate=0.75), model, 12, 4, 10, units=units)
+    engine.shape = StepShape(3, 1, 0.75)
+    for step in range(20):
+        engine.noise.reseed(engine_module._SAMPLING_STREAM, step)
+        rows, positions = engine.sample_units()
+        if len(rows) > 3:
+            break
+    records, slots, real = engine.fixed_shape_rows(rows, positions)
+    assert len(records) == 3 * math.ceil(len(rows) / 3) > 3
+    batch = batch_of(dataset, records)
+    features = frozen_features(model, batch["image"])
+    mask = torch.tensor(real)
+    poisoned = features.clone()
+    poisoned[~mask] = float("nan")
+    total, *_ = clipped_gradient_sum(model, poisoned, batch["joints"], batch["weight"], 0.5, 2, row_mask=mask)
+    reference, *_ = clipped_gradient_sum(model, features[mask], batch["joints"][mask], batch["weight"][mask], 0.5, 2)
+    torch.testing.assert_close(total, reference, rtol=1e-5, atol=1e-7)
+    # and the engine's own step over such a batch: finite, every sampled unit counted
+    engine.steps_done = 0
+    full = batch_of(dataset, records)
+    full["unit_index"], full["row_mask"] = torch.tensor(slots), mask
+    metrics = engine.step(model, full)
+    assert metrics["batch_size"] == len(rows)
+    assert all(math.isfinite(float(p.grad.abs().sum())) for p in model.trainable_parameters().values())
 
 
 # -- padding contributes exactly zero; a large unit at most C --------------------------------------------

@@ -169,18 +169,6 @@ def site_units(site: SiteConfig, dataset: Any, unit: str) -> Any:
     return UnitIndex.from_records(dataset.records, unit, f"site '{site.site_id}' data.train ({site.data.train})")  # type: ignore[arg-type]
 
 
-def check_site_capacity(site: SiteConfig, dataset: Any, unit: str) -> None:
-    """Refuse, before any spend, training data with more units than the site's fixed step shape
-    covers (:func:`fedpose.privacy.fixed_shape.check_capacity`; the message, naming N, stays in the
-    site's log)."""
-    from fedpose.privacy.fixed_shape import check_capacity, step_shape
-
-    privacy = site.privacy
-    shape = step_shape(unit, site.train.batch_size, float(privacy.sample_rate or 1.0), privacy.max_batch_units,
-                       privacy.max_records_per_unit)
-    check_capacity(shape, site_units(site, dataset, unit).num_units, unit, f"site '{site.site_id}' data.train ({site.data.train})")
-
-
 def load_site_dataset(site: SiteConfig, input_size: tuple[int, int]) -> Any:
     """The site's training set (after input privacy, if configured) at the global model's input size."""
     from fedpose.data.dataset import PoseDataset, load_records
@@ -327,6 +315,7 @@ def _train_site_round(
 
     affordable = True
     dataset = None
+    units: Any = None
     if budget is not None:
         sigma, rate = declared_noise(site)
         # The federation's record first: a state behind it would spend from an understated ε.
@@ -348,7 +337,7 @@ def _train_site_round(
             # gets here, so a refusal still touches no data.
             prepare_model()
             dataset = load_site_dataset(site, model_spec.input_size)
-            check_site_capacity(site, dataset, budget.unit)
+            units = site_units(site, dataset, budget.unit)  # records that lack the unit's id fail here, unspent
         try:
             auth = budget.authorize_round(run_id, round_id, sigma, rate, local_steps)
         except BudgetExhausted as refusal:
@@ -381,7 +370,8 @@ def _train_site_round(
 
         public_records, public_root = load_records(site.public_data)
         public_dataset = PoseDataset(public_records, public_root, input_size=model_spec.input_size, train=False)
-    units = site_units(site, dataset, budget.unit) if budget is not None else None
+    if units is None and budget is not None:
+        units = site_units(site, dataset, budget.unit)
     engine = build_engine(
         site.privacy, model, dataset_size=len(dataset), batch_size=site.train.batch_size,
         planned_steps=site.local_steps,  # σ's calibration: the site's own round length (declared_noise)
@@ -403,12 +393,14 @@ def _train_site_round(
     except TrainingDiverged as failure:
         # Spent (recorded above) but nothing released: say so, with the spend, instead of vanishing.
         log.warning("site %s round %d: %s", site.site_id, round_id, failure)
-        _log_round(site, run_id, round_id, "failed", started, note=str(failure), device=describe_device(device))
+        _log_round(site, run_id, round_id, "failed", started, note=_with_capacity_warning(str(failure), engine),
+                   device=describe_device(device))
         return SiteRoundResult(reply("failed", "training-diverged", affordable))
     update = {name: (p.detach() - start_weights[name]).cpu().numpy() for name, p in model.trainable_parameters().items()}
     if budget is not None:
         _save_released(site, run_id, round_id, update)
-    _log_round(site, run_id, round_id, "ok", started, history=history, device=describe_device(device))
+    _log_round(site, run_id, round_id, "ok", started, history=history, note=_with_capacity_warning("", engine),
+               device=describe_device(device))
     return SiteRoundResult(reply("ok", None, affordable), update)
 
 
@@ -446,6 +438,14 @@ def run_site_round(site: SiteConfig, run_id: str, round_id: int, *args: Any, **k
             except Exception:  # noqa: BLE001 - the error reply releases no update; the failure goes to the local log
                 log.error("site %s round %s: cannot write its audit log:\n%s", site.site_id, round_id, traceback.format_exc())
         return SiteRoundResult(reply)
+
+
+def _with_capacity_warning(note: str, engine: Any) -> str:
+    """``note`` for rounds.jsonl, with the engine's warning for a training set beyond the timing
+    protection's N_max (logged when the engine was built). It names N: local only, never in a reply,
+    whose status stays what it would be for any N (a status one unit could flip would tell membership)."""
+    warning = engine.capacity_warning
+    return "; ".join(text for text in (note, warning) if text)
 
 
 def _log_round(site: SiteConfig, run_id: str, round_id: int, outcome: str, started: float | None,

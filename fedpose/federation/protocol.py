@@ -26,7 +26,9 @@ reply's timing (its arrival, Flower's ``created_at``): every DP step has a fixed
 (:mod:`fedpose.privacy.fixed_shape`), so the steps' work is a function of declared settings only;
 the work outside the steps (reading annotations, the first round's image check, the unit index)
 still grows with N — its order of magnitude, not one patient (docs/privacy.md). The declared q and
-step shape bound N publicly from above (the guarantee's domain, N ≤ N_max in the privacy report).
+step shape fix, in public, the N for which the steps' timing stays data-independent (N ≤ N_max in
+the privacy report); a larger site trains under the same (ε, δ), warned in its local log only, so
+no reply field or status depends on whether N is beyond it.
 """
 
 from __future__ import annotations

@@ -22,10 +22,11 @@ DP mechanisms (see :mod:`fedpose.privacy.mechanisms` for the table):
 * **Fixed shape** — every DP step computes the same rows (:mod:`fedpose.privacy.fixed_shape`):
   ``max_batch_units`` unit slots × ``max_records_per_unit`` rows, the sampled units' records in
   their slots and zero-weight padding rows (uniformly drawn records, ``row_mask`` False) in every
-  other; a batch over the slots keeps a uniform subset (probability ≤ η per step, added to δ).
-  So loading, the forward and the per-sample backward do the same work whatever was sampled,
-  and the reply's timing tells nothing of N or of which unit joined. Each row's slot travels in
-  the batch as ``unit_index``.
+  other. A batch of more units than slots keeps them all, in the smallest whole multiple of the
+  shape that holds them (never truncated: the (ε, δ) stays exact; for N ≤ N_max this happens with
+  probability ≤ η per step). So loading, the forward and the per-sample backward do the same work
+  whatever was sampled, and the reply's timing tells nothing of N or of which unit joined. Each
+  row's slot travels in the batch as ``unit_index``.
 * **Private gradient** — per-sample gradients of the trainable parameters with ``torch.func``
   (:mod:`fedpose.privacy.per_sample` explains why not Opacus hooks), summed per unit, each
   unit's sum clipped to flat L2 norm C as one, summed, plus N(0, σ²C²I), divided by the
@@ -48,12 +49,14 @@ DP mechanisms (see :mod:`fedpose.privacy.mechanisms` for the table):
   ``chunk_size``, or decided once when the engine is built, from the fixed step shape and the
   device's free memory then (:func:`~fedpose.privacy.per_sample.auto_chunk_size`), never per step:
   every step has the same shapes and chunks, so whether a step runs out of device memory does
-  not depend on which units were sampled. Running out raises
+  not depend on which units were sampled (an overflowing step, ≤ η per step for N ≤ N_max, runs
+  more chunks of the same size and holds a multiple of the batch). Running out raises
   :class:`~fedpose.runtime.DeviceOutOfMemory` naming the settings to lower.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -70,7 +73,7 @@ from fedpose.privacy.accountant import PrivacyLedger, default_accountant, noise_
 from fedpose.privacy.mechanisms import Mechanism, get_mechanism
 from fedpose.privacy.public_views import PUBLIC_VIEW_FUNCTIONS, public_view_kind, public_view_report
 from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
-from fedpose.privacy.fixed_shape import StepShape, check_capacity, step_shape
+from fedpose.privacy.fixed_shape import StepShape, capacity_warning, step_shape
 from fedpose.privacy.noise import make_noise
 from fedpose.privacy.per_sample import (
     TrainableModel,
@@ -87,6 +90,8 @@ from fedpose.runtime import out_of_memory_hint, synchronize
 #: the settings that size a training step's memory, named when the device runs out (central runs and sites)
 STEP_MEMORY_SETTINGS = "train.batch_size, privacy.max_batch_units, privacy.max_records_per_unit or train.chunk_size"
 
+
+log = logging.getLogger(__name__)
 
 #: keys separating the seeded (test-only) random streams, with the step index; see InsecureSeededNoise.reseed
 _SAMPLING_STREAM, _NOISE_STREAM = 1, 2
@@ -189,6 +194,8 @@ class GradientEngine:
         self._chunks: dict[tuple[str, int], int] = {}
         #: the fixed shape of every DP step (None for mechanism "none", whose batches are B records)
         self.shape: StepShape | None = None
+        #: the local-log warning for a training set beyond the timing protection's N_max (None: within it)
+        self.capacity_warning: str | None = None
 
         if not mechanism.noisy:
             self.dataset_size_public = True
@@ -213,7 +220,11 @@ class GradientEngine:
         # a relation the configured accountant cannot handle fails here, before any step.
         self.shape = step_shape(self.units.unit, self.batch_size, self.sample_rate, privacy.max_batch_units,
                                 privacy.max_records_per_unit)
-        check_capacity(self.shape, self.dataset_size, self.units.unit, "the training set")
+        # Beyond N_max the guarantee is unchanged and only timing may vary: a warning, never a refusal
+        # (a refusal one more unit could trigger would tell membership); it names N, so local log only.
+        self.capacity_warning = capacity_warning(self.shape, self.dataset_size, self.units.unit, "the training set")
+        if self.capacity_warning is not None:
+            log.warning(self.capacity_warning)
         self.accountant = PrivacyLedger(relation=mechanism.guarantee.relation, accountant=resolve_accountant(privacy))
         self.noise_multiplier = resolve_noise_multiplier(privacy, self.sample_rate, self.planned_steps)
         # The CSPRNG unless a test asks for seeded noise, which voids the guarantee (see privacy_report).
@@ -259,14 +270,12 @@ class GradientEngine:
     def sample_units(self) -> tuple[list[int], list[int]]:
         """One step's Poisson draw over units: (record indices, position of each row's unit among
         the sampled units). Every record of a sampled unit is in (up to the fixed cap), none of an
-        unsampled one. More sampled units than the step's slots: a uniform subset of as many as there
-        are slots (:mod:`fedpose.privacy.fixed_shape`: probability ≤ η, added to δ). Coins come from
-        the engine's noise source (the CSPRNG unless seeded for tests)."""
+        unsampled one; every sampled unit is kept, however many (more than the step's slots take
+        more slots, :meth:`fixed_shape_rows`), so the draw is exactly the Poisson sampling the
+        accountant analyses. Coins come from the engine's noise source (the CSPRNG unless seeded
+        for tests)."""
         assert self.noise is not None and self.shape is not None
         chosen = torch.nonzero(self.noise.uniform(self.dataset_size) < self.sample_rate).flatten().tolist()
-        if len(chosen) > self.shape.unit_slots:
-            keep = torch.argsort(self.noise.uniform(len(chosen)))[: self.shape.unit_slots].sort().values.tolist()
-            chosen = [chosen[k] for k in keep]
         cap = self.shape.rows_per_unit
         rows: list[int] = []
         unit_of_row: list[int] = []
@@ -282,20 +291,24 @@ class GradientEngine:
 
     def fixed_shape_rows(self, rows: Sequence[int], unit_of_row: Sequence[int]) -> tuple[list[int], list[int], list[bool]]:
         """Lay a draw of :meth:`sample_units` out in the step's fixed shape: (record of each row, its
-        unit slot, real or padding), always ``shape.rows`` long. Slot s holds rows [s·R, (s+1)·R):
-        sampled unit s's records first, then padding. A padding row holds a record drawn uniformly
-        from the training set (CSPRNG), so loading it costs what loading a sampled one does; its
-        gradient is zeroed before any sum."""
+        unit slot, real or padding), ``shape.rows`` long — or, when more units were sampled than
+        the shape has slots, the smallest whole multiple of it that holds them all
+        (:meth:`StepShape.slots_for`). Slot s holds rows [s·R, (s+1)·R): sampled unit s's records
+        first, then padding. A padding row holds a record drawn uniformly from the training set
+        (CSPRNG), so loading it costs what loading a sampled one does; its gradient is zeroed
+        before any sum."""
         assert self.noise is not None and self.shape is not None
         per_unit = self.shape.rows_per_unit
-        padding = (self.noise.uniform(self.shape.rows) * self.num_records).long().clamp_(max=self.num_records - 1).tolist()
-        records, real = list(padding), [False] * self.shape.rows
-        filled = [0] * self.shape.unit_slots
+        num_slots = self.shape.slots_for(max(unit_of_row, default=-1) + 1)
+        num_rows = num_slots * per_unit
+        padding = (self.noise.uniform(num_rows) * self.num_records).long().clamp_(max=self.num_records - 1).tolist()
+        records, real = list(padding), [False] * num_rows
+        filled = [0] * num_slots
         for record, position in zip(rows, unit_of_row):
             row = position * per_unit + filled[position]
             filled[position] += 1
             records[row], real[row] = int(record), True
-        slots = [row // per_unit for row in range(self.shape.rows)]
+        slots = [row // per_unit for row in range(num_rows)]
         return records, slots, real
 
     def _shuffled_batches(self, dataset: Dataset) -> Iterator[dict]:
@@ -559,7 +572,7 @@ class GradientEngine:
             "expected_batch_size": self.expected_batch_size,
             "sampling": f"poisson over {unit}s (the records of a sampled {unit} are in the batch, at most "
             f"{self.shape.rows_per_unit}, chosen uniformly; padded to a fixed {self.shape.unit_slots} {unit} slots)",
-            "fixed_shape": self.shape.report(unit, self.steps_done, epsilon, self.privacy.delta),
+            "fixed_shape": self.shape.report(unit),
             "normalisation": f"declared batch size B (train.batch_size, expected {unit}s per batch)",
             "clipping": f"the summed gradient of each {unit}'s records clipped to C as one",
             "dataset_size_public": self.dataset_size_public,

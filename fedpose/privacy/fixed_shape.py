@@ -13,47 +13,40 @@ memory) that tells an observer of the reply's timing N and whether a large unit 
   drawn uniformly from the training set with row weight 0. Padded rows are loaded, augmented and
   run through the same forward and per-sample backward as real ones, and their gradients are set
   to exactly 0 before any sum (so they contribute exactly zero, even if non-finite).
-* **Overflow.** K > U is possible; such a batch keeps a uniformly random U of its K units (CSPRNG).
-  Truncation is not covered by the subsampled-Gaussian accounting (a unit that joins a full batch
-  displaces another: sensitivity 2C), so U is chosen so that it essentially never happens and its
-  probability is added to δ. Let M be the untruncated mechanism (what the accountant analyses)
-  and M' the truncated one; they differ only on the event E that some step of the run overflows,
-  so P[M'(D) ∈ S] ≤ P[M(D) ∈ S] + P(E_D) for every S, and for neighbours D, D'
+* **Overflow.** K > U is possible. Such a batch is never truncated: it is laid out in ⌈K/U⌉·U
+  slots (a whole multiple of the fixed shape, every sampled unit kept, the extra slots padded as
+  above). The released update is therefore exactly the Poisson-subsampled Gaussian the accountant
+  analyses, and the stated (ε, δ) is exact for every N, with no extra δ term. (Keeping a uniform U
+  of the K units instead would not be: a unit joining a full batch displaces another, sensitivity
+  2C.) What overflow costs is timing only: such a step does ⌈K/U⌉ times the usual work (and
+  holds that many times the batch in memory) — a side channel outside the DP guarantee, which U
+  makes negligible. Let η = :data:`OVERFLOW_PROBABILITY`. P(Binomial(n, q) > U) grows with n, so
+  it is ≤ η per step for every n ≤ N_max(q, U) := the largest n with P(Binomial(n, q) > U) ≤ η, a
+  public function of the declared q and U, reported as such: the timing protection covers
+  training sets of at most N_max units. A site with more units still trains under the same
+  guarantee; it is warned in its local log only (:func:`capacity_warning`), never in a reply, since
+  a status that one unit more or less could flip would itself tell membership. Default U
+  (``max_batch_units`` None): the smallest u with P(Poisson(B) > u) ≤ η; a binomial with mean ≤ B
+  has a smaller upper tail there (Anderson & Samuels 1967), so N_max ≥ B/q: every site that
+  declares q ≤ B/N (at most B units expected per batch) is covered.
 
-      P[M'(D) ∈ S] ≤ P[M(D) ∈ S] + η_T ≤ e^ε P[M(D') ∈ S] + δ + η_T ≤ e^ε P[M'(D') ∈ S] + δ + (1 + e^ε) η_T,
-
-  with η_T ≤ T·η (union bound over the T steps) and η ≥ P(Binomial(n, q) > U) for both datasets'
-  sizes n. So M' is (ε, δ + δ_overflow)-DP with **δ_overflow = (1 + e^ε) · T · η**.
-  η is bounded without N (which stays secret, :data:`OVERFLOW_PROBABILITY`): P(Binomial(n, q) > U)
-  grows with n, so it is ≤ η for every n ≤ N_max(q, U) := the largest n with
-  P(Binomial(n, q) > U) ≤ η. The guarantee is stated for datasets of at most N_max units — a public
-  function of the declared q and U, reported as such — and a site whose data has more units refuses
-  before any spend (:func:`check_capacity`). Default U (``max_batch_units`` None): the smallest u
-  with P(Poisson(B) > u) ≤ η; a binomial with mean ≤ B has a smaller upper tail there (Anderson &
-  Samuels 1967), so N_max ≥ B/q: every site that declares q ≤ B/N (at most B units expected per
-  batch) is covered.
-
-Everything reported (U, R, η, N_max, δ_overflow) is a function of public values (B, q, the
-configured caps, T, ε), never of N. What this costs: U·R rows per step instead of about B·(mean
-records per unit); U/B is 3.6 at B = 16, 2.5 at B = 40, 1.8 at B = 128 (benchmarks/step_cost).
+Everything reported (U, R, η, N_max) is a function of public values (B, q, the configured caps),
+never of N. What this costs: U·R rows per step instead of about B·(mean records per unit); U/B is
+3.6 at B = 16, 2.5 at B = 40, 1.8 at B = 128 (benchmarks/step_cost).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 from scipy import stats
 
-#: η, the bound on one step's overflow probability P(Binomial(n, q) > U) for every dataset the
-#: guarantee covers. Small enough that δ_overflow = (1 + e^ε)·T·η stays below 1 % of δ = 1e-5 up
-#: to ε = 8 and T = 30 000 steps; it is reported with every guarantee.
+#: η, the bound on one step's overflow probability P(Binomial(n, q) > U) for every training set the
+#: timing protection covers (n ≤ N_max): over 30 000 steps, a chance below 1e-10 that any step of
+#: a run does more than the usual work. It bounds timing only (the DP guarantee is exact); reported
+#: with every guarantee.
 OVERFLOW_PROBABILITY = 1e-15
-
-
-class BatchCapacityError(ValueError):
-    """The training set has more units than the fixed step shape covers (names the setting)."""
 
 
 @lru_cache(maxsize=256)
@@ -89,15 +82,6 @@ def max_units(sample_rate: float, max_batch_units: int) -> int:
     return low
 
 
-def overflow_delta(steps: int, epsilon: float) -> float:
-    """δ_overflow = (1 + e^ε)·T·η, added to the accountant's δ (module docstring); ∞ stays ∞."""
-    if steps <= 0:
-        return 0.0
-    if not math.isfinite(epsilon) or epsilon > 700:
-        return math.inf
-    return (1.0 + math.exp(epsilon)) * steps * OVERFLOW_PROBABILITY
-
-
 @dataclass(frozen=True)
 class StepShape:
     """The fixed shape of every DP step: ``unit_slots`` × ``rows_per_unit`` rows."""
@@ -112,26 +96,29 @@ class StepShape:
 
     @property
     def max_units(self) -> int:
-        """N_max: the guarantee covers datasets of at most this many units."""
+        """N_max: the timing protection covers training sets of at most this many units."""
         return max_units(self.sample_rate, self.unit_slots)
 
-    def report(self, unit: str, steps: int, epsilon: float, delta: float) -> dict:
+    def slots_for(self, sampled_units: int) -> int:
+        """Unit slots of a step that sampled this many units: U, or the smallest whole multiple of
+        U that holds them all (never a truncation)."""
+        return max(1, -(-int(sampled_units) // self.unit_slots)) * self.unit_slots
+
+    def report(self, unit: str) -> dict:
         """The fixed-shape part of a privacy report: public values only."""
-        extra = overflow_delta(steps, epsilon)
         return {
             "max_batch_units": self.unit_slots,
             "rows_per_unit": self.rows_per_unit,
             "rows_per_step": self.rows,
             "overflow_probability_per_step": OVERFLOW_PROBABILITY,
             "max_units": self.max_units,
-            "delta_overflow": extra if math.isfinite(extra) else None,
-            "delta_total": delta + extra if math.isfinite(extra) else None,
             "statement": (
                 f"every step computes {self.unit_slots} {unit} slots × {self.rows_per_unit} record rows "
-                f"(zero-weight padding); a batch of more than {self.unit_slots} {unit}s keeps a uniform "
-                f"{self.unit_slots} of them, which happens with probability ≤ {OVERFLOW_PROBABILITY:g} per step "
-                f"for any training set of at most {self.max_units} {unit}s (the guarantee's domain); "
-                f"δ_overflow = (1 + e^ε)·T·{OVERFLOW_PROBABILITY:g} is added to δ"
+                f"(zero-weight padding), the same work whatever was sampled; a batch of more than "
+                f"{self.unit_slots} {unit}s keeps every one of them in a whole multiple of that shape, so the "
+                f"(ε, δ) above is exact. The timing protection covers training sets of at most {self.max_units} "
+                f"{unit}s; a larger batch, probability ≤ {OVERFLOW_PROBABILITY:g} per step, takes a multiple of "
+                "the usual work (a timing side channel, outside the DP guarantee)"
             ),
         }
 
@@ -144,14 +131,17 @@ def step_shape(unit: str, batch_size: int, sample_rate: float, max_batch_units: 
     return StepShape(slots, rows_per_unit, float(sample_rate))
 
 
-def check_capacity(shape: StepShape, num_units: int, unit: str, where: str) -> None:
-    """Refuse a training set with more units than the step shape covers (before any spend).
+def capacity_warning(shape: StepShape, num_units: int, unit: str, where: str) -> str | None:
+    """The warning for a training set larger than the timing protection covers (N > N_max), or None.
 
-    The message goes to the site's log only (a reply carries the error class): it names N."""
-    if num_units > shape.max_units:
-        raise BatchCapacityError(
-            f"{where}: {num_units} {unit}s, but privacy.max_batch_units = {shape.unit_slots} at q = "
-            f"{shape.sample_rate:g} covers at most {shape.max_units} (beyond that a batch would overflow its "
-            f"{shape.unit_slots} slots with probability > {OVERFLOW_PROBABILITY:g} per step); raise "
-            "privacy.max_batch_units or lower privacy.sample_rate"
-        )
+    Only for the local log: it names N, and a reply that changed with it would tell whether one
+    more unit is in the data. The DP guarantee is unchanged either way (module docstring)."""
+    if num_units <= shape.max_units:
+        return None
+    return (
+        f"{where}: {num_units} {unit}s, but privacy.max_batch_units = {shape.unit_slots} at q = "
+        f"{shape.sample_rate:g} keeps step timing independent of the data only up to {shape.max_units} "
+        f"{unit}s: beyond that a step overflows its {shape.unit_slots} slots (and does a multiple of the usual "
+        f"work) with probability > {OVERFLOW_PROBABILITY:g}. The (ε, δ) guarantee is unchanged; to restore the "
+        "timing protection, raise privacy.max_batch_units or lower privacy.sample_rate"
+    )

@@ -181,9 +181,7 @@ def describe(report: Mapping[str, Any]) -> str:
                      "private update, where the ε protects it like any other statistic of the data)")
     shape = report.get("fixed_shape")
     if shape:
-        extra = shape.get("delta_overflow")
-        lines.append(f"step shape: {shape['statement']}"
-                     + (f" (here {extra:.2g}: δ in total {shape['delta_total']:.6g})" if extra is not None else ""))
+        lines.append(f"step shape: {shape['statement']}")
     lines.append(f"treated as public: {report['public']}")
     lines.append(
         f"noise multiplier σ = {report['noise_multiplier']:.4g}, clip C = {report['max_grad_norm']:g}, "

@@ -33,7 +33,7 @@ def test_a_site_refuses_seeded_test_randomness() -> None:
 
 @pytest.mark.parametrize("dataset_size", [16, 17, 160])
 def test_the_released_accounting_does_not_depend_on_n(dataset_size: int) -> None:
-    # 90 unit slots: the fixed step shape covers up to 168 units at q = 0.25 (fedpose.privacy.fixed_shape)
+    # 90 unit slots: step timing stays data-independent up to 168 units at q = 0.25 (fedpose.privacy.fixed_shape)
     privacy = PrivacyConfig(mechanism="dpsgd", target_epsilon=3.0, sample_rate=0.25, max_grad_norm=1.0, max_batch_units=90)
     engine = build_engine(privacy, make_model(), dataset_size=dataset_size, batch_size=4, planned_steps=10)
     assert engine.sample_rate == 0.25 and engine.expected_batch_size == 4.0

@@ -11,6 +11,7 @@ be identical whatever the data. ``benchmarks/timing`` measures the wall clock of
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -141,17 +142,49 @@ def test_a_rounds_work_is_the_same_with_and_without_a_48_record_patient(source, 
     assert max(present.real_rows) <= 13
 
 
-def test_a_site_with_more_units_than_its_step_shape_covers_refuses_before_any_spend(source, tmp_path) -> None:
+def capacity_round(source: Path, tmp_path: Path, patients: int, caplog) -> tuple[Any, list[str], list[dict]]:
+    """One round of a site of ``patients`` one-record patients with 3 unit slots at q = 1/12 (N_max = 3):
+    (reply, the warnings of the site's process log, its rounds.jsonl entries)."""
+    from fedpose.federation.local_training import ROUND_LOG
+
+    data = subset(source, tmp_path / f"n{patients}", 0, patients)
+    records = json.loads((data / "annotations.json").read_text())
+    for number, record in enumerate(records):
+        record["patient_id"] = f"patient-{number}"
+    (data / "annotations.json").write_text(json.dumps(records))
+    state = tmp_path / f"state-{patients}"
+    site = site_config(data.parent, state, sample_rate=1 / 12, max_batch_units=3, max_records_per_unit=1)
+    site = site.model_copy(update={"data": site.data.model_copy(update={"train": str(data)})})
+    weights = global_model()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        result = run_site_round(site, "run", 1, weights[0], weights[1], 2)
+    warnings = [record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING]
+    rounds = [json.loads(line) for line in (state / ROUND_LOG).read_text().splitlines()]
+    return result, warnings, rounds
+
+
+def test_a_site_beyond_the_timing_domain_trains_and_one_unit_more_changes_no_reply(source, tmp_path, caplog) -> None:
     from fedpose.federation.site_budget import SiteBudget
     from fedpose.privacy.fixed_shape import max_units
 
-    data, state = subset(source, tmp_path / "n96", 0, 96), tmp_path / "state"
-    # 3 slots at q = 1/12 cover a few patients only (overflow ≤ 1e-15 per step); this site has 24
-    assert max_units(1 / 12, 3) < 24
-    site = site_config(data.parent, state, sample_rate=1 / 12, max_batch_units=3)
-    site = site.model_copy(update={"data": site.data.model_copy(update={"train": str(data)})})
-    weights = global_model()
-    result = run_site_round(site, "run", 1, weights[0], weights[1], 2)
-    assert result.reply.status == "error" and result.reply.error_class == "BatchCapacityError"
-    assert not result.update
-    assert SiteBudget(state, "site-1", 50.0, 1e-5, "DP").epsilon == 0.0  # nothing spent
+    n_max = max_units(1 / 12, 3)
+    assert n_max == 3  # 3 slots at q = 1/12: a 4th patient could overflow with probability > 1e-15
+    at, at_warnings, at_rounds = capacity_round(source, tmp_path, n_max, caplog)
+    beyond, beyond_warnings, beyond_rounds = capacity_round(source, tmp_path, n_max + 1, caplog)
+    # the adversarial point: one patient more, at N = N_max, flips nothing the coordinator sees
+    for result in (at, beyond):
+        assert result.reply.status == "ok" and result.reply.reason is None and result.reply.error_class is None
+        assert result.update
+    assert at.reply.model_dump() == beyond.reply.model_dump()  # the same schema, the same values (N is in none)
+    assert {k: v.shape for k, v in at.update.items()} == {k: v.shape for k, v in beyond.update.items()}
+    # the guarantee is spent as for any N: the same ε, the accountant's δ
+    spent = [SiteBudget(tmp_path / state, "site-1", 50.0, 1e-5, "DP").epsilon for state in ("state-3", "state-4")]
+    assert spent[0] == pytest.approx(spent[1]) and spent[0] > 0
+    assert at.reply.privacy.delta == 1e-5
+    # the warning, naming N and the settings, is in the site's local log and rounds.jsonl only
+    assert not any("max_batch_units" in text for text in at_warnings) and "note" not in at_rounds[-1]
+    warning = next(text for text in beyond_warnings if "max_batch_units" in text)
+    assert "4 patients" in warning and "up to 3 patients" in warning and "privacy.sample_rate" in warning
+    assert beyond_rounds[-1]["outcome"] == "ok" and beyond_rounds[-1]["note"] == warning
+    assert "max_batch_units" not in beyond.reply.model_dump_json()
