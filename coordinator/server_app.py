@@ -71,7 +71,7 @@ def build_server_app(config_path: str | Path | None = None, resume: bool | None 
                 # one line the operator sees (deploy local and simulate print it), then fail the run
                 print(f"{COORDINATOR_ERROR_PREFIX}{type(exc).__name__}: {exc}", flush=True)
                 raise
-            print(f"federation finished: {result['stopped_reason']}; {result['report']}", flush=True)
+            print(f"federation finished: {result['stopped_reason']}; report: {result['report']} (curves: {result['curves']})", flush=True)
 
     return server_app
 

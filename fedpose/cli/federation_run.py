@@ -107,6 +107,10 @@ def conclude_run(checkpoint_dir: Path, allow_site_failures: bool) -> int:
     if failed:
         print(f"fedpose: error: a site failed (exit code {SITE_FAILURE_EXIT}); --allow-site-failures accepts that",
               file=sys.stderr, flush=True)
-    print(f"run '{report.run_id}': {report.rounds_completed} rounds completed in total ({report.stopped_reason}); "
+    # The coordinator's own closing line said what this invocation did; this one the run's total
+    # (over every resume), and why it stopped only where that is not "completed N rounds".
+    done = report.rounds_completed
+    why = "" if report.stopped_reason.startswith("completed ") else f" ({report.stopped_reason})"
+    print(f"run '{report.run_id}': {done} round{'' if done == 1 else 's'} completed in total{why}; "
           f"report: {checkpoint_dir / REPORT_FILE}", flush=True)
     return SITE_FAILURE_EXIT if failed else 0

@@ -243,7 +243,7 @@ def test_killed_site_goes_missing_then_killed_coordinator_resumes_with_the_same_
     output = _finish(proc)
     assert proc.returncode == 0, output  # site-2 missed rounds: allowed, and summarised
     assert "round   2 site-2: missing — the site disconnected" in output, output
-    assert output.strip().splitlines()[-1].startswith("run 'itest': 4 rounds completed in total (completed 4 rounds)"), output
+    assert output.strip().splitlines()[-1].startswith("run 'itest': 4 rounds completed in total; report:"), output
     assert f"resuming run 'itest' after round {done}" in (run_dir / "logs" / "coordinator.log").read_text()
     rounds = history(run_dir)
     assert [r["round"] for r in rounds] == [1, 2, 3, 4]
@@ -274,7 +274,7 @@ def test_a_corrupt_image_fails_its_site_visibly_and_resume_says_the_run_is_finis
     (round_line,) = [line for line in output.splitlines() if line.startswith("round   1 |")]
     assert "site-1: ok, ε" in round_line and "site-2: error (ImageLoadError: the site's ClientApp failed" in round_line
     assert "round   1 site-2: error — ImageLoadError" in output  # the summary: round, site id, error class
-    assert output.strip().splitlines()[-1].startswith("run 'itest': 1 rounds completed in total"), output
+    assert output.strip().splitlines()[-1].startswith("run 'itest': 1 round completed in total"), output
     assert bad.name not in output and "Traceback" not in output
     assert not no_leftover_processes(run_dir), "deploy local left processes running"
 

@@ -93,7 +93,7 @@ def test_a_site_failure_ends_the_run_with_a_summary_and_exit_code(tmp_path: Path
     out, err = capsys.readouterr()
     summary = out if allowed else err
     assert "round   2 site-2: error — ImageLoadError" in summary
-    assert out.strip().splitlines()[-1] == f"run 'r': 2 rounds completed in total (completed 2 rounds); report: {tmp_path / 'failed' / 'report.json'}"
+    assert out.strip().splitlines()[-1] == f"run 'r': 2 rounds completed in total; report: {tmp_path / 'failed' / 'report.json'}"
     assert ("--allow-site-failures" in err) is not allowed
     assert conclude_run(_report(tmp_path / "clean", []), allowed) == 0
     assert "failure" not in capsys.readouterr().err

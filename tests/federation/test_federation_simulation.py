@@ -136,7 +136,7 @@ def test_cli_site_failure_exit_code_finished_resume_and_a_prompt_resumed_round(t
     assert main(["simulate", "--config", str(config)]) == SITE_FAILURE_EXIT
     console = capfd.readouterr()
     assert "round   1 site-2: error — ImageLoadError" in console.err, console  # the summary: round, site id, error class
-    assert console.out.strip().splitlines()[-1].startswith("run 'itest': 1 rounds completed in total"), console.out
+    assert console.out.strip().splitlines()[-1].startswith("run 'itest': 1 round completed in total"), console.out
     assert "Traceback" not in console.out + console.err and bad.name not in console.out + console.err
     rows = {(e.site_id, e.round): e for e in ledger_rows(tmp_path)}
     assert rows[("site-2", 1)].status == "missing" and rows[("site-2", 1)].steps == 0
@@ -150,7 +150,7 @@ def test_cli_site_failure_exit_code_finished_resume_and_a_prompt_resumed_round(t
     assert main(["simulate", "--config", str(config), "--resume", "--set", "coordinator.rounds=2", "--allow-site-failures"]) == 0
     console = capfd.readouterr()
     assert "round   2 site-2: error — ImageLoadError" in console.out and "Traceback" not in console.out + console.err
-    assert console.out.strip().splitlines()[-1].startswith("run 'itest': 2 rounds completed in total (completed 2 rounds)")
+    assert console.out.strip().splitlines()[-1].startswith("run 'itest': 2 rounds completed in total; report:")
     rounds = history(tmp_path)
     # the resumed round starts as soon as both sites are back (measured by the coordinator, so a
     # loaded machine's slow training does not count); waiting for stale ids took the 300 s timeout

@@ -504,8 +504,9 @@ class RoundRunner:
                                        # which model each round's PCKh is of: the iterate, or its moving average
                                        "evaluated_model": self.ema.meta() | {"file": EMA_CHECKPOINT} if self.ema else "global iterate"},
                             self.history, summary)
-        self.echo(f"report: {path} (curves: {path.with_name('curves.png')})")
-        return {"report": str(path), "rounds": len(self.history), "stopped_reason": self.state.stopped_reason}
+        # no line of its own: the ServerApp's closing line names the curves, the CLI's the report
+        return {"report": str(path), "curves": str(path.with_name("curves.png")), "rounds": len(self.history),
+                "stopped_reason": self.state.stopped_reason}
 
 
 def checkpointed_round(checkpoint_dir: str | Path) -> int | None:
