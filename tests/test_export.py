@@ -245,7 +245,7 @@ def test_a_federated_export_of_a_run_with_a_moving_average_publishes_the_average
     assert main(["export", str(coordinator), "--out", str(out)]) == 0
     report = json.loads((out / "privacy_report.json").read_text())
     assert report["model_selection"].startswith("moving average (decay 0.9) of the global models of the last 2 rounds up to round 2")
-    np.testing.assert_array_equal(load_checkpoint(out / "model.pt")["model"][name].numpy(), averaged[name])
+    np.testing.assert_array_equal(load_checkpoint(out / "model.safetensors")["model"][name].numpy(), averaged[name])
 
 
 def test_a_federated_export_with_a_stale_report_and_no_ledger_is_refused(tmp_path: Path, capsys) -> None:

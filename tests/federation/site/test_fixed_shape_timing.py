@@ -22,7 +22,7 @@ from fedpose.federation.local_training import run_site_round
 from site_round_helpers import INPUT_SIZE, global_model, site_config
 
 #: declared settings shared by every dataset below (patients: the synthetic sites' unit)
-DECLARED = {"sample_rate": 1 / 12, "max_records_per_unit": 1, "local_steps": 2, "batch_size": 2}
+DECLARED = {"sample_rate": 1 / 12, "max_records_per_unit": 1, "local_steps": 2, "batch_size": 2, "max_batch_units": None}
 LARGE_PATIENT = 48
 
 
