@@ -697,6 +697,17 @@ def _rounds_text(spends: list[Any]) -> str:
     return ", ".join(f"run '{s.run_id}' round {s.round}" for s in spends)
 
 
+@contextmanager
+def _existing_state(state_dir: Path) -> Iterator[tuple[Path, "_State"]]:
+    """A site's existing budget state, read under the state lock, for a deliberate edit
+    (:func:`adopt_spends`, :func:`recompute_budget`); no budget is an error, never a new one."""
+    path = state_dir / STATE_FILE
+    if not path.exists():
+        raise BudgetStateError(f"no site budget at {path}")
+    with _state_lock(state_dir):
+        yield path, _parse_state(_read_signed(path, "site budget state"), path)
+
+
 def adopt_spends(state_dir: str | Path, spends: list[JournaledSpend], source: str, dry_run: bool = False) -> dict[str, Any]:
     """Add spends the budget lacks — from its own journal and ``spends`` (e.g. the coordinator's
     record) — to a site's budget: the deliberate, recorded step after a restore from backup.
@@ -707,11 +718,7 @@ def adopt_spends(state_dir: str | Path, spends: list[JournaledSpend], source: st
     ``adoptions`` record (source, rounds, ε before and after, time). Returns what was (or, with
     ``dry_run``, would be) adopted."""
     state_dir = Path(state_dir)
-    path = state_dir / STATE_FILE
-    if not path.exists():
-        raise BudgetStateError(f"no site budget at {path}")
-    with _state_lock(state_dir):
-        state = _parse_state(_read_signed(path, "site budget state"), path)
+    with _existing_state(state_dir) as (path, state):
         spent = {e.key: e for e in state.entries if e.status == "spent"}
         journal = read_journal(state_dir)
         candidates: dict[tuple[str, int], tuple[JournaledSpend, str]] = {}
@@ -771,11 +778,7 @@ def recompute_budget(state_dir: str | Path, accountant: str | None = None, apply
     if accountant is not None:
         get_accountant(accountant)
     state_dir = Path(state_dir)
-    path = state_dir / STATE_FILE
-    if not path.exists():
-        raise BudgetStateError(f"no site budget at {path}")
-    with _state_lock(state_dir):
-        state = _parse_state(_read_signed(path, "site budget state"), path)
+    with _existing_state(state_dir) as (path, state):
         ledger = state.accountant
         accountant = accountant or ledger.accountant
         if not get_accountant(accountant).supports(ledger.relation):
