@@ -185,6 +185,23 @@ def _record_layer_norms(layer_norms: dict[str, nn.LayerNorm]) -> Iterator[list[_
             handle.remove()
 
 
+@contextmanager
+def _vmap_safe_attention(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """On CUDA, timm's attention takes its explicit path (q·kᵀ·scale + bias, softmax, ·v — the
+    same arithmetic) while per-sample gradients are computed: torch's fused attention kernels
+    reject an attention bias without the vmapped batch dimension ("attn_bias: wrong shape (batch
+    dimension)", seen on an H200 with torch 2.11), so every DP step failed on a GPU. The CPU
+    keeps the fused path, which vmap handles there."""
+    modules = [m for m in model.modules() if getattr(m, "fused_attn", False)] if device.type == "cuda" else []
+    for module in modules:
+        module.fused_attn = False
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.fused_attn = True
+
+
 def per_sample_gradients(
     model: TrainableModel, features: Tensor, joints: Tensor, weight: Tensor
 ) -> tuple[dict[str, Tensor], Tensor]:
@@ -193,6 +210,13 @@ def per_sample_gradients(
     The norm-tuned LayerNorms' gradients come from one batched backward, the rest from ``vmap``
     (module docstring).
     """
+    with _vmap_safe_attention(model, features.device):  # type: ignore[arg-type]
+        return _per_sample_gradients(model, features, joints, weight)
+
+
+def _per_sample_gradients(
+    model: TrainableModel, features: Tensor, joints: Tensor, weight: Tensor
+) -> tuple[dict[str, Tensor], Tensor]:
     trainable = model.trainable_parameters()
     layer_norms = model.norm_tuned_layer_norms()
     if not layer_norms:
