@@ -18,6 +18,7 @@ from fedpose.data.synthetic import (
 )
 from fedpose.data.synthetic import body
 from fedpose.data.synthetic.generate import IMAGES_PER_PATIENT, PROGRESS_FILE
+from fedpose.data.synthetic.profiles import public_profile
 from fedpose.data.synthetic.render import RADII, person_mask, render_scene, sample_scene
 from fedpose.joints import JOINT_INDEX, NUM_JOINTS
 
@@ -206,17 +207,56 @@ def test_sites_differ_in_pose_distribution():
     assert len({json.dumps(p.to_dict(), sort_keys=True) for p in profiles}) == 12  # any N sites all differ
 
 
+def _grey(pixels: np.ndarray) -> bool:
+    return bool((pixels[:, 0] == pixels[:, 1]).all() and (pixels[:, 1] == pixels[:, 2]).all())
+
+
 def test_sites_differ_in_image_statistics():
     def mean_colours(site: int) -> np.ndarray:
         spec = SplitSpec(f"site-{site}", 0, "site", site)
         # one image per patient: a patient's images share skin and clothing, so only patients are independent draws
-        return np.stack([render_example(0, spec, i, (64, 48), 3)[0].reshape(-1, 3).mean(0)
-                         for i in range(0, 40 * IMAGES_PER_PATIENT, IMAGES_PER_PATIENT)])
+        images = [render_example(0, spec, i, (64, 48), 3)[0].reshape(-1, 3)
+                  for i in range(0, 100 * IMAGES_PER_PATIENT, IMAGES_PER_PATIENT)]
+        # colour statistics of the colour images (the infrared ones are grey at every site)
+        return np.stack([im.mean(0) for im in images if not _grey(im)])
 
     a, b = mean_colours(1), mean_colours(3)
     diff = np.abs(a.mean(0) - b.mean(0))
     stderr = np.sqrt(a.var(0, ddof=1) / len(a) + b.var(0, ddof=1) / len(b))
     assert (diff / stderr).max() > 4  # some channel differs by > 4 standard errors
+
+
+def test_only_sites_show_patients_in_bed_and_infrared_images():
+    """What public data lacks (profiles' docstring): every site has patients lying across the frame
+    and grey infrared images, each in its own proportion; the public split has neither."""
+    public = public_profile()
+    assert public.lying_probability == 0 and public.infrared_probability == 0
+    for k in range(1, 11):
+        profile = site_profile(k)
+        assert 0.3 <= profile.lying_probability <= 0.6 and 0.15 <= profile.infrared_probability <= 0.45
+        assert 75 <= abs(profile.lying_roll) <= 105
+        assert "lying in bed" in profile.describe() and "infrared" in profile.describe()
+    rng = np.random.default_rng(5)
+    site = site_profile(2)
+    lying = [sample_scene(rng, site, SMALL).extra.get("lying", False) for _ in range(400)]
+    assert abs(np.mean(lying) - site.lying_probability) < 0.08
+    assert not any(sample_scene(rng, public, SMALL).extra.get("lying", False) for _ in range(200))
+
+    def grey_fraction(spec: SplitSpec) -> float:
+        return float(np.mean([_grey(render_example(0, spec, i, (64, 48), 3)[0].reshape(-1, 3)) for i in range(60)]))
+
+    assert grey_fraction(SplitSpec("public", 0, "public")) == 0
+    assert grey_fraction(SplitSpec("site-2", 0, "site", 2)) > 0.1
+
+
+def test_a_patient_in_bed_lies_across_the_frame():
+    rng = np.random.default_rng(9)
+    scenes = [s for s in (sample_scene(rng, site_profile(3), SMALL) for _ in range(200)) if s.extra.get("lying")]
+    assert scenes
+    for scene in scenes:  # head-to-ankle axis within 35° of horizontal (roll 75–105° ± 20°, pose bends)
+        head, ankles = scene.joints[JOINT_INDEX["head_top"]], scene.joints[[JOINT_INDEX["r_ankle"], JOINT_INDEX["l_ankle"]]].mean(0)
+        dx, dy = np.abs(head - ankles)
+        assert dx > dy * 0.5
 
 
 # --- the FDP blur split: identity detail goes, pose stays ----------------------------------------
@@ -225,6 +265,7 @@ def test_blur_removes_face_detail_but_keeps_the_silhouette():
     profile = dataclasses.replace(
         site_profile(1), background_weights={"gradient": 1.0}, occlusion_probability=0.0, noise_std=(0.0, 0.0),
         jpeg_probability=0.0, blur_sigma=(0.0, 0.0), truncation_probability=0.0, back_facing_probability=0.0,
+        lying_probability=0.0, infrared_probability=0.0,
     )
 
     def fine_energy(a: np.ndarray) -> float:  # detail at ≤ 2-px scale

@@ -40,7 +40,7 @@ from fedpose.data.synthetic.render import Identity, annotation_fields, render_sc
 from fedpose.io import atomic_write_json
 from fedpose.viz import save_png
 
-GENERATOR_VERSION: Final = 2  # 2: site splits show patients (several images each, patient_id)
+GENERATOR_VERSION: Final = 3  # 2: site splits show patients (several images each, patient_id); 3: sites add patients in bed and infrared night images
 #: images per synthetic patient at a site (the last patient of a split may have fewer)
 IMAGES_PER_PATIENT: Final = 4
 MANIFEST_FILE: Final = "manifest.json"

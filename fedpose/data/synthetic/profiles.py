@@ -8,12 +8,20 @@ standing, site 2 arm raises, site 3 sitting, site 4 bending, ...); any N sites a
 
 The public split (the stand-in for COCO next to MPII) is a broader, related distribution: every
 pose family and background with equal weight, neutral camera, wider lighting and scale jitter.
+
+What only the sites have (the clinic, which public photo collections lack): patients lying in bed,
+seen by a bedside or ceiling camera, so the body lies across the frame (a camera roll near ±90°:
+the public split's roll stays within ±30°), and night-time images from infrared cameras (grey,
+flat, noisy: the public split is in colour). Every site has both, each in its own proportion and
+with its own side of the bed, so a federation shares what a public model has never seen while each
+site still differs from the others. A public pre-trained model must learn these from site data:
+that is what private training is for (issue 26).
 """
 
 from __future__ import annotations
 
 import colorsys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Final
 
 import numpy as np
@@ -48,6 +56,11 @@ class SiteProfile:
     back_facing_probability: float
     skin_tone_mean: float  # index into SKIN_TONES (site demographics)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: clinical views the public split lacks (module docstring); 0 for the public profile, whose
+    #: images then draw exactly the random numbers they drew before these existed
+    lying_probability: float = 0.0  # patient in bed: the camera's roll is lying_roll (± 10°)
+    lying_roll: float = 90.0  # degrees; its sign is the side of the bed the camera is on
+    infrared_probability: float = 0.0  # night-time infrared image: grey, flat contrast, noisy
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -64,6 +77,8 @@ class SiteProfile:
             f"brightness ×{self.brightness:.2f}, person {self.person_height[0]:.0%}–{self.person_height[1]:.0%} "
             f"of frame, blur σ≤{self.blur_sigma[1]:.1f}px, noise ≤{self.noise_std[1]:.0f}, "
             f"JPEG p={self.jpeg_probability:.2f}, occlusion p={self.occlusion_probability:.2f}"
+            + (f", lying in bed p={self.lying_probability:.2f} (roll {self.lying_roll:+.0f}°)" if self.lying_probability else "")
+            + (f", infrared p={self.infrared_probability:.2f}" if self.infrared_probability else "")
         )
 
 
@@ -89,7 +104,7 @@ def site_profile(index: int) -> SiteProfile:
     pose = SITE_POSE_ORDER[(index - 1) % len(SITE_POSE_ORDER)]
     background = SITE_BACKGROUND_ORDER[(index - 1) % len(SITE_BACKGROUND_ORDER)]
     low = float(rng.uniform(0.6, 0.72))
-    return SiteProfile(
+    profile = SiteProfile(
         name=f"site-{index}",
         pose_weights=_mixture(rng, list(POSE_FAMILIES), pose, 0.6),
         background_weights=_mixture(rng, list(BACKGROUNDS), background, 0.6),
@@ -108,6 +123,13 @@ def site_profile(index: int) -> SiteProfile:
         truncation_probability=round(float(rng.uniform(0.05, 0.2)), 3),
         back_facing_probability=round(float(rng.uniform(0.05, 0.15)), 3),
         skin_tone_mean=round(float(rng.uniform(0.5, 5.5)), 2),
+    )
+    # Drawn after the rest, so the site's other traits are those it always had.
+    return replace(
+        profile,
+        lying_probability=round(float(rng.uniform(0.3, 0.6)), 3),
+        lying_roll=round(float(rng.choice([-1.0, 1.0]) * rng.uniform(75, 105)), 1),
+        infrared_probability=round(float(rng.uniform(0.15, 0.45)), 3),
     )
 
 

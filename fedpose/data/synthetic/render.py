@@ -172,6 +172,9 @@ def sample_scene(
     else:
         yaw = float(np.clip(rng.normal(0, 25), -70, 70))
     roll = float(np.clip(rng.normal(0, profile.camera_roll_std), -30, 30))
+    lying = bool(profile.lying_probability) and rng.random() < profile.lying_probability
+    if lying:  # a patient in bed, seen by a bedside or ceiling camera
+        roll = profile.lying_roll + float(np.clip(rng.normal(0, 10), -20, 20))
     rotation = rot_z(roll) @ rot_y(yaw)
 
     # Person box in stature units, then size and placement in pixels.
@@ -227,6 +230,7 @@ def sample_scene(
         center=center.astype(np.float32), scale=float(scale), headbox=headbox.astype(np.float32),
         face_box=[round(float(v), 2) for v in face_box],
         head_ellipse=(c, up, half_length, half_width), face_visibility=face_visibility,
+        extra={"lying": True} if lying else {},
     )
 
 
@@ -413,6 +417,22 @@ def _draw_chair(scene: Scene, draw: ImageDraw.ImageDraw, rng: np.random.Generato
         draw.rectangle([x, y_seat, x + 0.025 * s, y_floor], fill=colour)
 
 
+def _draw_bed(scene: Scene, draw: ImageDraw.ImageDraw, rng: np.random.Generator) -> None:
+    """A mattress under a patient in bed (drawn before the body): a rectangle along the body's
+    long axis in the image, a little longer and wider than the body."""
+    points = scene.joints.astype(np.float64)
+    centre = points.mean(0)
+    _, _, axes = np.linalg.svd(points - centre, full_matrices=False)
+    along, across = axes[0], axes[1]
+    t, u = (points - centre) @ along, (points - centre) @ across
+    s = scene.pixels_per_unit
+    t0, t1 = t.min() - 0.12 * s, t.max() + 0.12 * s
+    u0, u1 = u.min() - 0.1 * s, u.max() + 0.1 * s
+    corners = [centre + a * along + b * across for a, b in ((t0, u0), (t1, u0), (t1, u1), (t0, u1))]
+    sheet = tuple(int(v) for v in rng.uniform(170, 240, 3))
+    draw.polygon([tuple(c) for c in corners], fill=sheet)
+
+
 def _occluders(scene: Scene, canvas: Image.Image, rng: np.random.Generator, palette: np.ndarray) -> np.ndarray:
     """Objects in front of the person; returns the occluded-joint flags."""
     h, w = scene.size
@@ -521,7 +541,9 @@ def render_scene(scene: Scene, rng: np.random.Generator, profile: SiteProfile) -
     palette = np.asarray(profile.palette, np.float32)
     bg_name = _weighted_choice(rng, profile.background_weights)
     canvas = _to_image(BACKGROUNDS[bg_name](rng, h, w, palette))
-    if scene.family == "sitting":
+    if scene.extra.get("lying"):
+        _draw_bed(scene, ImageDraw.Draw(canvas), rng)
+    elif scene.family == "sitting":
         _draw_chair(scene, ImageDraw.Draw(canvas), rng)
 
     # Paint the person on a crop around it: textures cost ∝ area, and the person is ~⅓ of the frame.
@@ -569,7 +591,18 @@ def render_scene(scene: Scene, rng: np.random.Generator, profile: SiteProfile) -
         Image.fromarray(arr).save(buf, format="JPEG", quality=int(rng.integers(*profile.jpeg_quality)))
         buf.seek(0)
         arr = np.asarray(Image.open(buf).convert("RGB"))
+    if profile.infrared_probability and rng.random() < profile.infrared_probability:
+        arr = _infrared(arr, rng)
     return arr
+
+
+def _infrared(arr: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A night-time infrared camera's view of the scene: one grey channel, flattened contrast,
+    a brighter floor, and the sensor noise of low light."""
+    grey = arr.astype(np.float32) @ np.array([0.299, 0.587, 0.114], np.float32)
+    grey = 40 + grey * np.float32(rng.uniform(0.45, 0.7))
+    grey += np.float32(rng.uniform(4, 10)) * rng.standard_normal(grey.shape, dtype=np.float32)
+    return np.repeat(np.clip(grey + 0.5, 0, 255).astype(np.uint8)[..., None], 3, axis=2)
 
 
 def annotation_fields(scene: Scene, site: str) -> dict[str, Any]:
