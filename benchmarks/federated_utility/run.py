@@ -9,8 +9,11 @@ multi-site data (3 non-IID sites; the test split mixes the three sites' distribu
 record names its source site, so every site has its own held-out test split, and the mixture is
 the union):
 
-* ``public-only``: the warm start — non-private training on the public split (the coordinator's
-  own :func:`fedpose.federation.warm_start.warm_start`), no site data. Every other arm starts from it.
+* ``public-only``: the public pre-trained base (``init_checkpoint``: by default the shipped
+  ``checkpoints/public/public-base-tiny_vit_test-128x96.pt``, trained on 40 000 synthetic public
+  images; no site data). Every other arm starts from it. (``init_checkpoint = null``: a short warm
+  start on the sweep's own public split instead, the coordinator's
+  :func:`fedpose.federation.warm_start.warm_start` — the protocol before issue 26.)
 * ``site-alone``: each site trains alone, same mechanism, ε, δ, unit, rounds and local steps as in
   the federation (a federation of one site: the same code path).
 * ``federated``: the three sites through the real coordinator round loop
@@ -58,17 +61,21 @@ class Settings(BaseModel):
 
     size: tuple[int, int] = (128, 96)  # at 64×64 nothing learned, non-private central included (at_64x64/)
     sites: int = 3
-    per_site: int = 160
-    public: int = 64
+    #: 120 synthetic patients × 4 images (issue 26: ≥ 120 patients / 480 records per site)
+    per_site: int = 480
+    public: int = 64  # the sweep's own public split: the projection basis's S_pub
     test: int = 240
     data_seed: int = 0
     backbone: str = "tiny_vit_test"
     scenario: str = "full"
+    #: the public base every arm starts from (a path relative to the repository); None: warm start
+    init_checkpoint: str | None = "checkpoints/public/public-base-tiny_vit_test-128x96.pt"
     #: a short warm start leaves the sites something to teach: at 128×96, 150 steps reach 38 % and
     #: non-private federated training adds 3 points; 50 steps reach 23 % and it adds 15 (probes.json)
     warm_steps: int = 50
     warm_lr: float = 2e-3
-    batch_size: int = 40
+    #: expected units (patients) per step: q = 16/120 per site
+    batch_size: int = 16
     rounds: int = 8
     local_steps: int = 10
     site_lr: float = 0.1
@@ -92,7 +99,10 @@ class Settings(BaseModel):
     server_lr: float = 1.0
     server_momentum: float = 0.9
     delta: float = 1e-5
-    unit: str = "record"
+    unit: str = "patient"
+    #: images of a sampled patient in a step (uniformly chosen); the patient is clipped as one unit
+    #: either way, so 1 costs no privacy and makes a step a quarter of the rows
+    max_records_per_unit: int = 1
     mechanisms: list[str] = Field(default_factory=lambda: list(DEFAULT_MECHANISMS))
     epsilons: list[float] = Field(default_factory=lambda: [2.0, 8.0])
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
@@ -189,6 +199,8 @@ def warm_start_checkpoint(settings: Settings, data: Path, work: Path, seed: int)
     from fedpose.model import build_model, save_checkpoint
     from fedpose.runtime import configure_cpu
 
+    if settings.init_checkpoint is not None:
+        return REPO / settings.init_checkpoint
     path = work / "public" / f"seed{seed}.pt"
     if path.exists():
         return path
@@ -200,6 +212,13 @@ def warm_start_checkpoint(settings: Settings, data: Path, work: Path, seed: int)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_checkpoint(path, model)
     return path
+
+
+def units_per_site(settings: Settings) -> int:
+    """N: a site's protection units (the synthetic sites show each patient in IMAGES_PER_PATIENT images)."""
+    from fedpose.data.synthetic.generate import IMAGES_PER_PATIENT
+
+    return math.ceil(settings.per_site / IMAGES_PER_PATIENT) if settings.unit == "patient" else settings.per_site
 
 
 def noise_multiplier(settings: Settings, mechanism: str, epsilon: float, sample_rate: float) -> float:
@@ -218,7 +237,7 @@ def site_config(settings: Settings, arm: Arm, site_id: str, train: Path, public:
     privacy: dict[str, Any] = {"mechanism": arm.mechanism}
     if arm.mechanism != "none":
         privacy.update(noise_multiplier=sigma, sample_rate=sample_rate, max_grad_norm=settings.max_grad_norm,
-                       delta=settings.delta, unit=settings.unit,
+                       delta=settings.delta, unit=settings.unit, max_records_per_unit=settings.max_records_per_unit,
                        public_view={"kind": "downsample_quantize", "factor": settings.public_view_factor, "bits": settings.public_view_bits})
         if settings.site_basis_refresh_steps is not None:
             privacy["basis"] = {"k": settings.k, "public_samples": settings.public_samples,
@@ -265,7 +284,7 @@ def run_arm(settings: Settings, arm: Arm, data: Path, work: Path) -> dict[str, A
         else:
             trains = [(str(arm.site), data / str(arm.site))]
             batch = settings.batch_size
-        sample_rate = settings.batch_size / settings.per_site  # declared q: B/N (central: 3B/3N)
+        sample_rate = settings.batch_size / units_per_site(settings)  # declared q: B/N (central: 3B/3N)
         sigma = noise_multiplier(settings, arm.mechanism, float(arm.epsilon), sample_rate) if arm.mechanism != "none" else 0.0
         sites = [site_config(settings, arm, site_id, train, data / "public", arm_dir / "sites" / site_id, batch, sample_rate, sigma)
                  for site_id, train in trains]
