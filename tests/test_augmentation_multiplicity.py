@@ -299,3 +299,29 @@ def test_the_multiplicity_is_the_sites_own_setting(tmp_path) -> None:
     assert SiteConfig.model_validate(site).privacy.augmentation_multiplicity == 4
     with pytest.raises(ValidationError, match=r"site 'site-1': privacy.augmentation_multiplicity = 4: every copy"):
         SiteConfig.model_validate({**site, "data": {"train": str(tmp_path), "flip": False, "scale_jitter": 0.0, "rotation": 0.0}})
+
+
+def test_a_site_round_with_copies_reports_the_epsilon_of_k_1_and_logs_the_cost(tmp_path, caplog) -> None:
+    """The real site round (budget guard, engine, reply): K = 2 trains, and the reply's privacy
+    report — what leaves the site — is the one K = 1 sends; the K× cost is in the site's log."""
+    import logging
+
+    import numpy as np
+
+    from fedpose.federation.local_training import run_site_round
+    from site_round_helpers import global_model, make_site_data, site_config
+
+    data_root = make_site_data(tmp_path / "data")
+    global_state, spec = global_model()
+    replies = {}
+    for copies in (1, 2):
+        site = site_config(data_root, tmp_path / f"state-k{copies}", augmentation_multiplicity=copies, local_steps=1)
+        with caplog.at_level(logging.INFO, logger="fedpose.federation.local_training"):
+            result = run_site_round(site, "run", 1, global_state, spec, 1)
+        assert result.reply.status == "ok", result.reply
+        assert all(np.isfinite(v).all() for v in result.update.values())
+        replies[copies] = result.reply
+    assert replies[1].privacy == replies[2].privacy
+    assert replies[2].privacy.epsilon is not None and replies[2].privacy.epsilon > 0
+    cost = [r.getMessage() for r in caplog.records if "augmentation multiplicity K = 2" in r.getMessage()]
+    assert len(cost) == 1 and "every step computes 32 rows (4 patient slots × 4 records × 2 augmentations)" in cost[0]
