@@ -55,6 +55,15 @@ def run_config(args: argparse.Namespace, data: Path, work: Path, init: Path, see
     })
 
 
+def median_step_seconds(run_dir: Path) -> float | None:
+    """The median optimizer step's wall time of a finished run (its metrics.json), setup and evaluation excluded."""
+    metrics = run_dir / "metrics.json"
+    if not metrics.exists():
+        return None
+    seconds = [r["seconds"] for r in json.loads(metrics.read_text())["train"] if "seconds" in r]
+    return round(statistics.median(seconds), 3) if seconds else None
+
+
 def one_run(args: argparse.Namespace, settings: Any, data: Path, work: Path, seed: int, copies: int) -> dict[str, Any]:
     from fedpose.model import model_from_checkpoint
     from fedpose.runtime import configure_cpu
@@ -79,7 +88,8 @@ def one_run(args: argparse.Namespace, settings: Any, data: Path, work: Path, see
         "epsilon_text": privacy["epsilon_text"], "noise_multiplier": privacy["noise_multiplier"],
         "sample_rate": privacy["sample_rate"], "rows_per_step": privacy["fixed_shape"]["rows_per_step"],
         "train_wall_seconds": round(wall, 1), "train_cpu_seconds": round(cpu, 1),
-        "seconds_per_step": round(wall / args.steps, 3), "log": lines,
+        "seconds_per_step": round(wall / args.steps, 3), "step_seconds_median": median_step_seconds(Path(cfg.train.out_dir)),
+        "log": lines,
     }
 
 
@@ -97,7 +107,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "pckh50_std": round(statistics.stdev(scores), 2) if len(scores) > 1 else None,
             "gain_over_public_only_mean": round(statistics.mean(gains), 2),
             "gain_over_public_only_std": round(statistics.stdev(gains), 2) if len(gains) > 1 else None,
-            "seconds_per_step_mean": round(statistics.mean(e["seconds_per_step"] for e in entries), 3),
+            "run_wall_seconds_per_step_mean": round(statistics.mean(e["seconds_per_step"] for e in entries), 3),  # setup included
+            "step_seconds_median_mean": (round(statistics.mean(e["step_seconds_median"] for e in entries), 3)
+                                         if all(e.get("step_seconds_median") is not None for e in entries) else None),
         }
     return out
 
@@ -138,14 +150,16 @@ def main() -> int:
                 part.parent.mkdir(parents=True, exist_ok=True)
                 part.write_text(json.dumps(one_run(args, settings, data, work, seed, copies), indent=1))
             entry = json.loads(part.read_text())
+            if entry.get("step_seconds_median") is None:  # parts written before it was recorded
+                entry["step_seconds_median"] = median_step_seconds(work / "runs" / f"s{seed}-k{copies}")
             print(f"[{time.strftime('%H:%M:%S')}] seed {seed}, K = {copies}: PCKh@0.5 {entry['scores']['pckh50']} "
-                  f"(public-only {entry['public_only']['pckh50']}), {entry['seconds_per_step']} s/step", flush=True)
+                  f"(public-only {entry['public_only']['pckh50']}), median step {entry['step_seconds_median']} s", flush=True)
             runs.append(entry)
     result = {
         "what": "augmentation multiplicity K (De et al. 2022): central DP (pdp) fine-tune per patient from the public warm "
                 "start, PCKh@0.5 on the held-out mixture test split, mean ± std over seeds; same ε, δ, q, C, steps, so same σ",
         "tuning": "none on the test split: run.py's central-arm optimizer (SGD 0.1, momentum 0.9, C 1), fewer steps",
-        "conditions": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "conditions": {**{k: v for k, v in vars(args).items() if k not in ("work", "out")},
                        "sites": settings.sites, "public": settings.public, "test": settings.test,
                        "unit": "patient", "max_records_per_unit": 4, "delta": 1e-5,
                        "accountant": "pld (default)", "scenario": "full", "machine": {"cpus": os.cpu_count(),
@@ -154,6 +168,7 @@ def main() -> int:
         "summary": summarize(runs),
         "runs": [{k: v for k, v in r.items() if k != "log"} for r in runs],
         "wall_seconds_this_invocation": round(time.time() - started, 1),
+        "train_wall_seconds_all_runs": round(sum(r["train_wall_seconds"] for r in runs), 1),
     }
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["summary"], indent=1))
