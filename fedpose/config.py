@@ -52,6 +52,21 @@ class AugmentationConfig(Strict):
     scale_jitter: float = Field(0.25, ge=0, lt=1, description="random scale factor range ±")
     rotation: float = Field(30.0, ge=0, le=180, description="random rotation range ± degrees")
 
+    @property
+    def is_random(self) -> bool:
+        """Whether two loads of one record can differ (any augmentation on)."""
+        return self.flip or self.scale_jitter > 0 or self.rotation > 0
+
+
+def check_augmentation_multiplicity(privacy: "PrivacyConfig", data: AugmentationConfig, where: str = "") -> None:
+    """K > 1 copies of a record are only worth their K× cost when loading it twice can differ."""
+    if privacy.augmentation_multiplicity > 1 and not data.is_random:
+        raise ValueError(
+            f"{where}privacy.augmentation_multiplicity = {privacy.augmentation_multiplicity}: every copy of a record would be "
+            "the same image (data.flip is false, data.scale_jitter and data.rotation are 0); turn an augmentation on or "
+            "set it to 1"
+        )
+
 
 class DataConfig(AugmentationConfig):
     train: Path | None = Field(None, description="dataset directory with annotations.json (training split)")
@@ -215,6 +230,15 @@ class PrivacyConfig(Strict):
         "for up to N_max units, the timing protection's domain (a site with more units trains, warned in its local log). "
         "None: the smallest u with P(Poisson(train.batch_size) > u) ≤ 1e-15 (N_max ≥ batch_size / sample_rate)",
     )
+    augmentation_multiplicity: int = Field(
+        1, ge=1,
+        description="K: every record of a step's batch is loaded K times, each copy an independent random augmentation "
+        "(De et al. 2022). Under DP each unit's gradient is the sum over its records of the mean over their K copies, "
+        "clipped to C once, so the sensitivity, σ, q and ε are those of K = 1 while the clipped signal is less noisy; "
+        "mechanism 'none' averages the copies in its plain mean. Costs K× the compute and activation memory of a step "
+        "(U·R·K rows, fedpose.privacy.fixed_shape). Needs random augmentation (data.flip, data.scale_jitter or "
+        "data.rotation); the site's own setting, never sent by the coordinator",
+    )
     basis: BasisConfig = BasisConfig()
     public_view: PublicViewConfig = PublicViewConfig()
     mask: MaskConfig = MaskConfig()
@@ -258,6 +282,11 @@ class RunConfig(Strict):
     train: TrainConfig = TrainConfig()
     privacy: PrivacyConfig = PrivacyConfig()
     input_privacy: InputPrivacyConfig = InputPrivacyConfig()
+
+    @model_validator(mode="after")
+    def _copies_differ(self) -> "RunConfig":
+        check_augmentation_multiplicity(self.privacy, self.data)
+        return self
 
     @model_validator(mode="after")
     def _public_view_fits_the_input(self) -> "RunConfig":

@@ -60,8 +60,8 @@ PUBLISHABLE_SECTION_KEYS: dict[str, frozenset[str]] = {
         "map", "factor", "bits", "kernel_size", "sigma", "many_to_one", "computed", "protects", "region", "margin", "fill", "covers",
     }),
     # the fixed step shape: public settings (slots, rows), η and N_max — a function of q and the slots
-    "fixed_shape": frozenset({"max_batch_units", "rows_per_unit", "rows_per_step", "overflow_probability_per_step", "max_units",
-                              "statement"}),
+    "fixed_shape": frozenset({"max_batch_units", "rows_per_unit", "augmentations_per_record", "rows_per_step",
+                              "overflow_probability_per_step", "max_units", "statement"}),
     "input_privacy": frozenset({
         "mechanism", "guarantee", "guarantee_statement", "guarantee_void", "epsilon_total", "epsilon_realized", "delta",
         "accountant", "unit_protected", "epsilon_per_original_pixel", "block_note", "public", "ll_prune", "ll_offset",

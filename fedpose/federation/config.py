@@ -32,6 +32,7 @@ from fedpose.config import (
     PrivacyConfig,
     StepConfig,
     Strict,
+    check_augmentation_multiplicity,
 )
 from fedpose.privacy.mechanisms import get_mechanism
 
@@ -129,6 +130,7 @@ class SiteConfig(Strict):
         # at a site whose gradient mechanism is "none".
         if getattr(self.input_privacy, "insecure_seed", None) is not None:
             raise ValueError(f"site '{self.site_id}': input_privacy.insecure_seed is for tests only; a site refuses to federate with it")
+        check_augmentation_multiplicity(self.privacy, self.data, f"site '{self.site_id}': ")
         if not get_mechanism(self.privacy.mechanism).noisy:
             return self
         if self.privacy.sample_rate is None:

@@ -383,6 +383,8 @@ def _train_site_round(
         raise RuntimeError(f"engine noise (σ={engine.noise_multiplier}, q={engine.sample_rate}) differs from the authorized (σ={sigma}, q={rate})")
     if basis is not None:
         engine.set_basis(basis, version=basis_version)
+    if engine.augmentation_cost is not None:
+        log.info("site %s round %d: %s", site.site_id, round_id, engine.augmentation_cost)
     if engine_hook is not None:
         engine_hook(engine)
 

@@ -27,6 +27,13 @@ DP mechanisms (see :mod:`fedpose.privacy.mechanisms` for the table):
   probability ≤ η per step). So loading, the forward and the per-sample backward do the same work
   whatever was sampled, and the reply's timing tells nothing of N or of which unit joined. Each
   row's slot travels in the batch as ``unit_index``.
+* **Augmentation multiplicity** (``privacy.augmentation_multiplicity`` K; De et al. 2022) — every
+  row of that layout is loaded K times, each copy an independent draw of the dataset's random
+  augmentation (the dataset augments per ``__getitem__``), so a step has U·R·K rows and costs K
+  times the work. A unit's gradient is the sum over its records of the mean over their K copies,
+  clipped to C once: the sensitivity, σ, q and ε are those of K = 1, while the clipped signal is
+  less noisy. Batches of "none" hold each of their B records K times (the plain mean then
+  averages each record's copies).
 * **Private gradient** — per-sample gradients of the trainable parameters with ``torch.func``
   (:mod:`fedpose.privacy.per_sample` explains why not Opacus hooks), summed per unit, each
   unit's sum clipped to flat L2 norm C as one, summed, plus N(0, σ²C²I), divided by the
@@ -88,7 +95,8 @@ from fedpose.privacy.report import format_epsilon, guarantee_sentence, protected
 from fedpose.runtime import out_of_memory_hint, synchronize
 
 #: the settings that size a training step's memory, named when the device runs out (central runs and sites)
-STEP_MEMORY_SETTINGS = "train.batch_size, privacy.max_batch_units, privacy.max_records_per_unit or train.chunk_size"
+STEP_MEMORY_SETTINGS = ("train.batch_size, privacy.max_batch_units, privacy.max_records_per_unit, "
+                        "privacy.augmentation_multiplicity or train.chunk_size")
 
 
 log = logging.getLogger(__name__)
@@ -167,6 +175,8 @@ class GradientEngine:
         self.dataset_size = self.units.num_units
         self.batch_size = int(batch_size)
         self.planned_steps = int(planned_steps)
+        #: K: rows per record in every batch, each an independent augmentation (augmentation multiplicity)
+        self.augmentations = int(privacy.augmentation_multiplicity)
         self.public_dataset = public_dataset
         self.seed = int(seed)
         #: samples per chunk of per-sample gradients; None: per device (:func:`auto_chunk_size`)
@@ -219,7 +229,7 @@ class GradientEngine:
         # The guarantee's neighbouring relation decides the analysis (FDP family: replace-one, see accountant);
         # a relation the configured accountant cannot handle fails here, before any step.
         self.shape = step_shape(self.units.unit, self.batch_size, self.sample_rate, privacy.max_batch_units,
-                                privacy.max_records_per_unit)
+                                privacy.max_records_per_unit, self.augmentations)
         # Beyond N_max the guarantee is unchanged and only timing may vary: a warning, never a refusal
         # (a refusal one more unit could trigger would tell membership); it names N, so local log only.
         self.capacity_warning = capacity_warning(self.shape, self.dataset_size, self.units.unit, "the training set")
@@ -296,7 +306,9 @@ class GradientEngine:
         (:meth:`StepShape.slots_for`). Slot s holds rows [s·R, (s+1)·R): sampled unit s's records
         first, then padding. A padding row holds a record drawn uniformly from the training set
         (CSPRNG), so loading it costs what loading a sampled one does; its gradient is zeroed
-        before any sum."""
+        before any sum. With augmentation multiplicity K every row is then repeated K times
+        (adjacent: slot s holds rows [s·R·K, (s+1)·R·K)); loading each copy draws its own
+        augmentation."""
         assert self.noise is not None and self.shape is not None
         per_unit = self.shape.rows_per_unit
         num_slots = self.shape.slots_for(max(unit_of_row, default=-1) + 1)
@@ -309,14 +321,18 @@ class GradientEngine:
             filled[position] += 1
             records[row], real[row] = int(record), True
         slots = [row // per_unit for row in range(num_rows)]
-        return records, slots, real
+        if self.shape.augmentations == 1:
+            return records, slots, real
+        copies = self.shape.augmentations
+        return ([r for r in records for _ in range(copies)], [s for s in slots for _ in range(copies)],
+                [m for m in real for _ in range(copies)])
 
     def _shuffled_batches(self, dataset: Dataset) -> Iterator[dict]:
         batch = min(self.batch_size, self.num_records)
         while True:
             order = torch.randperm(self.num_records, generator=self._shuffle).tolist()
             for start in range(0, self.num_records - batch + 1, batch):
-                yield collate([dataset[i] for i in order[start: start + batch]])
+                yield collate([dataset[i] for i in order[start: start + batch] for _ in range(self.augmentations)])
 
     # -- projection basis -------------------------------------------------------------------------
     def set_basis(self, basis: Any, version: int = 0) -> None:
@@ -354,9 +370,20 @@ class GradientEngine:
         return batch
 
     @property
+    def augmentation_cost(self) -> str | None:
+        """What augmentation multiplicity costs, for the run's log (None at K = 1): public settings only."""
+        if self.augmentations == 1:
+            return None
+        layout = (f"{self.shape.unit_slots} {self.units.unit} slots × {self.shape.rows_per_unit} records × "
+                  f"{self.augmentations} augmentations" if self.shape is not None
+                  else f"{self.batch_size} records × {self.augmentations} augmentations")
+        return (f"augmentation multiplicity K = {self.augmentations}: every step computes {self.step_rows} rows ({layout}), "
+                f"{self.augmentations}× the work and activation memory of K = 1; σ, q and ε are unchanged")
+
+    @property
     def step_rows(self) -> int:
-        """Rows of every step: the fixed shape's for DP mechanisms, B for "none"."""
-        return self.shape.rows if self.shape is not None else self.batch_size
+        """Rows of every step: the fixed shape's for DP mechanisms, B·K for "none"."""
+        return self.shape.rows if self.shape is not None else self.batch_size * self.augmentations
 
     def chunk_for(self, device: torch.device, num_params: int) -> int:
         """Samples per chunk of per-sample gradients on ``device``: ``chunk_size``, or decided once per
@@ -457,9 +484,15 @@ class GradientEngine:
             features = frozen_features(model, inputs)
             unit_index = batch.get("unit_index")
             if unit_index is None:  # a batch built by the caller: every row is its own unit
+                if self.augmentations != 1:
+                    raise ValueError(f"privacy.augmentation_multiplicity = {self.augmentations}: a batch needs unit_index "
+                                     "with each record's copies in its unit (use engine.batches)")
                 unit_index = torch.arange(size)
             if len(unit_index) != size:
                 raise ValueError(f"batch has {size} rows but {len(unit_index)} unit_index entries")
+            if self.augmentations != 1 and bool((torch.unique(unit_index, return_counts=True)[1] % self.augmentations).any()):
+                raise ValueError(f"privacy.augmentation_multiplicity = {self.augmentations}: every unit of the batch must "
+                                 "hold a whole multiple of that many rows (each record once per augmentation)")
             row_mask = batch.get("row_mask")  # padding rows of a fixed-shape step: computed, weighted 0
             real = torch.ones(size, dtype=torch.bool, device=device) if row_mask is None else row_mask.to(device, torch.bool)
             metrics["batch_size"] = float(real.sum())
@@ -471,7 +504,8 @@ class GradientEngine:
                 unit_real = real
             else:
                 clipped_sum, norms, losses, sample_nonfinite = clipped_unit_gradient_sum(
-                    model, features[:size], batch["joints"], batch["weight"], unit_index, clip, chunk, row_mask=real
+                    model, features[:size], batch["joints"], batch["weight"], unit_index, clip, chunk, row_mask=real,
+                    augmentations=self.augmentations,
                 )
                 labels = torch.unique(unit_index.to(device))  # ascending, like the returned norms
                 unit_real = torch.isin(labels, unit_index.to(device)[real])
@@ -574,7 +608,9 @@ class GradientEngine:
             f"{self.shape.rows_per_unit}, chosen uniformly; padded to a fixed {self.shape.unit_slots} {unit} slots)",
             "fixed_shape": self.shape.report(unit),
             "normalisation": f"declared batch size B (train.batch_size, expected {unit}s per batch)",
-            "clipping": f"the summed gradient of each {unit}'s records clipped to C as one",
+            "clipping": (f"the summed gradient of each {unit}'s records clipped to C as one" if self.augmentations == 1 else
+                         f"the sum over each {unit}'s records of each record's mean gradient over its {self.augmentations} "
+                         "augmentations, clipped to C as one (augmentation multiplicity: the sensitivity stays C)"),
             "dataset_size_public": self.dataset_size_public,
             "adjacency": _adjacency_text(self.accountant.relation, self.dataset_size_public, unit),
             "randomness": self.noise.description,

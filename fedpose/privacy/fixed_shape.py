@@ -30,9 +30,15 @@ memory) that tells an observer of the reply's timing N and whether a large unit 
   has a smaller upper tail there (Anderson & Samuels 1967), so N_max ≥ B/q: every site that
   declares q ≤ B/N (at most B units expected per batch) is covered.
 
-Everything reported (U, R, η, N_max) is a function of public values (B, q, the configured caps),
-never of N. What this costs: U·R rows per step instead of about B·(mean records per unit); U/B is
-3.6 at B = 16, 2.5 at B = 40, 1.8 at B = 128 (benchmarks/step_cost).
+* **Augmentation multiplicity** K (``privacy.augmentation_multiplicity``, De et al. 2022): every
+  row of that U·R layout is repeated K times, each copy an independent augmentation of its record
+  (padding rows too, so a padded slot still costs what a real one does): U·R·K rows per step. The
+  engine clips each unit's sum over its records of the mean over their K copies — still one clip
+  to C per unit, so the sensitivity, σ, q and ε do not change; a step costs K times the work.
+
+Everything reported (U, R, K, η, N_max) is a function of public values (B, q, the configured caps),
+never of N. What this costs: U·R·K rows per step instead of about B·K·(mean records per unit); U/B
+is 3.6 at B = 16, 2.5 at B = 40, 1.8 at B = 128 (benchmarks/step_cost).
 """
 
 from __future__ import annotations
@@ -84,15 +90,22 @@ def max_units(sample_rate: float, max_batch_units: int) -> int:
 
 @dataclass(frozen=True)
 class StepShape:
-    """The fixed shape of every DP step: ``unit_slots`` × ``rows_per_unit`` rows."""
+    """The fixed shape of every DP step: ``unit_slots`` × ``rows_per_unit`` records × ``augmentations``
+    copies of each."""
 
     unit_slots: int
     rows_per_unit: int
     sample_rate: float
+    #: K: rows per record, each an independent augmentation (augmentation multiplicity)
+    augmentations: int = 1
+
+    @property
+    def rows_per_slot(self) -> int:
+        return self.rows_per_unit * self.augmentations
 
     @property
     def rows(self) -> int:
-        return self.unit_slots * self.rows_per_unit
+        return self.unit_slots * self.rows_per_slot
 
     @property
     def max_units(self) -> int:
@@ -106,14 +119,18 @@ class StepShape:
 
     def report(self, unit: str) -> dict:
         """The fixed-shape part of a privacy report: public values only."""
+        copies = "" if self.augmentations == 1 else (
+            f" × {self.augmentations} augmentations of each ({self.rows} rows, {self.augmentations}× the work of one; "
+            "a unit's gradient averages each record's augmentations before its one clip, so ε is unchanged)")
         return {
             "max_batch_units": self.unit_slots,
             "rows_per_unit": self.rows_per_unit,
+            "augmentations_per_record": self.augmentations,
             "rows_per_step": self.rows,
             "overflow_probability_per_step": OVERFLOW_PROBABILITY,
             "max_units": self.max_units,
             "statement": (
-                f"every step computes {self.unit_slots} {unit} slots × {self.rows_per_unit} record rows "
+                f"every step computes {self.unit_slots} {unit} slots × {self.rows_per_unit} record rows{copies} "
                 f"(zero-weight padding), the same work whatever was sampled; a batch of more than "
                 f"{self.unit_slots} {unit}s keeps every one of them in a whole multiple of that shape, so the "
                 f"(ε, δ) above is exact. The timing protection covers training sets of at most {self.max_units} "
@@ -124,11 +141,13 @@ class StepShape:
 
 
 def step_shape(unit: str, batch_size: int, sample_rate: float, max_batch_units: int | None,
-               max_records_per_unit: int) -> StepShape:
-    """The step shape for these public settings (``unit``: the protection unit)."""
+               max_records_per_unit: int, augmentations: int = 1) -> StepShape:
+    """The step shape for these public settings (``unit``: the protection unit; ``augmentations``: K)."""
+    if augmentations < 1:
+        raise ValueError(f"augmentations per record must be >= 1, got {augmentations}")
     slots = default_max_batch_units(int(batch_size)) if max_batch_units is None else int(max_batch_units)
     rows_per_unit = 1 if unit == "record" else int(max_records_per_unit)
-    return StepShape(slots, rows_per_unit, float(sample_rate))
+    return StepShape(slots, rows_per_unit, float(sample_rate), int(augmentations))
 
 
 def capacity_warning(shape: StepShape, num_units: int, unit: str, where: str) -> str | None:

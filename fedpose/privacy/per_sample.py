@@ -322,10 +322,16 @@ def clipped_unit_gradient_sum(
     max_grad_norm: float,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     row_mask: Tensor | None = None,
+    augmentations: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Σ_u clip(Σ_{i ∈ u} ∇ l(x_i), C): per-sample gradients summed per protection unit, each
     unit's sum clipped to flat L2 norm C as one, so adding or removing a whole unit (a patient
     with any number of records) moves the sum by at most C.
+
+    ``augmentations`` K (augmentation multiplicity, De et al. 2022): every record of the batch is
+    in it K times, each row an independent augmentation. A unit's gradient is then the sum over
+    its records of the mean over their K rows, i.e. its row sum ÷ K, and that is what is clipped
+    (once, to C): the sensitivity stays C. The returned norms are of that averaged gradient.
 
     ``unit_index`` (B,) gives each row's unit (any integer labels; rows of a unit need not be
     adjacent). Returns the flat sum (p,), the units' pre-clip norms (U,) in ascending label order,
@@ -344,6 +350,8 @@ def clipped_unit_gradient_sum(
     """
     if max_grad_norm <= 0:
         raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+    if augmentations < 1:
+        raise ValueError(f"augmentations per record must be >= 1, got {augmentations}")
     rows = features.shape[0]
     if unit_index.shape != (rows,):
         raise ValueError(f"unit_index must have one entry per row ({rows}), got shape {tuple(unit_index.shape)}")
@@ -388,11 +396,13 @@ def clipped_unit_gradient_sum(
         if finished:
             done = sums[:finished]
             norms = torch.linalg.vector_norm(done, dim=1)
+            if augmentations != 1:  # the unit's gradient is done / K: its norm, and the factor applied to done
+                norms = norms / augmentations
             finite = torch.isfinite(norms)
             factors = torch.where(finite, clip_factors(norms, max_grad_norm), torch.zeros_like(norms))
             if not bool(finite.all()):  # 0 · Inf = NaN: zero the overflowing units' rows outright
                 done = torch.where(finite[:, None], done, torch.zeros_like(done))
-            total.addmv_(done.T, factors)
+            total.addmv_(done.T, factors if augmentations == 1 else factors / augmentations)
             unit_norms.append(norms)
         losses_sorted.append(chunk_losses)
         nonfinite_sorted.append(nonfinite)

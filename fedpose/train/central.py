@@ -332,6 +332,8 @@ def run_training(
     if unit_choice is not None:
         log(f"protection unit: {unit_choice.unit} ({unit_choice.reason}); {engine.dataset_size} {unit_choice.unit}{'' if engine.dataset_size == 1 else 's'}, "
             f"Poisson-sampled at q = {engine.sample_rate:.4g}, each {unit_choice.unit}'s gradient clipped to C as one")
+    if engine.augmentation_cost is not None:
+        log(engine.augmentation_cost)
 
     def privacy_report() -> dict[str, Any]:
         report = engine.privacy_report()
