@@ -183,9 +183,10 @@ class SecureAggregationConfig(Strict):
     sites' quantized updates (:mod:`fedpose.federation.secagg`). Every value here is public: it is
     sent to every site in the setup stage, and the site checks it before anything else.
 
-    Quantization: a site clips w·Δ (its declared aggregation weight times its privatized Δ,
-    flattened in the global model's parameter order) per coordinate to [−R, R], R =
-    ``clip_range`` × ``max_weight``, and rounds it stochastically to ``bits``-bit integers; the
+    Quantization: a site clips its privatized Δ (flattened in the global model's parameter order)
+    per coordinate to [−r, r] (r = ``clip_range``), multiplies it by its declared aggregation weight
+    w, clips w·Δ to [−R, R] (R = r·``max_weight``: a no-op unless w > W) and rounds it
+    stochastically to ``bits``-bit integers; the
     coordinator adds n ≤ ``max_sites`` of them modulo M = 2^``modulus_bits``. The sum never wraps
     because n_max · (2^bits − 1) < M (checked here). Error of the dequantized sum, per coordinate:
     < n · 2R / (2^bits − 1) (each site's stochastic rounding errs by less than one step)."""

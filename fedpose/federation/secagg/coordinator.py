@@ -57,6 +57,10 @@ class CoordinatorSecAggRound:
     sealed: dict[int, dict[int, bytes]] = field(default_factory=dict)  #: U2: src → dst → ciphertext
     masked: dict[int, np.ndarray] = field(default_factory=dict)  #: U3
     refusals: dict[int, protocol.SecAggRefusal] = field(default_factory=dict)
+    bytes: int = 0  #: stage messages both ways (setup, share keys, unmask), counted by the caller
+    abandoned: str = ""  #: why the round was abandoned ('' while it is not)
+    survivors: int = 0  #: sites whose vectors are in the unmasked sum
+    error_bound: float = 0.0  #: per-coordinate bound on the mean's quantization error (set by the caller)
 
     def __post_init__(self) -> None:
         self.participants = sorted(set(self.participants))

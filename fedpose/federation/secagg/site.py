@@ -153,16 +153,18 @@ class SiteSecAggSession:
         self._mask_with = sorted(sources)
         self._stage = "shares-received"
 
-    def mask(self, weighted_update: np.ndarray) -> np.ndarray:
-        """Quantize w·Δ (flattened, already checked by the site) and add the self mask and the
-        pairwise masks modulo M: the masked vector (uint64)."""
+    def mask(self, update: np.ndarray, weight: float = 1.0) -> np.ndarray:
+        """Clip Δ (flattened, already checked by the site) to [−r, r] per coordinate, weight it by the
+        site's declared w, quantize it (range W·r) and add the self mask and the pairwise masks
+        modulo M: the masked vector (uint64)."""
         if self._stage != "shares-received":
             self._refuse("out-of-order", f"masking while the session is at '{self._stage}'")
-        flat = np.asarray(weighted_update).reshape(-1)
+        flat = np.asarray(update, dtype=np.float64).reshape(-1)
         if flat.size != self.setup.vector_length:
             raise ValueError(f"secure aggregation: update has {flat.size} values, the round's vector {self.setup.vector_length}")
+        r = self.setup.clip_range
+        vector = self.quantizer.quantize(np.clip(flat, -r, r) * float(weight))  # w > W is clipped again to ±W·r
         m = self.setup.modulus_bits
-        vector = self.quantizer.quantize(flat)
         vector += crypto.mask(self._seed, flat.size, m)
         for peer in self._mask_with:
             pairwise = crypto.mask(self._mask_pair.agree(self._peers[peer].mask_key), flat.size, m)
