@@ -324,6 +324,10 @@ def _train_site_round(
                     site.site_id, round_id)
         _log_round(site, run_id, round_id, "refused", started, note="secure aggregation required")
         return SiteRoundResult(reply("refused", "secure-aggregation-required", True))
+    if (secagg is None) != (secagg_inbox is None):
+        # a secure round without its session (or shares): never fall back to sending Δ in the clear
+        _log_round(site, run_id, round_id, "refused", started, note="secure aggregation: no session or no shares for this round")
+        return SiteRoundResult(reply("refused", "secure-aggregation-refused", True))
     if secure:
         assert secagg is not None and secagg_inbox is not None
         try:

@@ -19,7 +19,9 @@ Checks a site makes that Flower's ``secaggplus_mod`` does not:
 from __future__ import annotations
 
 import logging
+
 import numpy as np
+from pydantic import BaseModel, ConfigDict
 
 from fedpose.federation import protocol
 from fedpose.federation.secagg import crypto
@@ -44,6 +46,24 @@ def threshold_for(sites: int) -> int:
 def quantizer_of(setup: protocol.SecAggSetup) -> Quantizer:
     """The round's encoding: range R = W·r on w·Δ."""
     return Quantizer(setup.clip_range * setup.max_weight, setup.bits, setup.modulus_bits, setup.max_sites)
+
+
+class SessionState(BaseModel):
+    """A session as the site keeps it between messages (Flower starts a ClientApp process per message:
+    the SuperNode holds this in its memory, ``context.state``, for the round). Site-internal: never sent."""
+
+    model_config = ConfigDict(extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
+
+    site_id: str
+    setup: protocol.SecAggSetup
+    stage: str
+    mask_private: bytes
+    share_private: bytes
+    peers: list[protocol.NodeKeys]
+    seed: bytes
+    seed_shares: dict[int, bytes]
+    key_shares: dict[int, bytes]
+    mask_with: list[int]
 
 
 class SiteSecAggSession:
@@ -79,6 +99,30 @@ class SiteSecAggSession:
     @property
     def node(self) -> int:
         return self.setup.node
+
+    @property
+    def stage(self) -> str:
+        return self._stage
+
+    def to_json(self) -> str:
+        """The session's state, secrets included (for the site's own memory between messages)."""
+        return SessionState(site_id=self.site_id, setup=self.setup, stage=self._stage,
+                            mask_private=self._mask_pair.private_bytes(), share_private=self._share_pair.private_bytes(),
+                            peers=list(self._peers.values()), seed=self._seed, seed_shares=self._seed_shares,
+                            key_shares=self._key_shares, mask_with=self._mask_with).model_dump_json()
+
+    @classmethod
+    def from_json(cls, raw: str) -> "SiteSecAggSession":
+        state = SessionState.model_validate_json(raw)
+        session = cls.__new__(cls)
+        session.site_id, session.setup, session._stage = state.site_id, state.setup, state.stage
+        session.quantizer = quantizer_of(state.setup)
+        session._mask_pair = crypto.key_pair_from_private(state.mask_private)
+        session._share_pair = crypto.key_pair_from_private(state.share_private)
+        session._peers = {entry.node: entry for entry in state.peers}
+        session._seed, session._seed_shares, session._key_shares = state.seed, dict(state.seed_shares), dict(state.key_shares)
+        session._mask_with = list(state.mask_with)
+        return session
 
     def _refuse(self, code: protocol.SecAggRefusalCode, detail: str) -> None:
         log.warning("site %s round %d: secure aggregation refused (%s): %s", self.site_id, self.setup.round, code, detail)
