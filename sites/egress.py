@@ -4,7 +4,7 @@ Only what the round protocol allows may leave (:mod:`fedpose.federation.protocol
 record holding one valid :class:`~fedpose.federation.protocol.SiteReply`, and — with status "ok"
 only — an ``update`` ArrayRecord whose arrays are named like the global model's parameters with
 the same shapes and dtypes. Under secure aggregation, a train reply carries the ``masked``
-ArrayRecord (one 1-D uint64 vector no longer than the global model) instead of ``update``, and a
+ArrayRecord (one 1-D uint32/uint64 vector no longer than the global model) instead of ``update``, and a
 stage reply exactly one ``secagg`` record holding the stage's answer to what was asked (public
 keys to a setup, encrypted shares to a key directory, the asked shares to an unmask request —
 never both shares of one node — or a refusal code). Anything else (an image, a per-sample gradient, an extra array or
@@ -99,8 +99,8 @@ def _masked_violations(incoming: Message, reply: Message, site_reply: protocol.S
         return problems + [f"record '{protocol.MASKED_RECORD}' must be an ArrayRecord of one array '{protocol.MASKED_KEY}'"]
     vector = masked[protocol.MASKED_KEY]
     limit = sum(int(np.prod(a.shape)) for a in incoming.content[protocol.GLOBAL_RECORD].values())
-    if len(vector.shape) != 1 or np.dtype(vector.dtype) != np.uint64 or vector.shape[0] > limit:
-        problems.append(f"the masked vector has shape {tuple(vector.shape)}/{vector.dtype}, expected 1-D uint64 of at most {limit}")
+    if len(vector.shape) != 1 or np.dtype(vector.dtype) not in (np.uint32, np.uint64) or vector.shape[0] > limit:
+        problems.append(f"the masked vector has shape {tuple(vector.shape)}/{vector.dtype}, expected 1-D uint32/uint64 of at most {limit}")
     return problems
 
 

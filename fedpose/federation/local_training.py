@@ -470,7 +470,9 @@ def _train_site_round(
         # never kept for a re-send (a replayed secure round sends nothing)
         flat = np.concatenate([np.asarray(a, dtype=np.float64).reshape(-1) for a in update.values()])
         masked = secagg.mask(flat, site.aggregation_weight)
-        _log_round(site, run_id, round_id, "ok", started, history=history, note=_with_capacity_warning("", engine),
+        # for the operator choosing clip_range (a statistic of Δ: local log only, never sent)
+        clipped = f"secure aggregation: {float(np.mean(np.abs(flat) > secagg.setup.clip_range)):.2%} of Δ's coordinates clipped to ±r"
+        _log_round(site, run_id, round_id, "ok", started, history=history, note=_with_capacity_warning(clipped, engine),
                    device=describe_device(device))
         return SiteRoundResult(reply("ok", None, affordable), update, masked=masked)
     if budget is not None:

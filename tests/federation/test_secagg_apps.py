@@ -99,9 +99,8 @@ def test_three_sites_through_the_client_app_one_dropping_after_masking(tmp_path:
     # what left the sites: stage records and masked vectors only, never an update
     assert all(protocol.UPDATE_RECORD not in m.content for m in masked_replies if m.has_content())
     trained = [m for m in masked_replies if m.has_content() and protocol.MASKED_RECORD in m.content]
-    assert len(trained) == 3 and all(m.content[protocol.MASKED_RECORD][protocol.MASKED_KEY].dtype == "uint64" or
-                                     np.dtype(m.content[protocol.MASKED_RECORD][protocol.MASKED_KEY].dtype) == np.uint64
-                                     for m in trained)
+    assert len(trained) == 3 and all(np.dtype(m.content[protocol.MASKED_RECORD][protocol.MASKED_KEY].dtype) == np.uint32
+                                     for m in trained)  # M = 2^32: no more bytes than a float32 Δ
     # the session stayed in the node's memory for the round only: the survivors' secrets are gone after unmasking
     for node in (1, 2):
         state = json.loads(contexts[node].state[SECAGG_STATE_RECORD]["session"])
@@ -210,8 +209,8 @@ def test_the_egress_guard_blocks_anything_else_in_a_stage(case: str, expected: s
 
 @pytest.mark.parametrize("case, expected", [
     ("the update in the clear", "record 'update'"),
-    ("a float vector", "expected 1-D uint64"),
-    ("a longer vector", "expected 1-D uint64 of at most 15"),
+    ("a float vector", "expected 1-D uint32/uint64"),
+    ("a longer vector", "of at most 15"),
     ("no vector with ok", "needs a masked record"),
 ])
 def test_the_egress_guard_blocks_anything_but_the_masked_vector_in_a_secure_round(case: str, expected: str) -> None:

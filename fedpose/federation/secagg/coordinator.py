@@ -25,7 +25,7 @@ import numpy as np
 from fedpose.federation import protocol
 from fedpose.federation.config import SecureAggregationConfig
 from fedpose.federation.secagg import crypto
-from fedpose.federation.secagg.quantization import WIRE_DTYPE, Quantizer
+from fedpose.federation.secagg.quantization import WIRE_DTYPE, Quantizer, wire_dtype
 from fedpose.federation.secagg.site import threshold_for
 
 
@@ -131,9 +131,9 @@ class CoordinatorSecAggRound:
     def receive_masked(self, vectors: Mapping[int, np.ndarray]) -> None:
         """The masked vectors that arrived (a wrong shape or dtype counts as no vector: a dropout)."""
         for node, vector in vectors.items():
-            if node in self.sealed and isinstance(vector, np.ndarray) and vector.dtype == WIRE_DTYPE \
+            if node in self.sealed and isinstance(vector, np.ndarray) and vector.dtype == wire_dtype(self.settings.modulus_bits) \
                     and vector.shape == (self.vector_length,) and (vector.size == 0 or int(vector.max()) < self.quantizer.modulus):
-                self.masked[node] = vector
+                self.masked[node] = vector.astype(WIRE_DTYPE)
         self._enough(len(self.masked), "masking")
 
     # -- stage 4 ---------------------------------------------------------------------------------------

@@ -25,8 +25,14 @@ import numpy as np
 
 from fedpose.privacy.csprng import AesCtrBytes
 
-#: integer dtype of quantized and masked vectors (M ≤ 2^62 fits; uint64 wrap-around is ≡ mod M)
+#: integer dtype the sums are computed in (M ≤ 2^62 fits; uint64 wrap-around is ≡ mod M)
 WIRE_DTYPE = np.uint64
+
+
+def wire_dtype(modulus_bits: int) -> type[np.unsignedinteger]:
+    """The masked vector's dtype on the wire: the narrowest that holds every residue mod 2^m
+    (uint32 for the default m = 32: no more bytes than a float32 Δ)."""
+    return np.uint32 if modulus_bits <= 32 else np.uint64
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 from fedpose.federation import protocol
 from fedpose.federation.secagg import crypto
-from fedpose.federation.secagg.quantization import WIRE_DTYPE, Quantizer
+from fedpose.federation.secagg.quantization import WIRE_DTYPE, Quantizer, wire_dtype
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class SiteSecAggSession:
     def mask(self, update: np.ndarray, weight: float = 1.0) -> np.ndarray:
         """Clip Δ (flattened, already checked by the site) to [−r, r] per coordinate, weight it by the
         site's declared w, quantize it (range W·r) and add the self mask and the pairwise masks
-        modulo M: the masked vector (uint64)."""
+        modulo M: the masked vector (uint32 for M ≤ 2^32, else uint64)."""
         if self._stage != "shares-received":
             self._refuse("out-of-order", f"masking while the session is at '{self._stage}'")
         flat = np.asarray(update, dtype=np.float64).reshape(-1)
@@ -218,7 +218,7 @@ class SiteSecAggSession:
                 vector -= pairwise  # uint64 wraps modulo 2^64, a multiple of M
         vector &= WIRE_DTYPE(2**m - 1)
         self._stage = "masked"
-        return vector
+        return vector.astype(wire_dtype(m))
 
     # -- stage 4 ---------------------------------------------------------------------------------------
     def unmask(self, request: protocol.SecAggUnmaskRequest) -> protocol.SecAggUnmaskShares:
