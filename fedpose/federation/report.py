@@ -73,6 +73,7 @@ class SecureAggregationRecord(BaseModel):
     #: per-coordinate bound on |aggregated Δ − FedAvg of the clipped Δ|: survivors · 2R/(2^bits − 1) / Σw
     error_bound: float | None = None
     stage_bytes: int = 0  #: setup, share-keys and unmask messages, both ways
+    mean_update_norm: float | None = None  #: ‖Σ w_i Δ_i / Σ w_i‖₂ of the unmasked sum (the only norm the coordinator sees)
 
 
 class RoundRecord(BaseModel):

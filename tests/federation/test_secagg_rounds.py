@@ -149,6 +149,8 @@ def test_the_secure_aggregate_is_plain_fedavg_within_the_stated_bound(tmp_path: 
     assert max(float(np.abs(applied[k] - plain_applied[k])[inside[k]].max()) for k in trainable) < _bound(nodes)
     (entry,) = load_history(tmp_path / "secure" / "coordinator")
     assert entry.aggregated and entry.secure_aggregation is not None and entry.secure_aggregation.survivors == 3
+    norm = np.sqrt(sum(float((expected[k] ** 2).sum()) for k in trainable))
+    assert entry.secure_aggregation.mean_update_norm == pytest.approx(norm, rel=1e-3)
     assert "secure aggregation: sum of 3 of 3 sites (t = 2" in lines[-1] == round_line(entry)
 
 

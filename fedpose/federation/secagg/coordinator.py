@@ -61,6 +61,7 @@ class CoordinatorSecAggRound:
     abandoned: str = ""  #: why the round was abandoned ('' while it is not)
     survivors: int = 0  #: sites whose vectors are in the unmasked sum
     error_bound: float = 0.0  #: per-coordinate bound on the mean's quantization error (set by the caller)
+    mean_norm: float | None = None  #: ‖mean update‖₂ after unmasking (set by the caller)
 
     def __post_init__(self) -> None:
         self.participants = sorted(set(self.participants))

@@ -412,6 +412,7 @@ class RoundRunner:
         slack = secure.error_bound * math.sqrt(result.total.size)
         bound = self.cfg.update_norm_bound + slack if self.cfg.update_norm_bound is not None else None
         check = validate_update("secure sum", mean, spec_of(mean), max_norm=bound)
+        secure.mean_norm = check.norm
         if not check.ok:
             secure.abandoned = f"the unmasked sum failed validation ({check.reason}: {check.detail})"
             for reply in survivors:
@@ -544,7 +545,8 @@ class RoundRunner:
             node_wait_seconds=self._node_wait_seconds,
             secure_aggregation=None if secure is None else SecureAggregationRecord(
                 participants=len(secure.participants), threshold=secure.threshold, survivors=secure.survivors,
-                abandoned=secure.abandoned, error_bound=None if secure.abandoned else secure.error_bound, stage_bytes=secure.bytes),
+                abandoned=secure.abandoned, error_bound=None if secure.abandoned else secure.error_bound, stage_bytes=secure.bytes,
+                mean_update_norm=secure.mean_norm),
         )
         self.history.append(entry)
         self._save_checkpoint()  # 2) optimizer, 3) model + state (commit point)
