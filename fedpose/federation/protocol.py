@@ -11,6 +11,11 @@ Site → coordinator — the reply, and nothing else ever leaves a site:
   ``update``        ArrayRecord: Δ = w_local − w_global of the trainable parameters (status "ok" only)
   ``reply``         ConfigRecord with one key, ``reply``: a :class:`SiteReply` as JSON
 
+Under secure aggregation (``coordinator.secure_aggregation``; the stage messages are at the end of
+this module) a train message also carries the ``secagg`` record (the site's share inbox) and its
+"ok" reply carries ``masked`` (the clipped, quantized, masked Δ) instead of ``update``; the setup,
+share-keys and unmask stages are ``query.secagg`` messages whose replies hold one ``secagg`` record.
+
 Every field of :class:`SiteReply` says in a comment why it may leave the site. The rule: Δ is
 the output of the privacy mechanism; everything else is a function of public values only (the
 site's declared σ, q, C, δ, ε_max and step counts, the coordinator's own instruction), so the
