@@ -405,6 +405,10 @@ class RoundRunner:
             site.status, site.reason, site.reject_reason = "rejected", reason, "secure_aggregation_dropped"
             entries.append(LedgerEntry.from_reply(round_id, reply, status="rejected", reason=reason))
         total_weight = sum(reply.aggregation_weight for reply in survivors)
+        heavy = sorted(r.site_id for r in survivors if r.aggregation_weight > self.cfg.secure_aggregation.max_weight)
+        if heavy:  # their w·Δ was clipped to ±W·r: the mean under-weights them
+            self.echo(f"round {round_id}: sites {heavy} declare aggregation weights above secure_aggregation.max_weight = "
+                      f"{self.cfg.secure_aggregation.max_weight:g}: their weighted updates were clipped; raise max_weight")
         mean = _unflatten(result.total / total_weight, {k: self.global_state[k] for k in self._trainable})
         secure.survivors, secure.error_bound = len(survivors), result.error_bound / total_weight
         # the sum is all the coordinator can check: finite, and within the norm bound (each site checked
