@@ -59,18 +59,41 @@ class GridTransport:
             if request.basis is not None:
                 content[protocol.BASIS_RECORD] = record(request.basis.arrays)
                 content[protocol.BASIS_CONFIG_RECORD] = ConfigRecord(dict(request.basis.config))
+            if request.secagg_inbox is not None:
+                content[protocol.SECAGG_RECORD] = ConfigRecord(protocol.encode_secagg(request.secagg_inbox))
             messages.append(Message(content, dst_node_id=request.node, message_type=protocol.MESSAGE_TYPE_TRAIN,
                                     group_id=str(request.instruction.round), ttl=timeout))
         return self._exchange(messages, timeout)
 
+    def secagg_exchange(self, messages: Mapping[int, protocol.SecAggRequest], timeout: float) -> dict[int, protocol.SecAggSiteMessage]:
+        """One secure-aggregation stage: a ``query.secagg`` message per node; the decoded answers by
+        node (an error reply, a malformed answer or no answer leaves the node out: a dropout)."""
+        out = [Message(RecordDict({protocol.SECAGG_RECORD: ConfigRecord(protocol.encode_secagg(message))}), dst_node_id=node,
+                       message_type=protocol.MESSAGE_TYPE_SECAGG, group_id=str(message.round), ttl=timeout)
+               for node, message in messages.items()]
+        answers: dict[int, protocol.SecAggSiteMessage] = {}
+        for node, reply, _ in self._collect(out, timeout):
+            if reply is None or reply.has_error():
+                continue
+            try:
+                answers[node] = protocol.decode_secagg_reply(dict(reply.content[protocol.SECAGG_RECORD]))
+            except (KeyError, protocol.ProtocolError):
+                continue
+        return answers
+
     def _exchange(self, messages: list[Message], timeout: float) -> list[NodeReply]:
+        return [NodeReply(node, failure=disconnected_reason(seconds)) if reply is None else node_reply(reply, node, seconds)
+                for node, reply, seconds in self._collect(messages, timeout)]
+
+    def _collect(self, messages: list[Message], timeout: float) -> list[tuple[int, Message | None, float]]:
         """Push the messages, then collect replies until each node has answered or left the
-        federation, or ``timeout`` has passed (a node that neither answered nor left: no NodeReply)."""
+        federation, or ``timeout`` has passed: (node, its reply or None if it left, seconds into the
+        exchange); a node that neither answered nor left is not listed."""
         started = time.monotonic()
         pushed = set(self.grid.push_messages(messages))
         deadline = time.monotonic() + timeout  # from the end of the push, as Flower's send_and_receive
         pending = {m.metadata.message_id: m.metadata.dst_node_id for m in messages if m.metadata.message_id in pushed}
-        replies: list[NodeReply] = []
+        replies: list[tuple[int, Message | None, float]] = []
         while pending:
             for reply in self.grid.pull_messages(list(pending)):
                 node = pending.pop(reply.metadata.reply_to_message_id, None)
@@ -78,14 +101,14 @@ class GridTransport:
                 if reply.has_error() and reply.error.code == ErrorCode.MESSAGE_UNAVAILABLE and seconds >= 0.99 * timeout:
                     continue  # its TTL (= the round timeout, from before the push) ran out: "no reply within the timeout"
                 if node is not None:  # by the message it answers: the SuperLink's error replies come from the SuperLink
-                    replies.append(node_reply(reply, node, seconds))
+                    replies.append((node, reply, seconds))
             if not pending:
                 break
             connected = set(self.grid.get_node_ids())
             for message_id, node in list(pending.items()):
                 if node not in connected:
                     del pending[message_id]
-                    replies.append(NodeReply(node, failure=disconnected_reason(time.monotonic() - started)))
+                    replies.append((node, None, time.monotonic() - started))
             if time.monotonic() >= deadline:
                 break
             time.sleep(REPLY_POLL_S)
@@ -107,6 +130,9 @@ def node_reply(reply: Message, node: int, seconds: float) -> NodeReply:
         site_reply = protocol.decode_reply(dict(reply.content[protocol.REPLY_RECORD]))
     except (KeyError, protocol.ProtocolError) as exc:
         return NodeReply(node, failure=f"malformed reply: {exc}")
+    masked = reply.content.get(protocol.MASKED_RECORD) if site_reply.carries_update else None
+    if masked is not None:  # secure aggregation: the masked vector instead of Δ
+        return NodeReply(node, site_reply, masked=lambda: masked[protocol.MASKED_KEY].numpy(), bytes_up=masked.count_bytes())
     record = reply.content.get(protocol.UPDATE_RECORD) if site_reply.carries_update else None
     if record is None:
         return NodeReply(node, site_reply)

@@ -7,7 +7,10 @@ Configured entirely by the SuperNode's node config (deployment)::
 or, under ``fedpose simulate``, by the federation TOML (site = ``sites[partition-id]``).
 All logic lives in :mod:`fedpose.federation.local_training`; this module only converts Flower
 records. Deployment starts a new ClientApp process per message, so nothing is kept in memory:
-the budget and the basis cache are on disk in the site's ``state_dir``.
+the budget and the basis cache are on disk in the site's ``state_dir``. The one exception is a
+secure-aggregation round's session (its key pairs, self-mask seed and the shares peers sent):
+it is kept in ``context.state`` — the SuperNode's memory, never the disk — from the setup to the
+unmask stage of that round, and replaced by the next round's.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from fedpose.config import ConfigError, load_config
 from fedpose.federation import protocol
 from fedpose.federation.config import FederationConfig, SiteConfig
 from fedpose.federation.local_training import run_site_round
+from fedpose.federation.secagg import site as secagg_site
 from fedpose.federation.site_budget import SITE_LOG_FILE
 from sites.egress import egress_guard
 
@@ -101,18 +105,63 @@ def _arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
     return {name: array.numpy() for name, array in record.items()}
 
 
+#: ``context.state`` record holding this round's secure-aggregation session (SuperNode memory only)
+SECAGG_STATE_RECORD = "fedpose-secagg"
+SECAGG_STATE_KEY = "session"
+
+
+def _load_session(context: Context) -> secagg_site.SiteSecAggSession | None:
+    record = context.state.get(SECAGG_STATE_RECORD) if SECAGG_STATE_RECORD in context.state else None
+    return secagg_site.SiteSecAggSession.from_json(str(record[SECAGG_STATE_KEY])) if record is not None else None
+
+
+def _keep_session(context: Context, session: secagg_site.SiteSecAggSession | None) -> None:
+    if session is None:
+        if SECAGG_STATE_RECORD in context.state:
+            del context.state[SECAGG_STATE_RECORD]
+        return
+    context.state[SECAGG_STATE_RECORD] = ConfigRecord({SECAGG_STATE_KEY: session.to_json()})
+
+
+def handle_secagg(msg: Message, context: Context, site: SiteConfig) -> Message:
+    """A secure-aggregation stage (setup, share keys, unmask): the session answers or refuses."""
+    request = protocol.decode_secagg_request(dict(msg.content[protocol.SECAGG_RECORD]))
+    if isinstance(request, protocol.SecAggShareInbox):
+        raise protocol.ProtocolError("a share inbox travels with the train message, not as a stage of its own")
+    if isinstance(request, protocol.SecAggSetup):
+        session, answer = secagg_site.start(site.site_id, request)  # a new round's session replaces the last one
+    else:
+        session = _load_session(context)
+        answer = secagg_site.answer(session, site.site_id, request)
+    _keep_session(context, session)
+    log.info("site %s round %d: secure aggregation %s → %s", site.site_id, request.round, request.kind, answer.kind)
+    return Message(RecordDict({protocol.SECAGG_RECORD: ConfigRecord(protocol.encode_secagg(answer))}), reply_to=msg)
+
+
 def handle_train(msg: Message, context: Context, site: SiteConfig) -> Message:
     instruction = protocol.decode_instruction(dict(msg.content[protocol.CONFIG_RECORD]))
     basis_message = None
     if protocol.BASIS_RECORD in msg.content:
         basis_message = (_arrays(msg.content[protocol.BASIS_RECORD]), dict(msg.content[protocol.BASIS_CONFIG_RECORD]))
+    inbox, session = None, None
+    if protocol.SECAGG_RECORD in msg.content or instruction.secure_aggregation:
+        if protocol.SECAGG_RECORD not in msg.content or not instruction.secure_aggregation:
+            raise protocol.ProtocolError("a secure-aggregation train message needs both the instruction's flag and the share inbox")
+        inbox = protocol.decode_secagg_request(dict(msg.content[protocol.SECAGG_RECORD]))
+        if not isinstance(inbox, protocol.SecAggShareInbox):
+            raise protocol.ProtocolError(f"the train message's '{protocol.SECAGG_RECORD}' record must be a share inbox")
+        session = _load_session(context)
     result = run_site_round(
         site, instruction.run_id, instruction.round, _arrays(msg.content[protocol.GLOBAL_RECORD]), instruction.model_spec,
         instruction.local_steps, basis_version=instruction.basis_version, basis_message=basis_message, threads=site.train.threads,
-        ledger_records=instruction.ledger_records,
+        ledger_records=instruction.ledger_records, secagg=session, secagg_inbox=inbox,
     )
+    if session is not None:
+        _keep_session(context, session)  # the shares it received and the stage it reached, for unmasking
     content = RecordDict({protocol.REPLY_RECORD: ConfigRecord(protocol.encode_reply(result.reply))})
-    if result.reply.carries_update:
+    if result.masked is not None:
+        content[protocol.MASKED_RECORD] = ArrayRecord({protocol.MASKED_KEY: Array(np.ascontiguousarray(result.masked))})
+    elif result.reply.carries_update:
         content[protocol.UPDATE_RECORD] = ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in result.update.items()})
     log.info("site %s round %d: %s (%s)", site.site_id, instruction.round, result.reply.status, result.reply.describe())
     return Message(content, reply_to=msg)
@@ -158,6 +207,12 @@ def build_client_app(federation_config: str | Path | None = None, outer_mods: Se
             return config_failure_reply(msg, context, exc, federation_config)
         with site_log(site):
             return handle_train(msg, context, site)
+
+    @client_app.query("secagg")
+    def secagg(msg: Message, context: Context) -> Message:
+        site = site_from_context(context, federation_config)  # a broken config: the guard sends its class name
+        with site_log(site):
+            return handle_secagg(msg, context, site)
 
     return client_app
 

@@ -3,7 +3,11 @@
 Only what the round protocol allows may leave (:mod:`fedpose.federation.protocol`): a ``reply``
 record holding one valid :class:`~fedpose.federation.protocol.SiteReply`, and — with status "ok"
 only — an ``update`` ArrayRecord whose arrays are named like the global model's parameters with
-the same shapes and dtypes. Anything else (an image, a per-sample gradient, an extra array or
+the same shapes and dtypes. Under secure aggregation, a train reply carries the ``masked``
+ArrayRecord (one 1-D uint32/uint64 vector no longer than the global model) instead of ``update``, and a
+stage reply exactly one ``secagg`` record holding the stage's answer to what was asked (public
+keys to a setup, encrypted shares to a key directory, the asked shares to an unmask request —
+never both shares of one node — or a refusal code). Anything else (an image, a per-sample gradient, an extra array or
 field, free text) is replaced by an error reply, so a bug elsewhere cannot leak it.
 
 Failures are sanitized here too: an exception raised by the ClientApp would otherwise reach the
@@ -21,6 +25,7 @@ import logging
 import os
 import traceback
 
+import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message
 from flwr.clientapp.typing import ClientAppCallable
 
@@ -52,10 +57,69 @@ def describe_outgoing(reply: Message) -> dict:
     return {"records": records}
 
 
+#: the answer kinds a site may give to each secure-aggregation request
+_SECAGG_ANSWERS = {"setup": "public-keys", "key-directory": "encrypted-shares", "unmask-request": "unmask-shares"}
+
+
+def secagg_violations(incoming: Message, reply: Message) -> list[str]:
+    """Why a secure-aggregation stage reply may not leave (empty list: it may)."""
+    problems = [f"record '{name}' is not part of a secure-aggregation stage reply" for name in reply.content
+                if name not in protocol.SITE_SECAGG_RECORDS]
+    record = reply.content.get(protocol.SECAGG_RECORD)
+    if not isinstance(record, ConfigRecord):
+        return problems + [f"record '{protocol.SECAGG_RECORD}' must be a ConfigRecord holding the stage's answer"]
+    try:
+        request = protocol.decode_secagg_request(dict(incoming.content[protocol.SECAGG_RECORD]))
+        answer = protocol.decode_secagg_reply(dict(record))
+    except (KeyError, protocol.ProtocolError) as exc:
+        return problems + [str(exc)]
+    if answer.kind != "refusal" and answer.kind != _SECAGG_ANSWERS.get(request.kind):
+        return problems + [f"a '{answer.kind}' answer to a '{request.kind}' request"]
+    if (answer.run_id, answer.round) != (request.run_id, request.round):
+        problems.append("the answer is for another run or round than the request")
+    if isinstance(answer, protocol.SecAggUnmaskShares) and isinstance(request, protocol.SecAggUnmaskRequest):
+        seeds, keys = {s.node for s in answer.seed_shares}, {s.node for s in answer.key_shares}
+        if seeds & keys:  # SecAgg's security rule, enforced again at the boundary
+            problems.append(f"both shares of nodes {sorted(seeds & keys)}")
+        if seeds != set(request.survivors) or keys != set(request.dropped):
+            problems.append("shares other than the ones asked for")
+    return problems
+
+
+def _masked_violations(incoming: Message, reply: Message, site_reply: protocol.SiteReply) -> list[str]:
+    """A secure-aggregation train reply: ``masked`` (status "ok" only), never ``update``."""
+    problems = [f"record '{name}' is not part of a secure-aggregation train reply" for name in reply.content
+                if name not in protocol.SITE_MASKED_REPLY_RECORDS]
+    masked = reply.content.get(protocol.MASKED_RECORD)
+    if site_reply.carries_update != (masked is not None):
+        problems.append(f"status '{site_reply.status}' {'needs' if site_reply.carries_update else 'forbids'} a masked record")
+    if masked is None:
+        return problems
+    if not isinstance(masked, ArrayRecord) or set(masked) != {protocol.MASKED_KEY}:
+        return problems + [f"record '{protocol.MASKED_RECORD}' must be an ArrayRecord of one array '{protocol.MASKED_KEY}'"]
+    vector = masked[protocol.MASKED_KEY]
+    limit = sum(int(np.prod(a.shape)) for a in incoming.content[protocol.GLOBAL_RECORD].values())
+    if len(vector.shape) != 1 or np.dtype(vector.dtype) not in (np.uint32, np.uint64) or vector.shape[0] > limit:
+        problems.append(f"the masked vector has shape {tuple(vector.shape)}/{vector.dtype}, expected 1-D uint32/uint64 of at most {limit}")
+    return problems
+
+
 def violations(incoming: Message, reply: Message) -> list[str]:
     """Why ``reply`` may not leave the site (empty list: it may)."""
     if reply.has_error():
         return [] if reply.error.code in (SITE_ERROR_CODE, EGRESS_ERROR_CODE) else ["error replies must come from the guard"]
+    if incoming.metadata.message_type == protocol.MESSAGE_TYPE_SECAGG:
+        return secagg_violations(incoming, reply)
+    secure = incoming.has_content() and protocol.SECAGG_RECORD in incoming.content
+    if secure:
+        record = reply.content.get(protocol.REPLY_RECORD)
+        try:
+            site_reply = protocol.decode_reply(dict(record)) if isinstance(record, ConfigRecord) else None
+        except protocol.ProtocolError as exc:
+            return [str(exc)]
+        if site_reply is None:
+            return [f"record '{protocol.REPLY_RECORD}' must be a ConfigRecord holding the site reply"]
+        return _masked_violations(incoming, reply, site_reply)
     problems = [f"record '{name}' is not part of the protocol" for name in reply.content if name not in protocol.SITE_REPLY_RECORDS]
     record = reply.content.get(protocol.REPLY_RECORD)
     if not isinstance(record, ConfigRecord):

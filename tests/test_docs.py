@@ -100,5 +100,9 @@ def test_library_never_imports_flower() -> None:
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
-            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "flwr"]
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "flwr"
+                          # the one crossing: secure aggregation's adapter to Flower's pure cryptography
+                          # (tests/test_layout.py names each import it may make, and why)
+                          and not (path.relative_to(ROOT).as_posix() == "fedpose/federation/secagg/crypto.py"
+                                   and n.startswith("flwr.common.secure_aggregation."))]
     assert not offenders, "fedpose/ must not import Flower (coordinator/ and sites/ are the Flower apps):\n" + "\n".join(offenders)

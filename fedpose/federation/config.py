@@ -117,6 +117,11 @@ class SiteConfig(Strict):
     aggregation_weight: float = Field(
         1.0, gt=0, description="declared FedAvg weight of this site's update (a public setting, never the dataset size)"
     )
+    require_secure_aggregation: bool = Field(
+        False,
+        description="refuse every round whose update would leave in the clear (a plain round is refused before any "
+        "data work or spend); the site then only trains in secure-aggregation rounds",
+    )
     max_basis_k: int = Field(
         128, ge=1,
         description="largest projection dimension k the site accepts in a coordinator's basis V (p × k floats in memory: "
@@ -175,6 +180,40 @@ class WeightEmaConfig(Strict):
         return self.decay > 0
 
 
+class SecureAggregationConfig(Strict):
+    """SecAgg+ (Bell et al. 2020) over the full graph: the coordinator learns only the sum of the
+    sites' quantized updates (:mod:`fedpose.federation.secagg`). Every value here is public: it is
+    sent to every site in the setup stage, and the site checks it before anything else.
+
+    Quantization: a site clips its privatized Δ (flattened in the global model's parameter order)
+    per coordinate to [−r, r] (r = ``clip_range``), multiplies it by its declared aggregation weight
+    w, clips w·Δ to [−R, R] (R = r·``max_weight``: a no-op unless w > W) and rounds it
+    stochastically to ``bits``-bit integers; the
+    coordinator adds n ≤ ``max_sites`` of them modulo M = 2^``modulus_bits``. The sum never wraps
+    because n_max · (2^bits − 1) < M (checked here). Error of the dequantized sum, per coordinate:
+    < n · 2R / (2^bits − 1) (each site's stochastic rounding errs by less than one step)."""
+
+    enabled: bool = Field(False, description="mask every site's update: the coordinator sees only the sum over the round's sites")
+    clip_range: float = Field(
+        0.05, gt=0,
+        description="r: each coordinate of a site's privatized Δ is clipped to [−r, r] before quantizing (public; "
+        "the site says so in its privacy report)",
+    )
+    max_weight: float = Field(1.0, gt=0, description="W: largest aggregation weight; w·Δ is clipped to [−W·r, W·r]")
+    bits: int = Field(16, ge=2, le=30, description="quantization levels per coordinate: 2^bits (stochastic rounding)")
+    modulus_bits: int = Field(32, ge=8, le=62, description="m: the masked sum is computed modulo M = 2^m")
+    max_sites: int = Field(64, ge=2, description="n_max: most sites in one secure sum (the no-overflow proof's n)")
+
+    @model_validator(mode="after")
+    def _no_overflow(self) -> "SecureAggregationConfig":
+        if self.max_sites * (2**self.bits - 1) >= 2**self.modulus_bits:
+            raise ValueError(
+                f"secure_aggregation: max_sites · (2^bits − 1) = {self.max_sites} · {2**self.bits - 1} = "
+                f"{self.max_sites * (2**self.bits - 1)} must be < 2^modulus_bits = {2**self.modulus_bits} "
+                "(else the masked sum could wrap): raise modulus_bits or lower bits / max_sites")
+        return self
+
+
 class CoordinatorConfig(Strict):
     """The coordinator (`coordinator/` ServerApp)."""
 
@@ -189,6 +228,8 @@ class CoordinatorConfig(Strict):
     aggregation: AggregationConfig = AggregationConfig()
     update_norm_bound: float | None = Field(None, gt=0, description="reject updates with ‖Δ‖₂ above this (None = no bound)")
     basis: BasisTransportConfig = BasisTransportConfig()
+    secure_aggregation: SecureAggregationConfig = Field(
+        SecureAggregationConfig(), description="SecAgg+: the coordinator sees only the sum of the sites' updates (off by default)")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus port (None = no server)")
     checkpoint_dir: Path = Field(Path("runs/federation/coordinator"), description="global model, server-optimizer state, ledger")
     ledger_db: Path | None = Field(None, description="SQLite budget ledger (default: <checkpoint_dir>/ledger.sqlite)")

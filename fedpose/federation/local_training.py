@@ -32,7 +32,17 @@ import numpy as np
 from fedpose.config import ModelSpec
 from fedpose.federation import site_audit, witness
 from fedpose.federation.config import SiteConfig
-from fedpose.federation.protocol import PrivacyReport, ReasonCode, ReplyStatus, SiteReply, SpendRecord, error_class_name
+from fedpose.federation.protocol import (
+    MASKED_KEY,
+    PrivacyReport,
+    ReasonCode,
+    ReplyStatus,
+    SecAggShareInbox,
+    SiteReply,
+    SpendRecord,
+    error_class_name,
+)
+from fedpose.federation.secagg.site import SecAggRefused, SiteSecAggSession
 from fedpose.federation.site_budget import GENESIS_FILE, BudgetExhausted, SiteBudget
 from fedpose.federation.site_pins import check_global_arrays, check_pinned_settings
 from fedpose.privacy.mechanisms import get_mechanism
@@ -51,6 +61,9 @@ class SiteRoundResult:
 
     reply: SiteReply
     update: dict[str, np.ndarray] = field(default_factory=dict)
+    #: secure aggregation, status "ok": the masked vector (uint64) that leaves instead of ``update``
+    #: (which then stays at the site: it is kept here for the caller's audit entry only)
+    masked: np.ndarray | None = None
 
 
 def site_protection_unit(site: SiteConfig) -> str:
@@ -203,14 +216,18 @@ def train_site_round(
     threads: int | None = None,
     engine_hook: Callable[[Any], None] | None = None,
     ledger_records: Sequence[SpendRecord] = (),
+    secagg: SiteSecAggSession | None = None,
+    secagg_inbox: SecAggShareInbox | None = None,
 ) -> SiteRoundResult:
     """:func:`_train_site_round`, its reply entered in the site's audit log before it is returned
     (:func:`~fedpose.federation.site_audit.record_reply`): a reply that cannot be logged raises, so
     its update is never sent."""
     result = _train_site_round(site, run_id, round_id, global_state, model_spec, local_steps, basis_version,
-                               basis_message, threads, engine_hook, ledger_records)
+                               basis_message, threads, engine_hook, ledger_records, secagg, secagg_inbox)
     asked = site_audit.instruction_of(local_steps, basis_version, model_spec, global_state, ledger_records, site.site_id)
-    site_audit.record_reply(site.state_dir, result.reply, result.update, asked)
+    # what left the site: Δ, or under secure aggregation the masked vector
+    released = {MASKED_KEY: result.masked} if result.masked is not None else result.update
+    site_audit.record_reply(site.state_dir, result.reply, released, asked)
     return result
 
 
@@ -240,6 +257,8 @@ def _train_site_round(
     threads: int | None = None,
     engine_hook: Callable[[Any], None] | None = None,
     ledger_records: Sequence[SpendRecord] = (),
+    secagg: SiteSecAggSession | None = None,
+    secagg_inbox: SecAggShareInbox | None = None,
 ) -> SiteRoundResult:
     """Guard the budget, run ``local_steps`` private steps from the global weights, return Δ.
 
@@ -262,6 +281,12 @@ def _train_site_round(
     spend durably, then trains — so a non-finite weight, a bad V or a corrupt image fails the
     round before anything is spent. Raises on operational failures (bad weights, unreadable data, a
     refused setting); :func:`run_site_round` turns those into a sanitized "error" reply.
+
+    ``secagg`` / ``secagg_inbox``: the round is a secure-aggregation round (its session, past the
+    share-keys stage, and the shares peers sent): the inbox is checked before anything else is read,
+    and Δ — checked by the site itself (finite, ‖Δ‖₂ within the round's bound) — leaves only clipped,
+    quantized and masked (``SiteRoundResult.masked``). Such a round's update is never kept for a
+    re-send. A site with ``require_secure_aggregation`` refuses any other round first of all.
     """
     import torch
 
@@ -280,6 +305,38 @@ def _train_site_round(
     device = resolve_device(site.train.device, f"site '{site.site_id}' train.device")
     budget = open_budget(site)
     mechanism = get_mechanism(site.privacy.mechanism)
+    secure = secagg is not None and secagg_inbox is not None
+    clip_range = secagg.setup.clip_range if secure and secagg is not None else None
+
+    def reply(status: ReplyStatus, reason: ReasonCode | None, affordable: bool,
+              extra_events: Sequence[tuple[float, float, int]] = ()) -> SiteReply:
+        privacy = privacy_report(site, budget, affordable, extra_events)
+        if clip_range is not None and status == "ok":
+            privacy = privacy.model_copy(update={"update_clip_range": clip_range})
+        return SiteReply(site_id=site.site_id, run_id=run_id, round=int(round_id), status=status, reason=reason,
+                         privacy=privacy, basis_version=cached_basis_version(site),
+                         local_steps=local_steps, aggregation_weight=site.aggregation_weight,
+                         spends=witness.spends_of_run(budget, run_id))
+
+    if site.require_secure_aggregation and not secure:
+        # before pins, witness, budget and data: a round whose Δ would leave in the clear costs nothing
+        log.warning("site %s round %d: refused a round without secure aggregation (require_secure_aggregation)",
+                    site.site_id, round_id)
+        _log_round(site, run_id, round_id, "refused", started, note="secure aggregation required")
+        return SiteRoundResult(reply("refused", "secure-aggregation-required", True))
+    if (secagg is None) != (secagg_inbox is None):
+        # a secure round without its session (or shares): never fall back to sending Δ in the clear
+        _log_round(site, run_id, round_id, "refused", started, note="secure aggregation: no session or no shares for this round")
+        return SiteRoundResult(reply("refused", "secure-aggregation-refused", True))
+    if secure:
+        assert secagg is not None and secagg_inbox is not None
+        try:
+            if (secagg.setup.run_id, secagg.setup.round) != (run_id, int(round_id)):
+                raise SecAggRefused("out-of-order", f"session of ({secagg.setup.run_id}, {secagg.setup.round})")
+            secagg.receive_shares(secagg_inbox)  # before any data work: forged or missing shares cost nothing
+        except SecAggRefused as refused:
+            _log_round(site, run_id, round_id, "refused", started, note=f"secure aggregation: {refused}")
+            return SiteRoundResult(reply("refused", "secure-aggregation-refused", True))
     # Before any data work or spend: what changes the guarantee's meaning is the site's, not the coordinator's.
     check_pinned_settings(site.state_dir, site.site_id, mechanism.guarantee.name, site.privacy, model_spec,
                           state_has_rounds=budget is not None and bool(budget.entries))
@@ -287,13 +344,6 @@ def _train_site_round(
         # σ calibration and the engine's report use the accountant the budget enforces (an existing
         # budget keeps its own, e.g. RDP), so a target ε means the same thing to both.
         site = site.model_copy(update={"privacy": site.privacy.model_copy(update={"accountant": budget.accountant_name})})
-
-    def reply(status: ReplyStatus, reason: ReasonCode | None, affordable: bool,
-              extra_events: Sequence[tuple[float, float, int]] = ()) -> SiteReply:
-        return SiteReply(site_id=site.site_id, run_id=run_id, round=int(round_id), status=status, reason=reason,
-                         privacy=privacy_report(site, budget, affordable, extra_events), basis_version=cached_basis_version(site),
-                         local_steps=local_steps, aggregation_weight=site.aggregation_weight,
-                         spends=witness.spends_of_run(budget, run_id))
 
     model: Any = None
     basis: np.ndarray | None = None
@@ -309,6 +359,10 @@ def _train_site_round(
                                for k in expected})
         model.to(device)
         model.train_mode()
+        if secure and secagg is not None and model.num_trainable() != secagg.setup.vector_length:
+            # before the spend: a secure sum of vectors of another length could not be unmasked
+            raise ValueError(f"site '{site.site_id}': the secure sum's vector has {secagg.setup.vector_length} values, "
+                             f"the model {model.num_trainable()} trainable parameters")
         # The coordinator serves one basis to the whole federation; a site whose mechanism does not
         # project (dpsgd, fdp, maskdp, none) has no use for it and ignores it.
         basis = _site_basis(site, model, basis_version, basis_message) if mechanism.projects else None
@@ -345,6 +399,11 @@ def _train_site_round(
             _log_round(site, run_id, round_id, "refused", started, note=refusal.reason)
             return SiteRoundResult(reply("refused", "budget-exhausted", False))
         affordable = bool(budget.planned_epsilon(sigma, rate, local_steps) <= budget.eps_max)
+        if auth.replayed and secure:
+            # Never a second masked release of one round: the sum of a second session over other
+            # sites, minus the first sum, would be one site's update.
+            _log_round(site, run_id, round_id, "replayed", started, note="secure aggregation: no re-send")
+            return SiteRoundResult(reply("replayed", "secure-aggregation-no-resend", affordable))
         if auth.replayed:
             # The round was already spent (a duplicated message, or a coordinator that resumed after
             # the site had trained). A fresh noisy update would be a second release of the round:
@@ -399,6 +458,25 @@ def _train_site_round(
                    device=describe_device(device))
         return SiteRoundResult(reply("failed", "training-diverged", affordable))
     update = {name: (p.detach() - start_weights[name]).cpu().numpy() for name, p in model.trainable_parameters().items()}
+    if secure:
+        assert secagg is not None
+        # The coordinator cannot check a masked Δ: the site checks its own, as the coordinator would a clear one.
+        from fedpose.federation.validation import update_norm
+
+        bound = secagg.setup.update_norm_bound
+        if not all(np.isfinite(a).all() for a in update.values()) or (bound is not None and update_norm(update) > bound):
+            _log_round(site, run_id, round_id, "failed", started, note="secure aggregation: update failed the site's check",
+                       device=describe_device(device))
+            return SiteRoundResult(reply("failed", "update-out-of-bounds", affordable))
+        # flattened in the global model's parameter order, weighted by the site's declared weight;
+        # never kept for a re-send (a replayed secure round sends nothing)
+        flat = np.concatenate([np.asarray(a, dtype=np.float64).reshape(-1) for a in update.values()])
+        masked = secagg.mask(flat, site.aggregation_weight)
+        # for the operator choosing clip_range (a statistic of Δ: local log only, never sent)
+        clipped = f"secure aggregation: {float(np.mean(np.abs(flat) > secagg.setup.clip_range)):.2%} of Δ's coordinates clipped to ±r"
+        _log_round(site, run_id, round_id, "ok", started, history=history, note=_with_capacity_warning(clipped, engine),
+                   device=describe_device(device))
+        return SiteRoundResult(reply("ok", None, affordable), update, masked=masked)
     if budget is not None:
         _save_released(site, run_id, round_id, update)
     _log_round(site, run_id, round_id, "ok", started, history=history, note=_with_capacity_warning("", engine),

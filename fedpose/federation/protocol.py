@@ -11,6 +11,11 @@ Site → coordinator — the reply, and nothing else ever leaves a site:
   ``update``        ArrayRecord: Δ = w_local − w_global of the trainable parameters (status "ok" only)
   ``reply``         ConfigRecord with one key, ``reply``: a :class:`SiteReply` as JSON
 
+Under secure aggregation (``coordinator.secure_aggregation``; the stage messages are at the end of
+this module) a train message also carries the ``secagg`` record (the site's share inbox) and its
+"ok" reply carries ``masked`` (the clipped, quantized, masked Δ) instead of ``update``; the setup,
+share-keys and unmask stages are ``query.secagg`` messages whose replies hold one ``secagg`` record.
+
 Every field of :class:`SiteReply` says in a comment why it may leave the site. The rule: Δ is
 the output of the privacy mechanism; everything else is a function of public values only (the
 site's declared σ, q, C, δ, ε_max and step counts, the coordinator's own instruction), so the
@@ -59,7 +64,8 @@ ReplyStatus = Literal["ok", "refused", "replayed", "failed", "error"]
 #: Why a reply carries no fresh update. Fixed codes with fixed texts: a free-form reason could
 #: carry a private value (a loss, a path, a record id) past the egress guard.
 ReasonCode = Literal["budget-exhausted", "behind-federation-record", "resent-earlier-release", "no-earlier-release",
-                     "training-diverged", "site-error"]
+                     "training-diverged", "site-error", "secure-aggregation-required", "secure-aggregation-refused",
+                     "secure-aggregation-no-resend", "update-out-of-bounds"]
 REASON_TEXT: dict[str, str] = {
     "budget-exhausted": "the site's planned steps would pass its ε_max; nothing was spent",
     "behind-federation-record": ("the site's budget state lacks spends the coordinator's ledger has on record for it "
@@ -69,6 +75,14 @@ REASON_TEXT: dict[str, str] = {
     "no-earlier-release": "round already spent and no released update is kept; no second release",
     "training-diverged": "local training diverged (non-finite weights); the spend is recorded, nothing released",
     "site-error": "the site's ClientApp failed; details are in the site's local log",
+    "secure-aggregation-required": "the site requires secure aggregation and this round would send its update in the "
+                                   "clear; it refused before any data work, nothing was spent",
+    "secure-aggregation-refused": "the site refused the round's secure-aggregation messages (shares missing, forged or "
+                                  "out of order) before any data work; nothing was spent",
+    "secure-aggregation-no-resend": "round already spent under secure aggregation; its update is never sent again (two "
+                                    "sums over different sites would reveal one site's update)",
+    "update-out-of-bounds": "the site's own check of its update failed (‖Δ‖₂ above the round's bound); the spend is "
+                            "recorded, nothing released",
 }
 
 #: Python identifier: the only shape an error class name may take on the wire
@@ -115,6 +129,9 @@ class PrivacyReport(_Wire):
     orders: list[float]  #: RDP orders (accountant constants)
     rdp: list[float]  #: cumulative RDP per order: a function of (σ, q, steps) only
     next_round_affordable: bool  #: would one more identical round fit ε_max (same public inputs)
+    #: secure aggregation only: r, the public per-coordinate range [−r, r] the site clipped its privatized Δ
+    #: to before quantizing (post-processing of Δ: the guarantee is unchanged); None: Δ was not clipped
+    update_clip_range: float | None = None
 
     @model_validator(mode="after")
     def _curve(self) -> "PrivacyReport":
@@ -163,8 +180,11 @@ class SiteReply(_Wire):
                 raise ValueError(f"error_class is only sent with status 'error', not {self.status!r}")
             if self.privacy is None:
                 raise ValueError(f"a {self.status!r} reply must carry the site's privacy report")
-        expected = {"ok": (None, "resent-earlier-release"), "refused": ("budget-exhausted", "behind-federation-record"),
-                    "replayed": ("no-earlier-release",), "failed": ("training-diverged",), "error": ("site-error",)}
+        expected = {"ok": (None, "resent-earlier-release"),
+                    "refused": ("budget-exhausted", "behind-federation-record", "secure-aggregation-required",
+                                "secure-aggregation-refused"),
+                    "replayed": ("no-earlier-release", "secure-aggregation-no-resend"),
+                    "failed": ("training-diverged", "update-out-of-bounds"), "error": ("site-error",)}
         if self.reason not in expected[self.status]:
             raise ValueError(f"reason {self.reason!r} does not fit status {self.status!r}")
         return self
@@ -236,6 +256,10 @@ class TrainInstruction(_Wire):
     #: nothing on record. Cannot change what a guarantee means or costs (see :class:`SpendRecord`);
     #: what a site may learn from it is which sites the ledger knows and their declared σ, q and steps.
     ledger_records: list[SpendRecord] = Field(default_factory=list)
+    #: the update goes into a secure sum (its share inbox travels in the ``secagg`` record): the site
+    #: clips, quantizes and masks Δ instead of sending it. Cannot change what the guarantee means or
+    #: costs (Δ is post-processed either way); a site that requires it refuses a round without it
+    secure_aggregation: bool = False
 
 
 def encode_instruction(instruction: TrainInstruction) -> dict[str, str]:
@@ -252,3 +276,209 @@ def decode_instruction(record: Mapping[str, Any]) -> TrainInstruction:
         return TrainInstruction.model_validate_json(raw)
     except ValidationError as exc:
         raise ProtocolError(f"malformed train instruction: {_problems(exc)}") from None
+
+
+# -- secure aggregation (SecAgg+ over the full graph: fedpose.federation.secagg) ---------------------
+# Four stages per round, each one message each way. Coordinator → site in a ``secagg`` ConfigRecord
+# (one JSON key, ``secagg``); site → coordinator likewise, plus the masked vector in the ``masked``
+# ArrayRecord in the masked-vector stage (with the usual ``reply`` record: the privacy report still
+# travels in the clear). What a site sends, and why it may: public keys (fresh per round, random, no
+# data), Shamir shares of its two round secrets encrypted for one peer each (the coordinator cannot
+# read them), the masked vector (uniform modulo M to anyone lacking the masks: it reveals nothing
+# alone), and in unmasking the shares the coordinator asked for — never both of one peer's
+# (the site's security rule). A refusal carries a fixed code. No stage message holds data statistics.
+SECAGG_RECORD = "secagg"
+SECAGG_KEY = "secagg"
+MASKED_RECORD = "masked"
+MASKED_KEY = "vector"
+MESSAGE_TYPE_SECAGG = "query.secagg"
+#: record names a site may send in the secure-aggregation stages (setup, share keys, unmask)
+SITE_SECAGG_RECORDS = frozenset({SECAGG_RECORD})
+#: record names a site may send in the masked-vector stage (an "ok" reply carries ``masked``, never ``update``)
+SITE_MASKED_REPLY_RECORDS = frozenset({MASKED_RECORD, REPLY_RECORD})
+
+SecAggRefusalCode = Literal["settings-refused", "out-of-order", "inconsistent-keys", "inconsistent-shares",
+                            "both-shares-of-one-peer", "unknown-node", "own-key-share", "below-threshold"]
+SECAGG_REFUSAL_TEXT: dict[str, str] = {
+    "settings-refused": "the site refused the round's secure-aggregation settings (threshold ≤ n/2, overflow, "
+                        "fewer than 2 sites, or a vector length unlike the model's)",
+    "out-of-order": "a stage message arrived out of order, for another round, or after the round's unmasking",
+    "inconsistent-keys": "the key directory lacks the site's own keys, repeats a key, names nodes outside the round, "
+                         "or has fewer entries than the threshold",
+    "inconsistent-shares": "a share did not decrypt, was not from its claimed peer or not for this site, or too few arrived",
+    "both-shares-of-one-peer": "asked for both the mask-seed share and the secret-key share of one peer (SecAgg's "
+                               "security rule: that would unmask the peer's individual update)",
+    "unknown-node": "asked for shares of a node that was not in the round",
+    "own-key-share": "listed the site itself as dropped (its secret-key share would unmask its own update)",
+    "below-threshold": "fewer surviving sites than the threshold: unmasking would reveal too little to hide",
+}
+
+
+class _BytesWire(_Wire):
+    model_config = ConfigDict(extra="forbid", frozen=True, ser_json_bytes="base64", val_json_bytes="base64")
+
+
+class SecAggSetup(_Wire):
+    """Stage 1, coordinator → site: who is in the round and the public settings of the secure sum.
+
+    Every value is public (the coordinator's config and its choice of sites). The site checks them
+    before making keys: threshold > n/2, n ≥ 2, n·(2^bits − 1) < M, the vector length its model has."""
+
+    kind: Literal["setup"] = "setup"
+    run_id: str
+    round: int = Field(ge=1)
+    node: int = Field(ge=0)  #: the receiving site's node id in this round (its index in shares and masks)
+    participants: list[int] = Field(min_length=1)  #: every node asked to join, sorted
+    threshold: int = Field(ge=1)  #: t: shares needed to reconstruct a secret; at most n − t dropouts are recovered
+    clip_range: float = Field(gt=0)  #: r (per coordinate, on Δ)
+    max_weight: float = Field(gt=0)  #: W: w·Δ is clipped to [−W·r, W·r]
+    bits: int = Field(ge=2, le=30)
+    modulus_bits: int = Field(ge=8, le=62)
+    max_sites: int = Field(ge=2)
+    vector_length: int = Field(ge=1)  #: number of trainable parameters (Δ flattened in the model's order)
+    update_norm_bound: float | None = Field(None, gt=0)  #: the site checks ‖Δ‖₂ ≤ this before masking
+
+    @model_validator(mode="after")
+    def _shape(self) -> "SecAggSetup":
+        if self.participants != sorted(set(self.participants)) or self.node not in self.participants:
+            raise ValueError("participants must be sorted, unique, and include the receiving node")
+        if self.threshold > len(self.participants):
+            raise ValueError(f"threshold {self.threshold} exceeds the {len(self.participants)} participants")
+        return self
+
+
+class SecAggPublicKeys(_BytesWire):
+    """Stage 1, site → coordinator: two fresh P-384 public keys (PEM), made for this round only.
+
+    Why they may leave: random values independent of any data; the secret halves never leave."""
+
+    kind: Literal["public-keys"] = "public-keys"
+    site_id: str = Field(pattern=SITE_ID_PATTERN)
+    run_id: str
+    round: int = Field(ge=1)
+    mask_key: bytes = Field(max_length=1024)  #: c^PK: pairwise masks are derived from it (ECDH)
+    share_key: bytes = Field(max_length=1024)  #: s^PK: shares for this site are encrypted to it
+
+
+class NodeKeys(_BytesWire):
+    node: int = Field(ge=0)
+    mask_key: bytes = Field(max_length=1024)
+    share_key: bytes = Field(max_length=1024)
+
+
+class SecAggKeyDirectory(_BytesWire):
+    """Stage 2, coordinator → site: the public keys of every site that answered the setup."""
+
+    kind: Literal["key-directory"] = "key-directory"
+    run_id: str
+    round: int = Field(ge=1)
+    keys: list[NodeKeys]
+
+
+class EncryptedShare(_BytesWire):
+    peer: int = Field(ge=0)  #: the destination (site → coordinator) or the source (coordinator → site)
+    ciphertext: bytes = Field(max_length=16384)  #: Fernet token of src ‖ dst ‖ seed share ‖ key share
+
+
+class SecAggEncryptedShares(_BytesWire):
+    """Stage 2, site → coordinator: for each peer, its shares of this site's two round secrets
+    (the self-mask seed and the pairwise-mask secret key), encrypted and authenticated for that
+    peer. Why they may leave: the coordinator cannot decrypt them, and a share below the threshold
+    reveals nothing of its secret (Shamir); the secrets are random, made for this round."""
+
+    kind: Literal["encrypted-shares"] = "encrypted-shares"
+    site_id: str = Field(pattern=SITE_ID_PATTERN)
+    run_id: str
+    round: int = Field(ge=1)
+    shares: list[EncryptedShare]
+
+
+class SecAggShareInbox(_BytesWire):
+    """Stage 3, coordinator → site (with the train instruction): the shares peers encrypted for it."""
+
+    kind: Literal["share-inbox"] = "share-inbox"
+    run_id: str
+    round: int = Field(ge=1)
+    shares: list[EncryptedShare]
+
+
+class SecAggUnmaskRequest(_Wire):
+    """Stage 4, coordinator → site: which sites' masked vectors arrived (survivors: their seed
+    shares are needed) and which did not (dropped after sharing keys: their key shares are needed)."""
+
+    kind: Literal["unmask-request"] = "unmask-request"
+    run_id: str
+    round: int = Field(ge=1)
+    survivors: list[int]
+    dropped: list[int]
+
+
+class NodeShare(_BytesWire):
+    node: int = Field(ge=0)
+    share: bytes = Field(max_length=4096)
+
+
+class SecAggUnmaskShares(_BytesWire):
+    """Stage 4, site → coordinator: the asked shares — seed shares of survivors, key shares of the
+    dropped — never both for one node. Why they may leave: each reconstructs a random round secret
+    whose only use is removing a mask the protocol means to remove (a survivor's self mask, a
+    dropped site's pairwise masks); together they reveal only the sum of the survivors' vectors."""
+
+    kind: Literal["unmask-shares"] = "unmask-shares"
+    site_id: str = Field(pattern=SITE_ID_PATTERN)
+    run_id: str
+    round: int = Field(ge=1)
+    seed_shares: list[NodeShare]
+    key_shares: list[NodeShare]
+
+
+class SecAggRefusal(_Wire):
+    """A site's refusal of a stage request: a fixed code (details stay in its local log)."""
+
+    kind: Literal["refusal"] = "refusal"
+    site_id: str = Field(pattern=SITE_ID_PATTERN)
+    run_id: str
+    round: int = Field(ge=0)
+    reason: SecAggRefusalCode
+
+    def describe(self) -> str:
+        return SECAGG_REFUSAL_TEXT[self.reason]
+
+
+SecAggRequest = SecAggSetup | SecAggKeyDirectory | SecAggUnmaskRequest
+SecAggSiteMessage = SecAggPublicKeys | SecAggEncryptedShares | SecAggUnmaskShares | SecAggRefusal
+
+
+class _CoordinatorEnvelope(_BytesWire):
+    message: SecAggSetup | SecAggKeyDirectory | SecAggShareInbox | SecAggUnmaskRequest = Field(discriminator="kind")
+
+
+class _SiteEnvelope(_BytesWire):
+    message: SecAggPublicKeys | SecAggEncryptedShares | SecAggUnmaskShares | SecAggRefusal = Field(discriminator="kind")
+
+
+def encode_secagg(message: SecAggRequest | SecAggShareInbox | SecAggSiteMessage) -> dict[str, str]:
+    """The ``secagg`` ConfigRecord's content (either direction)."""
+    envelope = (_SiteEnvelope if isinstance(message, (SecAggPublicKeys, SecAggEncryptedShares, SecAggUnmaskShares, SecAggRefusal))
+                else _CoordinatorEnvelope)(message=message)  # type: ignore[arg-type]
+    return {SECAGG_KEY: envelope.model_dump_json()}
+
+
+def _decode_secagg(record: Mapping[str, Any], envelope: type[_BytesWire], what: str) -> Any:
+    keys = set(record)
+    if keys != {SECAGG_KEY} or not isinstance(record[SECAGG_KEY], str):
+        raise ProtocolError(f"{what}: the '{SECAGG_RECORD}' record must hold exactly one JSON string under '{SECAGG_KEY}', got {sorted(keys)}")
+    try:
+        return envelope.model_validate_json(record[SECAGG_KEY]).message  # type: ignore[attr-defined]
+    except ValidationError as exc:
+        raise ProtocolError(f"malformed {what}: {_problems(exc)}") from None
+
+
+def decode_secagg_request(record: Mapping[str, Any]) -> SecAggSetup | SecAggKeyDirectory | SecAggShareInbox | SecAggUnmaskRequest:
+    """A coordinator's secure-aggregation message; :class:`ProtocolError` names what is wrong."""
+    return _decode_secagg(record, _CoordinatorEnvelope, "secure-aggregation request")
+
+
+def decode_secagg_reply(record: Mapping[str, Any]) -> SecAggSiteMessage:
+    """A site's secure-aggregation message; :class:`ProtocolError` names what is wrong."""
+    return _decode_secagg(record, _SiteEnvelope, "secure-aggregation reply")

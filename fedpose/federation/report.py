@@ -61,6 +61,21 @@ class SiteRoundRecord(BaseModel):
     bytes_up: int = 0
 
 
+class SecureAggregationRecord(BaseModel):
+    """How a round's secure sum went (None in rounds without secure aggregation)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    participants: int  #: n: sites asked to join
+    threshold: int  #: t = ⌊n/2⌋ + 1
+    survivors: int = 0  #: sites whose masked vectors are in the unmasked sum
+    abandoned: str = ""  #: why nothing was aggregated ('' when the sum was unmasked and used)
+    #: per-coordinate bound on |aggregated Δ − FedAvg of the clipped Δ|: survivors · 2R/(2^bits − 1) / Σw
+    error_bound: float | None = None
+    stage_bytes: int = 0  #: setup, share-keys and unmask messages, both ways
+    mean_update_norm: float | None = None  #: ‖Σ w_i Δ_i / Σ w_i‖₂ of the unmasked sum (the only norm the coordinator sees)
+
+
 class RoundRecord(BaseModel):
     """One finished round, as history.json and report.json list it."""
 
@@ -82,6 +97,7 @@ class RoundRecord(BaseModel):
     basis_transport: str = "full"
     unidentified_missing_nodes: list[int] = []  #: selected nodes that failed before naming their site
     node_wait_seconds: float = 0.0
+    secure_aggregation: SecureAggregationRecord | None = None
 
 
 def _rounds(raw: Any, path: Path) -> list[RoundRecord]:
@@ -201,6 +217,11 @@ def round_line(entry: RoundRecord) -> str:
         parts.append(f"{site_id}: not asked (its budget is exhausted)")
     for node in entry.unidentified_missing_nodes:
         parts.append(f"node {node}: missing (failed before naming its site)")
+    secure = entry.secure_aggregation
+    if secure is not None:
+        parts.append(f"secure aggregation: abandoned ({secure.abandoned})" if secure.abandoned else
+                     f"secure aggregation: sum of {secure.survivors} of {secure.participants} sites (t = {secure.threshold}, "
+                     f"quantization error ≤ {secure.error_bound:.2g} per coordinate)")
     parts.append(f"{entry.wall_seconds:.1f} s")
     return " | ".join(parts)
 

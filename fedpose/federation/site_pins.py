@@ -89,6 +89,42 @@ INSTRUCTION_FIELDS: dict[str, FieldRule] = {
         "the ledger's record of the site's earlier spends (fedpose.federation.witness): the site composes the "
         "larger of its own events and the record, so a record can only raise its ε (a refusal: denial of "
         "service), never lower it, and never changes σ, q, C or what a unit is"),
+    "secure_aggregation": FieldRule(
+        "cannot change the guarantee",
+        "whether Δ is masked into a secure sum (fedpose.federation.secagg) instead of sent: clipping, quantizing "
+        "and masking are post-processing of the privatized Δ, and the budget composes the same steps either way; "
+        "a site with require_secure_aggregation refuses a round without it before any data work"),
+}
+
+#: Every field of :class:`~fedpose.federation.protocol.SecAggSetup` (the secure sum's settings a coordinator
+#: sends in the setup stage). None changes the guarantee (all act on the already privatized Δ); the ones
+#: that decide whether the secure sum hides anything the site checks itself (fedpose.federation.secagg.site).
+SECAGG_SETUP_FIELDS: dict[str, FieldRule] = {
+    "kind": FieldRule("cannot change the guarantee", "the message's type tag (always 'setup')"),
+    "run_id": FieldRule("cannot change the guarantee", "checked equal to the train instruction's (one session per round)"),
+    "round": FieldRule("cannot change the guarantee", "checked equal to the train instruction's, as run_id"),
+    "node": FieldRule("cannot change the guarantee", "the site's index in shares and masks; checked to be among the participants"),
+    "participants": FieldRule(
+        "cannot change the guarantee",
+        "who shares masks with the site; the site refuses fewer than 2 (a sum of one is its update) and more than max_sites"),
+    "threshold": FieldRule(
+        "cannot change the guarantee",
+        "t: the site refuses t ≤ n/2, the threshold below which a coordinator showing two views of who dropped "
+        "could collect both secrets of one site and unmask its update"),
+    "clip_range": FieldRule(
+        "cannot change the guarantee",
+        "r: Δ's coordinates are clipped to [−r, r] after privatization (post-processing; it can only bias the sum)"),
+    "max_weight": FieldRule("cannot change the guarantee", "W: the range W·r of w·Δ (post-processing, as clip_range)"),
+    "bits": FieldRule("cannot change the guarantee", "quantization levels: rounding a privatized Δ is post-processing"),
+    "modulus_bits": FieldRule(
+        "cannot change the guarantee",
+        "M = 2^m: the site refuses one the sum of max_sites vectors could wrap (n_max·(2^bits − 1) ≥ M)"),
+    "max_sites": FieldRule("cannot change the guarantee", "n_max of the overflow check; the site refuses more participants"),
+    "vector_length": FieldRule("cannot change the guarantee", "checked equal to the number of the model's trainable parameters"),
+    "update_norm_bound": FieldRule(
+        "cannot change the guarantee",
+        "the site checks ‖Δ‖₂ against it before masking, as the coordinator would on a clear Δ; a failed check "
+        "releases nothing (the spend is recorded)"),
 }
 
 #: Every field of :class:`~fedpose.config.ModelSpec` (the model the coordinator asks the site to train).

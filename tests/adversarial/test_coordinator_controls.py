@@ -20,11 +20,12 @@ from fedpose.config import ConfigError, ModelSpec, validate
 from fedpose.federation import basis_transport as bt
 from fedpose.federation.config import SiteConfig
 from fedpose.federation.local_training import cached_basis_version, open_budget, run_site_round, train_site_round
-from fedpose.federation.protocol import TrainInstruction
+from fedpose.federation.protocol import SecAggSetup, TrainInstruction
 from fedpose.federation.site_pins import (
     INSTRUCTION_FIELDS,
     MODEL_SPEC_FIELDS,
     PINS_FILE,
+    SECAGG_SETUP_FIELDS,
     SITE_CONFIG_PINS,
     BasisRejected,
     GlobalModelRejected,
@@ -89,8 +90,9 @@ def test_every_instruction_and_model_spec_field_is_classified() -> None:
     it changes what a guarantee means (pinned) or cannot, and why."""
     assert set(INSTRUCTION_FIELDS) == set(TrainInstruction.model_fields)
     assert set(MODEL_SPEC_FIELDS) == set(ModelSpec.model_fields)
+    assert set(SECAGG_SETUP_FIELDS) == set(SecAggSetup.model_fields)  # the secure sum's settings, sent in its setup
     guarantees = {"DP", "FDP", "MaskDP"}
-    for name, rule in {**INSTRUCTION_FIELDS, **MODEL_SPEC_FIELDS, **SITE_CONFIG_PINS}.items():
+    for name, rule in {**INSTRUCTION_FIELDS, **MODEL_SPEC_FIELDS, **SITE_CONFIG_PINS, **SECAGG_SETUP_FIELDS}.items():
         assert len(rule.why) > 20, name
         assert (rule.kind == "site-pinned") == bool(rule.pinned_for), name
         assert rule.pinned_for <= guarantees, name

@@ -24,7 +24,7 @@ import os
 import random
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,6 +48,7 @@ from fedpose.federation.ledger import BudgetLedger, LedgerEntry, LedgerError
 from fedpose.federation.metrics import CoordinatorMetrics
 from fedpose.federation.report import (
     RoundRecord,
+    SecureAggregationRecord,
     SiteRoundRecord,
     finished_run_note,
     load_history,
@@ -56,6 +57,8 @@ from fedpose.federation.report import (
     write_report,
 )
 from fedpose.federation.global_model import GLOBAL_CHECKPOINT
+from fedpose.federation.secagg.coordinator import CoordinatorSecAggRound, RoundAbandoned
+from fedpose.federation.validation import spec_of, validate_update
 from fedpose.federation.weight_ema import EMA_CHECKPOINT, WeightEma
 from fedpose.federation.server.basis_service import NO_BASIS, BasisService
 
@@ -77,10 +80,13 @@ class TrainRequest:
     instruction: protocol.TrainInstruction
     global_arrays: Mapping[str, np.ndarray]
     basis: BasisMessage | None = None
+    #: secure aggregation: the shares peers encrypted for this node (the masked-vector stage)
+    secagg_inbox: protocol.SecAggShareInbox | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.global_arrays.values()) + (self.basis.nbytes if self.basis is not None else 0)
+        inbox = len(self.secagg_inbox.model_dump_json()) if self.secagg_inbox is not None else 0
+        return sum(a.nbytes for a in self.global_arrays.values()) + (self.basis.nbytes if self.basis is not None else 0) + inbox
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,8 @@ class NodeReply:
     node: int
     reply: protocol.SiteReply | None = None
     update: Callable[[], dict[str, np.ndarray]] | None = None  #: decodes Δ when called (one in memory at a time)
+    #: secure aggregation: decodes the masked vector (uint64) when called; ``update`` is then None
+    masked: Callable[[], np.ndarray] | None = None
     bytes_up: int = 0
     failure: str = ""  #: set when ``reply`` is None: a transport error or a malformed reply
 
@@ -100,6 +108,10 @@ class Transport(Protocol):
 
     def send_and_receive(self, requests: list[TrainRequest], timeout: float) -> list[NodeReply]:
         """Send every request; return the replies that arrived within ``timeout`` (any order)."""
+
+    def secagg_exchange(self, messages: Mapping[int, protocol.SecAggRequest], timeout: float) -> dict[int, protocol.SecAggSiteMessage]:
+        """Secure aggregation's setup, share-keys and unmask stages: one message to each node, the
+        replies that arrived within ``timeout`` by node (a malformed one is left out: a dropout)."""
 
 
 # -- state -------------------------------------------------------------------------------------------
@@ -333,7 +345,8 @@ class RoundRunner:
         """This round's requests (the basis only to sites lacking its version) and the basis bytes sent."""
         basis_version, basis_message = self._basis_for_round(round_id, selected)
         instruction = protocol.TrainInstruction(run_id=self.run.run_id, round=round_id, local_steps=self.cfg.local_steps,
-                                                model_spec=self.state.model_spec, basis_version=basis_version)
+                                                model_spec=self.state.model_spec, basis_version=basis_version,
+                                                secure_aggregation=self.cfg.secure_aggregation.enabled)
         # the ledger as a witness: each site gets its record of spends (fedpose.federation.witness)
         spends = self.ledger.spend_events(self.run.run_id)
         attributed = {site for site in (self.state.node_sites.get(str(n)) for n in selected) if site is not None}
@@ -343,11 +356,106 @@ class RoundRunner:
                     for node in selected]
         return requests, sum(r.basis.nbytes for r in requests if r.basis is not None)
 
+    # -- secure aggregation (fedpose.federation.secagg) -----------------------------------------------------
+    def _secure_setup(self, transport: Transport, round_id: int, requests: list[TrainRequest],
+                      secure: CoordinatorSecAggRound) -> list[TrainRequest]:
+        """Stages 1–2 (setup, share keys): the train requests of the sites that shared their keys,
+        each with its share inbox. Raises :class:`RoundAbandoned` before anyone trains."""
+        timeout = self.cfg.round_timeout_s
+        setups = {node: secure.setup(node) for node in secure.participants}
+        keys = transport.secagg_exchange(setups, timeout)
+        secure.bytes += _stage_bytes(setups.values(), keys.values())
+        secure.receive_public_keys(keys)
+        directory = secure.key_directory()
+        asked = {node: directory for node in secure.keys}
+        shares = transport.secagg_exchange(asked, timeout)
+        secure.bytes += _stage_bytes(asked.values(), shares.values())
+        secure.receive_shares(shares)
+        return [replace(r, secagg_inbox=secure.inbox(r.node)) for r in requests if r.node in secure.sealed]
+
+    def _aggregate_secure(self, transport: Transport, round_id: int, secure: CoordinatorSecAggRound, updates: list[NodeReply],
+                          sites: dict[str, SiteRoundRecord], entries: list[LedgerEntry]) -> tuple[bool, int, int]:
+        """Stages 3–4: collect the masked vectors, unmask their sum, validate it, step the optimizer.
+        An abandoned round aggregates nothing; its sites trained, so each is recorded as spent
+        (ledger "rejected", the reason saying the secure sum was abandoned)."""
+        replies = {u.node: u.reply for u in updates if u.reply is not None}
+        try:
+            secure.receive_masked({u.node: u.masked() for u in updates if u.masked is not None})
+            request = secure.unmask_request()
+            asked = {node: request for node in secure.masked}
+            answers = transport.secagg_exchange(asked, self.cfg.round_timeout_s)
+            secure.bytes += _stage_bytes(asked.values(), answers.values())
+            for node, refusal in secure.refusals.items():
+                log.warning("round %d: node %d refused a secure-aggregation stage: %s", round_id, node, refusal.describe())
+            result = secure.unmask(answers)
+        except (RoundAbandoned, ValueError) as abandoned:
+            secure.abandoned = str(abandoned)
+            for reply in replies.values():
+                reason = f"secure aggregation abandoned: {abandoned}; spent, nothing aggregated"
+                site = sites[reply.site_id]
+                site.status, site.reason, site.reject_reason = "rejected", reason, "secure_aggregation_abandoned"
+                entries.append(LedgerEntry.from_reply(round_id, reply, status="rejected", reason=reason))
+            self.echo(f"round {round_id}: secure aggregation abandoned ({abandoned}): global model unchanged")
+            return False, 0, len(replies)
+        survivors = [replies[node] for node in result.survivors]
+        dropped = [replies[node] for node in replies if node not in result.survivors]
+        for reply in dropped:  # trained, but its vector is not in the sum (its masks were removed with its key)
+            reason = "secure aggregation: masked vector not in the sum (malformed); spent, nothing aggregated"
+            site = sites[reply.site_id]
+            site.status, site.reason, site.reject_reason = "rejected", reason, "secure_aggregation_dropped"
+            entries.append(LedgerEntry.from_reply(round_id, reply, status="rejected", reason=reason))
+        total_weight = sum(reply.aggregation_weight for reply in survivors)
+        heavy = sorted(r.site_id for r in survivors if r.aggregation_weight > self.cfg.secure_aggregation.max_weight)
+        if heavy:  # their w·Δ was clipped to ±W·r: the mean under-weights them
+            self.echo(f"round {round_id}: sites {heavy} declare aggregation weights above secure_aggregation.max_weight = "
+                      f"{self.cfg.secure_aggregation.max_weight:g}: their weighted updates were clipped; raise max_weight")
+        mean = _unflatten(result.total / total_weight, {k: self.global_state[k] for k in self._trainable})
+        secure.survivors, secure.error_bound = len(survivors), result.error_bound / total_weight
+        # the sum is all the coordinator can check: finite, and within the norm bound (each site checked
+        # its own ‖Δ‖₂ ≤ bound, so their mean is, up to the quantization error)
+        slack = secure.error_bound * math.sqrt(result.total.size)
+        bound = self.cfg.update_norm_bound + slack if self.cfg.update_norm_bound is not None else None
+        check = validate_update("secure sum", mean, spec_of(mean), max_norm=bound)
+        secure.mean_norm = check.norm
+        if not check.ok:
+            secure.abandoned = f"the unmasked sum failed validation ({check.reason}: {check.detail})"
+            for reply in survivors:
+                site = sites[reply.site_id]
+                site.status, site.reason, site.reject_reason = "rejected", secure.abandoned, check.reason
+                entries.append(LedgerEntry.from_reply(round_id, reply, status="rejected", reason=secure.abandoned))
+            self.echo(f"round {round_id}: {secure.abandoned}: global model unchanged")
+            return False, 0, len(replies)
+        for reply in survivors:
+            entries.append(LedgerEntry.from_reply(round_id, reply, status="ok"))
+        if len(survivors) < self.cfg.min_sites:
+            self.echo(f"round {round_id}: {len(survivors)} site(s) in the secure sum < min_sites = {self.cfg.min_sites}: global model unchanged")
+            return False, len(survivors), len(dropped)
+        trainable = {k: self.global_state[k] for k in self._trainable}
+        self.global_state.update(self.optimizer.step(trainable, mean))
+        return True, len(survivors), len(dropped)
+
     def run_round(self, transport: Transport, round_id: int, selected: list[int]) -> None:
         started = time.perf_counter()
         requests, basis_bytes = self.requests(round_id, selected)
+        secure: CoordinatorSecAggRound | None = None
+        not_trained: dict[int, str] = {}  # secure aggregation: nodes never asked to train (nothing spent)
+        if self.cfg.secure_aggregation.enabled:
+            secure = CoordinatorSecAggRound(self.cfg.secure_aggregation, self.run.run_id, round_id, selected,
+                                            sum(int(self.global_state[k].size) for k in self._trainable), self.cfg.update_norm_bound)
+            try:
+                requests = self._secure_setup(transport, round_id, requests, secure)
+            except RoundAbandoned as abandoned:
+                secure.abandoned = f"{abandoned}; abandoned before training, nothing spent"
+                self.echo(f"round {round_id}: secure aggregation abandoned ({secure.abandoned})")
+                requests = []
+            asked = {r.node for r in requests}
+            for node in selected:
+                if node not in asked:
+                    refusal = secure.refusals.get(node)
+                    not_trained[node] = ("not asked to train: " + (f"refused secure aggregation ({refusal.describe()})" if refusal
+                                         else "left secure aggregation before masking") + "; nothing spent")
         bytes_down = {r.node: r.nbytes for r in requests}
-        replies = transport.send_and_receive(requests, timeout=self.cfg.round_timeout_s)
+        replies = transport.send_and_receive(requests, timeout=self.cfg.round_timeout_s) if requests else []
         round_seconds = time.perf_counter() - started
 
         entries: list[LedgerEntry] = []
@@ -404,6 +512,14 @@ class RoundRunner:
                 continue
             reason = failures.get(node) or _no_reply_reason(round_seconds, self.cfg.round_timeout_s)
             site_id = self.state.node_sites.get(str(node))
+            if node in not_trained:
+                # never sent a train message this round: no spend to mirror, nothing for the ledger
+                log.warning("round %d: %s %s", round_id, f"site {site_id}" if site_id else f"node {node}", not_trained[node])
+                if site_id is None:
+                    unidentified.append(node)
+                else:
+                    sites[site_id] = SiteRoundRecord(status="missing", reason=not_trained[node])
+                continue
             if site_id is None:
                 # A node that never told us its site id (e.g. its ClientApp cannot start) has no
                 # budget to mirror: report it in the round, keep it out of the site ledger.
@@ -414,7 +530,12 @@ class RoundRunner:
             sites[site_id] = SiteRoundRecord(status="missing", reason=reason, bytes_down=bytes_down.get(node, 0))
             entries.append(LedgerEntry(site_id=site_id, round=round_id, status="missing", reason=reason))
 
-        aggregated, accepted, rejected = self._aggregate(round_id, updates, sites, entries)
+        if secure is None:
+            aggregated, accepted, rejected = self._aggregate(round_id, updates, sites, entries)
+        elif secure.abandoned:
+            aggregated, accepted, rejected = False, 0, 0
+        else:
+            aggregated, accepted, rejected = self._aggregate_secure(transport, round_id, secure, updates, sites, entries)
         self.ledger.record_many(entries)  # 1) ledger
         self.state.round = round_id
         if self.ema is not None:
@@ -426,6 +547,10 @@ class RoundRunner:
             not_asked_exhausted=sorted(self.exhausted_sites() - set(sites)),
             basis_transport=self.cfg.basis.transport, unidentified_missing_nodes=unidentified,
             node_wait_seconds=self._node_wait_seconds,
+            secure_aggregation=None if secure is None else SecureAggregationRecord(
+                participants=len(secure.participants), threshold=secure.threshold, survivors=secure.survivors,
+                abandoned=secure.abandoned, error_bound=None if secure.abandoned else secure.error_bound, stage_bytes=secure.bytes,
+                mean_update_norm=secure.mean_norm),
         )
         self.history.append(entry)
         self._save_checkpoint()  # 2) optimizer, 3) model + state (commit point)
@@ -507,6 +632,22 @@ class RoundRunner:
         # no line of its own: the ServerApp's closing line names the curves, the CLI's the report
         return {"report": str(path), "curves": str(path.with_name("curves.png")), "rounds": len(self.history),
                 "stopped_reason": self.state.stopped_reason}
+
+
+def _stage_bytes(sent: Any, received: Any) -> int:
+    """Bytes of one secure-aggregation stage's messages, both ways (their JSON, as they travel)."""
+    return sum(len(m.model_dump_json()) for m in sent) + sum(len(m.model_dump_json()) for m in received)
+
+
+def _unflatten(flat: np.ndarray, like: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A flat vector (the global model's trainable parameters in order) as named arrays like ``like``."""
+    out, offset = {}, 0
+    for name, array in like.items():
+        out[name] = flat[offset: offset + array.size].reshape(array.shape).astype(array.dtype)
+        offset += array.size
+    if offset != flat.size:
+        raise ValueError(f"secure sum: {flat.size} values for {offset} trainable parameters")
+    return out
 
 
 def checkpointed_round(checkpoint_dir: str | Path) -> int | None:

@@ -34,6 +34,7 @@ PRIVACY_REPORT_FIELDS = {
     "guarantee", "unit", "adjacency", "accountant", "epsilon", "delta", "eps_max", "steps", "rounds_spent",
     "orders", "rdp", "next_round_affordable",
     "protection_unit",  # record / image / patient: the site's declared unit (config, or pinned in its budget state)
+    "update_clip_range",  # secure aggregation: the public r of the round's setup, echoed (None otherwise)
 }
 
 

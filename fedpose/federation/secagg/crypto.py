@@ -1,0 +1,112 @@
+"""The one place fedpose crosses into Flower: SecAgg+'s cryptographic primitives, reused, not rewritten.
+
+From ``flwr.common.secure_aggregation`` (pure functions over bytes; no Flower runtime, messages or
+Context) fedpose takes:
+
+* Shamir secret sharing over GF(2^128) in 16-byte chunks (``crypto.shamir``: PyCryptodome's Shamir);
+* the pairwise key agreement ECDH + HKDF-SHA256 and authenticated encryption with Fernet
+  (AES-128-CBC + HMAC-SHA256) (``crypto.symmetric_encryption``);
+* the plaintext layout of an encrypted share pair, src ‖ dst ‖ len ‖ seed share ‖ key share
+  (``secaggplus_utils.share_keys_plaintext_concat`` / ``_separate``).
+
+Key pairs are made the way Flower's own ``secaggplus_mod`` makes them (P-384, PEM), with the
+``cryptography`` calls its ``supercore.primitives.asymmetric`` wraps: that module sits outside the
+crypto package, so this adapter calls ``cryptography`` directly rather than pull in more of Flower.
+
+**Not reused: Flower's mask generator** ``secaggplus_utils.pseudo_rand_gen``: it folds the seed to
+32 bits by XOR and expands it with numpy's Mersenne Twister (``RandomState``), so each mask has at
+most 2^32 possibilities — a brute-force search away from a masked update — and its
+``randint(0, M − 1)`` never draws M − 1. :func:`mask` expands the full 256-bit seed with
+AES-256-CTR (the construction of :class:`fedpose.privacy.csprng.AesCtrBytes`, keyed by the seed's
+SHA-256 instead of OS entropy): every word uniform on [0, 2^64), reduced mod M = 2^m exactly.
+Flower's ``quantization`` is not reused either (numpy's default RNG for the rounding coins):
+:mod:`fedpose.federation.secagg.quantization` rounds with the CSPRNG.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
+from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt, generate_shared_key
+from flwr.common.secure_aggregation.secaggplus_utils import (
+    share_keys_plaintext_concat,
+    share_keys_plaintext_separate,
+)
+
+__all__ = ["KeyPair", "combine_shares", "create_shares", "decrypt", "encrypt", "mask", "new_key_pair", "new_seed",
+           "open_share_pair", "seal_share_pair", "shared_key"]
+
+SEED_BYTES = 32
+
+
+class KeyPair:
+    """An EC key pair (P-384) held in memory; only the public half is ever serialized for the wire."""
+
+    def __init__(self, private: ec.EllipticCurvePrivateKey):
+        self._private = private
+        self.public = private.public_key().public_bytes(serialization.Encoding.PEM,
+                                                        serialization.PublicFormat.SubjectPublicKeyInfo)
+
+    def private_bytes(self) -> bytes:
+        """The secret key as bytes: only to be Shamir-shared (the pairwise-mask key, SecAgg's s^SK)."""
+        return self._private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption())
+
+    def agree(self, peer_public: bytes) -> bytes:
+        """The 32-byte key this pair shares with ``peer_public`` (ECDH + HKDF, Flower's function)."""
+        return shared_key(self._private, peer_public)
+
+
+def new_key_pair() -> KeyPair:
+    return KeyPair(ec.generate_private_key(ec.SECP384R1()))
+
+
+def key_pair_from_private(private_pem: bytes) -> KeyPair:
+    """A pair rebuilt from Shamir-reconstructed secret-key bytes (the coordinator, for a dropped site)."""
+    key = serialization.load_pem_private_key(private_pem, password=None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise ValueError("reconstructed secret key is not an EC private key")
+    return KeyPair(key)
+
+
+def check_public_key(public: bytes) -> None:
+    """Raise ValueError unless ``public`` is a PEM P-384 public key."""
+    key = serialization.load_pem_public_key(public)
+    if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP384R1):
+        raise ValueError("not a P-384 public key")
+
+
+def shared_key(private: ec.EllipticCurvePrivateKey, peer_public: bytes) -> bytes:
+    peer = serialization.load_pem_public_key(peer_public)
+    if not isinstance(peer, ec.EllipticCurvePublicKey):
+        raise ValueError("peer key is not an EC public key")
+    return generate_shared_key(private, peer)
+
+
+def new_seed() -> bytes:
+    """A self-mask seed (SecAgg's b_u) from OS entropy."""
+    return os.urandom(SEED_BYTES)
+
+
+def seal_share_pair(key: bytes, src: int, dst: int, seed_share: bytes, key_share: bytes) -> bytes:
+    """Encrypt (src, dst, seed share, secret-key share) for ``dst`` under the pair's agreed key."""
+    return encrypt(key, share_keys_plaintext_concat(src, dst, seed_share, key_share))
+
+
+def open_share_pair(key: bytes, ciphertext: bytes) -> tuple[int, int, bytes, bytes]:
+    """Decrypt and authenticate a share pair → (src, dst, seed share, secret-key share)."""
+    return share_keys_plaintext_separate(decrypt(key, ciphertext))
+
+
+def mask(seed: bytes, length: int, modulus_bits: int) -> np.ndarray:
+    """``length`` words uniform modulo 2^modulus_bits: AES-256-CTR keyed by SHA-256(seed), zero IV
+    (one key per seed and purpose, so the counter never repeats under one key)."""
+    encryptor = Cipher(algorithms.AES(hashlib.sha256(b"fedpose-secagg-mask" + seed).digest()), modes.CTR(bytes(16))).encryptor()
+    words = np.frombuffer(encryptor.update(bytes(8 * length)), dtype=np.uint64)
+    return words & np.uint64(2**modulus_bits - 1)

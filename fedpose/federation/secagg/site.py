@@ -1,0 +1,284 @@
+"""A site's side of one secure-aggregation round: setup → share keys → masked vector → unmask.
+
+One :class:`SiteSecAggSession` per (run, round), holding the round's secrets — two EC key pairs,
+the self-mask seed, the shares peers sent — in memory only, for that round only. Each stage
+method checks the coordinator's message and either answers or raises :class:`SecAggRefused`
+with a fixed code (the caller sends :class:`~fedpose.federation.protocol.SecAggRefusal`).
+
+Checks a site makes that Flower's ``secaggplus_mod`` does not:
+
+* setup: threshold t > n/2 (so that no split of the sites into two views of "who dropped" can
+  gather t seed shares and t key shares of one site: (t − 1) + t > n − 1), n ≥ 2 (a sum of one is
+  the update), n ≤ n_max and n_max·(2^bits − 1) < M (no wrap-around), the model's vector length;
+* unmask, **SecAgg's security rule**: for one peer the site reveals the share of its mask seed
+  (peer survived) or of its secret key (peer dropped), never both — in one request or over
+  several (it answers one unmask request per round); a node outside the round, the site itself
+  listed as dropped, or fewer survivors than t is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from fedpose.federation import protocol
+from fedpose.federation.secagg import crypto
+from fedpose.federation.secagg.quantization import WIRE_DTYPE, Quantizer, wire_dtype
+
+log = logging.getLogger(__name__)
+
+
+class SecAggRefused(Exception):
+    """The site refuses a stage request; ``code`` is what goes on the wire."""
+
+    def __init__(self, code: protocol.SecAggRefusalCode, detail: str):
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+
+
+def threshold_for(sites: int) -> int:
+    """t = ⌊n/2⌋ + 1: the smallest threshold the sites accept (t > n/2)."""
+    return sites // 2 + 1
+
+
+def quantizer_of(setup: protocol.SecAggSetup) -> Quantizer:
+    """The round's encoding: range R = W·r on w·Δ."""
+    return Quantizer(setup.clip_range * setup.max_weight, setup.bits, setup.modulus_bits, setup.max_sites)
+
+
+class SessionState(BaseModel):
+    """A session as the site keeps it between messages (Flower starts a ClientApp process per message:
+    the SuperNode holds this in its memory, ``context.state``, for the round). Site-internal: never sent."""
+
+    model_config = ConfigDict(extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
+
+    site_id: str
+    setup: protocol.SecAggSetup
+    stage: str
+    mask_private: bytes
+    share_private: bytes
+    peers: list[protocol.NodeKeys]
+    seed: bytes
+    seed_shares: dict[int, bytes]
+    key_shares: dict[int, bytes]
+    mask_with: list[int]
+
+
+class SiteSecAggSession:
+    """One site's secure-aggregation state for one round (see the module docstring)."""
+
+    def __init__(self, site_id: str, setup: protocol.SecAggSetup, vector_length: int | None = None):
+        """Stage 1: check the setup (``vector_length``: the site's own count of trainable parameters,
+        when it knows it already) and make the round's key pairs."""
+        self.site_id = site_id
+        self.setup = setup
+        n = len(setup.participants)
+        if n < 2:
+            self._refuse("settings-refused", f"{n} participant: a secure sum of one site is its update")
+        if 2 * setup.threshold <= n:
+            self._refuse("settings-refused", f"threshold {setup.threshold} ≤ n/2 = {n / 2:g}")
+        if n > setup.max_sites:
+            self._refuse("settings-refused", f"{n} participants > max_sites {setup.max_sites}")
+        try:
+            self.quantizer = quantizer_of(setup)
+        except ValueError as exc:
+            self._refuse("settings-refused", str(exc))
+        if vector_length is not None and vector_length != setup.vector_length:
+            self._refuse("settings-refused", f"vector length {setup.vector_length}, the model has {vector_length}")
+        self._mask_pair = crypto.new_key_pair()  # c: pairwise masks
+        self._share_pair = crypto.new_key_pair()  # s: share encryption
+        self._stage = "keys-sent"
+        self._peers: dict[int, protocol.NodeKeys] = {}
+        self._seed = b""
+        self._seed_shares: dict[int, bytes] = {}  # node → its share of that node's self-mask seed, held here
+        self._key_shares: dict[int, bytes] = {}  # node → its share of that node's mask secret key, held here
+        self._mask_with: list[int] = []
+
+    @property
+    def node(self) -> int:
+        return self.setup.node
+
+    @property
+    def stage(self) -> str:
+        return self._stage
+
+    def to_json(self) -> str:
+        """The session's state, secrets included (for the site's own memory between messages)."""
+        return SessionState(site_id=self.site_id, setup=self.setup, stage=self._stage,
+                            mask_private=self._mask_pair.private_bytes(), share_private=self._share_pair.private_bytes(),
+                            peers=list(self._peers.values()), seed=self._seed, seed_shares=self._seed_shares,
+                            key_shares=self._key_shares, mask_with=self._mask_with).model_dump_json()
+
+    @classmethod
+    def from_json(cls, raw: str) -> "SiteSecAggSession":
+        state = SessionState.model_validate_json(raw)
+        session = cls.__new__(cls)
+        session.site_id, session.setup, session._stage = state.site_id, state.setup, state.stage
+        session.quantizer = quantizer_of(state.setup)
+        session._mask_pair = crypto.key_pair_from_private(state.mask_private)
+        session._share_pair = crypto.key_pair_from_private(state.share_private)
+        session._peers = {entry.node: entry for entry in state.peers}
+        session._seed, session._seed_shares, session._key_shares = state.seed, dict(state.seed_shares), dict(state.key_shares)
+        session._mask_with = list(state.mask_with)
+        return session
+
+    def _refuse(self, code: protocol.SecAggRefusalCode, detail: str) -> None:
+        log.warning("site %s round %d: secure aggregation refused (%s): %s", self.site_id, self.setup.round, code, detail)
+        self._stage = "refused"
+        raise SecAggRefused(code, detail)
+
+    def _expect(self, stage: str, message: protocol.SecAggKeyDirectory | protocol.SecAggShareInbox | protocol.SecAggUnmaskRequest) -> None:
+        if (message.run_id, message.round) != (self.setup.run_id, self.setup.round):
+            self._refuse("out-of-order", f"message for ({message.run_id}, round {message.round}) in round {self.setup.round}")
+        if self._stage != stage:
+            self._refuse("out-of-order", f"{message.kind} while the session is at '{self._stage}'")
+
+    def public_keys(self) -> protocol.SecAggPublicKeys:
+        return protocol.SecAggPublicKeys(site_id=self.site_id, run_id=self.setup.run_id, round=self.setup.round,
+                                         mask_key=self._mask_pair.public, share_key=self._share_pair.public)
+
+    # -- stage 2 ---------------------------------------------------------------------------------------
+    def share_keys(self, directory: protocol.SecAggKeyDirectory) -> protocol.SecAggEncryptedShares:
+        """Check the key directory, draw the self-mask seed, share it and the mask secret key (t of n),
+        and encrypt each peer's pair of shares to that peer."""
+        self._expect("keys-sent", directory)
+        entries = {entry.node: entry for entry in directory.keys}
+        if len(entries) != len(directory.keys) or not set(entries) <= set(self.setup.participants):
+            self._refuse("inconsistent-keys", "repeated nodes, or nodes outside the round")
+        own = entries.get(self.node)
+        if own is None or (own.mask_key, own.share_key) != (self._mask_pair.public, self._share_pair.public):
+            self._refuse("inconsistent-keys", "the directory does not hold this site's own keys")
+        keys = [k for e in directory.keys for k in (e.mask_key, e.share_key)]
+        if len(set(keys)) != len(keys):
+            self._refuse("inconsistent-keys", "a public key appears twice")
+        if len(entries) < self.setup.threshold:
+            self._refuse("inconsistent-keys", f"{len(entries)} sites < threshold {self.setup.threshold}")
+        for entry in directory.keys:
+            try:
+                crypto.check_public_key(entry.mask_key)
+                crypto.check_public_key(entry.share_key)
+            except ValueError:
+                self._refuse("inconsistent-keys", f"node {entry.node}: not a P-384 public key")
+        self._peers = entries
+        self._seed = crypto.new_seed()
+        nodes = sorted(entries)
+        seed_shares = crypto.create_shares(self._seed, self.setup.threshold, len(nodes))
+        key_shares = crypto.create_shares(self._mask_pair.private_bytes(), self.setup.threshold, len(nodes))
+        sealed = []
+        for node, seed_share, key_share in zip(nodes, seed_shares, key_shares, strict=True):
+            if node == self.node:
+                self._seed_shares[node], self._key_shares[node] = seed_share, key_share
+                continue
+            key = self._share_pair.agree(entries[node].share_key)
+            sealed.append(protocol.EncryptedShare(peer=node, ciphertext=crypto.seal_share_pair(key, self.node, node, seed_share, key_share)))
+        self._stage = "shares-sent"
+        return protocol.SecAggEncryptedShares(site_id=self.site_id, run_id=self.setup.run_id, round=self.setup.round, shares=sealed)
+
+    # -- stage 3 ---------------------------------------------------------------------------------------
+    def receive_shares(self, inbox: protocol.SecAggShareInbox) -> None:
+        """Decrypt and authenticate the shares peers sent; before any training, so a bad inbox costs nothing."""
+        self._expect("shares-sent", inbox)
+        sources = [share.peer for share in inbox.shares]
+        if len(set(sources)) != len(sources) or self.node in sources or not set(sources) <= set(self._peers):
+            self._refuse("inconsistent-shares", "repeated sources, the site itself, or sources outside the key directory")
+        if len(sources) + 1 < self.setup.threshold:
+            self._refuse("inconsistent-shares", f"{len(sources) + 1} sites < threshold {self.setup.threshold}")
+        for share in inbox.shares:
+            try:
+                src, dst, seed_share, key_share = crypto.open_share_pair(
+                    self._share_pair.agree(self._peers[share.peer].share_key), share.ciphertext)
+            except Exception:  # noqa: BLE001 - a forged or garbled token; the class of failure is all that matters
+                self._refuse("inconsistent-shares", f"the share from node {share.peer} does not decrypt")
+            if (src, dst) != (share.peer, self.node):
+                self._refuse("inconsistent-shares", f"the share from node {share.peer} names {src} → {dst}")
+            self._seed_shares[src], self._key_shares[src] = seed_share, key_share
+        self._mask_with = sorted(sources)
+        self._stage = "shares-received"
+
+    def mask(self, update: np.ndarray, weight: float = 1.0) -> np.ndarray:
+        """Clip Δ (flattened, already checked by the site) to [−r, r] per coordinate, weight it by the
+        site's declared w, quantize it (range W·r) and add the self mask and the pairwise masks
+        modulo M: the masked vector (uint32 for M ≤ 2^32, else uint64)."""
+        if self._stage != "shares-received":
+            self._refuse("out-of-order", f"masking while the session is at '{self._stage}'")
+        flat = np.asarray(update, dtype=np.float64).reshape(-1)
+        if flat.size != self.setup.vector_length:
+            raise ValueError(f"secure aggregation: update has {flat.size} values, the round's vector {self.setup.vector_length}")
+        r = self.setup.clip_range
+        vector = self.quantizer.quantize(np.clip(flat, -r, r) * float(weight))  # w > W is clipped again to ±W·r
+        m = self.setup.modulus_bits
+        vector += crypto.mask(self._seed, flat.size, m)
+        for peer in self._mask_with:
+            pairwise = crypto.mask(self._mask_pair.agree(self._peers[peer].mask_key), flat.size, m)
+            if self.node > peer:  # Flower's sign convention: the larger node id adds, the smaller subtracts
+                vector += pairwise
+            else:
+                vector -= pairwise  # uint64 wraps modulo 2^64, a multiple of M
+        vector &= WIRE_DTYPE(2**m - 1)
+        self._stage = "masked"
+        return vector.astype(wire_dtype(m))
+
+    # -- stage 4 ---------------------------------------------------------------------------------------
+    def unmask(self, request: protocol.SecAggUnmaskRequest) -> protocol.SecAggUnmaskShares:
+        """The shares asked for, under the security rule (module docstring). Answers once per round."""
+        self._expect("masked", request)  # only a site whose vector is in the sum helps unmask it
+        survivors, dropped = set(request.survivors), set(request.dropped)
+        if len(survivors) != len(request.survivors) or len(dropped) != len(request.dropped):
+            self._refuse("unknown-node", "a node is listed twice")
+        both = survivors & dropped
+        if both:
+            self._refuse("both-shares-of-one-peer", f"nodes {sorted(both)} listed as survivor and dropped")
+        held = set(self._mask_with) | {self.node}
+        unknown = (survivors | dropped) - held
+        if unknown:
+            self._refuse("unknown-node", f"nodes {sorted(unknown)} sent this site no shares this round")
+        if self.node in dropped:
+            self._refuse("own-key-share", "the site itself is listed as dropped")
+        if self.node not in survivors:
+            self._refuse("own-key-share", "the site sent its vector but is not listed as a survivor")
+        if len(survivors) < self.setup.threshold:
+            self._refuse("below-threshold", f"{len(survivors)} survivors < threshold {self.setup.threshold}")
+        self._stage = "unmasked"  # one answer per round: a second request (another view of who dropped) is refused
+        shares = protocol.SecAggUnmaskShares(
+            site_id=self.site_id, run_id=self.setup.run_id, round=self.setup.round,
+            seed_shares=[protocol.NodeShare(node=n, share=self._seed_shares[n]) for n in sorted(survivors)],
+            key_shares=[protocol.NodeShare(node=n, share=self._key_shares[n]) for n in sorted(dropped)])
+        self._forget()
+        return shares
+
+    def _forget(self) -> None:
+        """Drop the round's secrets (Python cannot wipe memory; this ends the references)."""
+        self._seed = b""
+        self._seed_shares.clear()
+        self._key_shares.clear()
+
+
+def refusal(site_id: str, run_id: str, round_id: int, refused: SecAggRefused) -> protocol.SecAggRefusal:
+    return protocol.SecAggRefusal(site_id=site_id, run_id=run_id, round=round_id, reason=refused.code)
+
+
+def answer(session: SiteSecAggSession | None, site_id: str, message: protocol.SecAggKeyDirectory | protocol.SecAggUnmaskRequest,
+           ) -> protocol.SecAggSiteMessage:
+    """The session's reply to a stage-2 or stage-4 message, a refusal when it refuses (or has no session)."""
+    try:
+        if session is None:
+            raise SecAggRefused("out-of-order", "no secure-aggregation session for this round")
+        if isinstance(message, protocol.SecAggKeyDirectory):
+            return session.share_keys(message)
+        return session.unmask(message)
+    except SecAggRefused as refused:
+        return refusal(site_id, message.run_id, message.round, refused)
+
+
+def start(site_id: str, setup: protocol.SecAggSetup, vector_length: int | None = None,
+          ) -> tuple[SiteSecAggSession | None, protocol.SecAggSiteMessage]:
+    """Stage 1: a new session and its public keys, or a refusal."""
+    try:
+        session = SiteSecAggSession(site_id, setup, vector_length)
+    except SecAggRefused as refused:
+        return None, refusal(site_id, setup.run_id, setup.round, refused)
+    return session, session.public_keys()
+
+

@@ -1,0 +1,213 @@
+"""Secure aggregation's library pieces with real cryptography: the quantizer's guarantees (no
+overflow, unbiased, the error bound), the four stages end to end with dropouts, and a malicious
+coordinator trying to break the sites' security rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from fedpose.federation import protocol
+from fedpose.federation.config import SecureAggregationConfig
+from fedpose.federation.secagg import crypto
+from fedpose.federation.secagg.coordinator import CoordinatorSecAggRound, RoundAbandoned
+from fedpose.federation.secagg.quantization import Quantizer
+from fedpose.federation.secagg.site import SecAggRefused, SiteSecAggSession, answer, start
+
+
+# -- quantization ---------------------------------------------------------------------------------------
+def test_config_refuses_a_modulus_the_sum_could_wrap() -> None:
+    SecureAggregationConfig(bits=16, modulus_bits=32, max_sites=65537)  # 65537 · 65535 = 2^32 − 1 < 2^32
+    with pytest.raises(ValidationError, match="must be < 2\\^modulus_bits"):
+        SecureAggregationConfig(bits=16, modulus_bits=32, max_sites=65538)
+
+
+def test_no_overflow_at_the_extremes() -> None:
+    q = Quantizer(clip_range=1.0, bits=8, modulus_bits=16, max_sites=257)  # 257 · 255 = 65535 < 2^16
+    top = q.quantize(np.full(10, 5.0))  # clipped to +R: the top level exactly
+    assert (top == q.levels).all()
+    total = np.zeros(10, dtype=np.uint64)
+    for _ in range(q.max_sites):
+        total = (total + top) & np.uint64(q.modulus - 1)
+    assert (total == q.max_sites * q.levels).all()  # no wrap: the modular sum is the integer sum
+    assert np.allclose(q.dequantize_sum(total, q.max_sites), q.max_sites * 1.0)
+    bottom = q.quantize(np.full(10, -5.0))
+    assert (bottom == 0).all() and np.allclose(q.dequantize_sum(bottom, 1), -1.0)
+
+
+def test_stochastic_rounding_is_unbiased_and_within_one_step() -> None:
+    q = Quantizer(clip_range=0.5, bits=4, modulus_bits=16, max_sites=4)  # step 1/15: coarse on purpose
+    x = np.linspace(-0.5, 0.5, 41)
+    draws = 4000
+    estimates = np.stack([q.dequantize_sum(q.quantize(x), 1) for _ in range(draws)])
+    assert (np.abs(estimates - x) < q.step).all()  # each draw errs by less than one step
+    # mean of Bernoulli rounding: standard error ≤ step / (2 √draws); 5 standard errors
+    assert np.abs(estimates.mean(axis=0) - x).max() < 5 * q.step / (2 * np.sqrt(draws))
+
+
+def test_dequantized_sum_is_within_the_stated_bound() -> None:
+    q = Quantizer(clip_range=0.1, bits=6, modulus_bits=16, max_sites=8)
+    rng = np.random.default_rng(0)  # the test's inputs only; rounding coins come from the CSPRNG
+    xs = rng.uniform(-0.2, 0.2, size=(8, 1000))
+    total = sum(q.quantize(x) for x in xs) & np.uint64(q.modulus - 1)
+    error = np.abs(q.dequantize_sum(total, 8) - np.clip(xs, -0.1, 0.1).sum(axis=0))
+    assert error.max() < q.error_bound(8) == pytest.approx(8 * 2 * 0.1 / 63)
+
+
+# -- the protocol ---------------------------------------------------------------------------------------
+SETTINGS = SecureAggregationConfig(enabled=True, clip_range=1.0, bits=16, modulus_bits=32, max_sites=16)
+
+
+def _round(n: int, length: int = 50, deliver: bool = True) -> tuple[CoordinatorSecAggRound, dict[int, SiteSecAggSession]]:
+    coordinator = CoordinatorSecAggRound(SETTINGS, "run", 1, list(range(1, n + 1)), length)
+    sessions, replies = {}, {}
+    for node in coordinator.participants:
+        session, replies[node] = start(f"site-{node}", coordinator.setup(node), length)
+        assert session is not None
+        sessions[node] = session
+    coordinator.receive_public_keys(replies)
+    directory = coordinator.key_directory()
+    coordinator.receive_shares({node: answer(s, s.site_id, directory) for node, s in sessions.items()})
+    for node, session in sessions.items():
+        if deliver:
+            session.receive_shares(coordinator.inbox(node))
+    return coordinator, sessions
+
+
+def _updates(n: int, length: int = 50) -> dict[int, np.ndarray]:
+    rng = np.random.default_rng(1)
+    return {node: rng.uniform(-0.9, 0.9, length) for node in range(1, n + 1)}
+
+
+@pytest.mark.parametrize(("n", "drop"), [(3, 0), (3, 1), (5, 2)])
+def test_the_sum_of_the_survivors_comes_back_within_the_bound(n: int, drop: int) -> None:
+    coordinator, sessions = _round(n)
+    updates = _updates(n)
+    survivors = list(sessions)[drop:]  # the first `drop` sites vanish after sharing keys
+    coordinator.receive_masked({node: sessions[node].mask(updates[node]) for node in survivors})
+    request = coordinator.unmask_request()
+    assert request.dropped == list(sessions)[:drop]
+    result = coordinator.unmask({node: answer(sessions[node], sessions[node].site_id, request) for node in survivors})
+    expected = sum(updates[node] for node in survivors)
+    assert result.survivors == survivors
+    assert np.abs(result.total - expected).max() < result.error_bound == pytest.approx(len(survivors) * 2 / 65535)
+
+
+def test_a_masked_vector_alone_looks_uniform() -> None:
+    coordinator, sessions = _round(3, length=20000)
+    masked = sessions[1].mask(np.zeros(20000))  # a constant update: the mask alone must hide it
+    counts = np.bincount((masked >> np.uint64(28)).astype(np.int64), minlength=16)  # top 4 of 32 bits
+    assert counts.min() > 20000 / 16 * 0.85 and counts.max() < 20000 / 16 * 1.15
+
+
+def test_too_many_dropouts_abandon_the_round_before_any_share_is_asked() -> None:
+    coordinator, sessions = _round(5)
+    updates = _updates(5)
+    with pytest.raises(RoundAbandoned, match="2 of 5 sites after masking < threshold t = 3"):
+        coordinator.receive_masked({node: sessions[node].mask(updates[node]) for node in (4, 5)})
+
+
+def test_too_few_unmask_answers_abandon_the_round() -> None:
+    coordinator, sessions = _round(3)
+    updates = _updates(3)
+    coordinator.receive_masked({node: sessions[node].mask(updates[node]) for node in (1, 2, 3)})
+    request = coordinator.unmask_request()
+    with pytest.raises(RoundAbandoned, match="after unmasking"):
+        coordinator.unmask({1: answer(sessions[1], "site-1", request)})
+
+
+# -- a malicious coordinator --------------------------------------------------------------------------------
+def _masked_round() -> tuple[CoordinatorSecAggRound, dict[int, SiteSecAggSession]]:
+    coordinator, sessions = _round(5)
+    updates = _updates(5)
+    coordinator.receive_masked({node: sessions[node].mask(updates[node]) for node in sessions})
+    return coordinator, sessions
+
+
+def _reason(reply: protocol.SecAggSiteMessage) -> str:
+    assert isinstance(reply, protocol.SecAggRefusal), reply
+    return reply.reason
+
+
+def test_a_site_refuses_both_shares_of_one_peer_in_one_request() -> None:
+    _, sessions = _masked_round()
+    greedy = protocol.SecAggUnmaskRequest(run_id="run", round=1, survivors=[1, 2, 3, 4], dropped=[4])
+    assert _reason(answer(sessions[1], "site-1", greedy)) == "both-shares-of-one-peer"
+
+
+def test_a_site_refuses_a_second_view_of_who_dropped() -> None:
+    """Two requests to one site (peer 4 survived, then dropped) would hand over both of 4's shares."""
+    _, sessions = _masked_round()
+    first = protocol.SecAggUnmaskRequest(run_id="run", round=1, survivors=[1, 2, 3, 4, 5], dropped=[])
+    assert isinstance(answer(sessions[1], "site-1", first), protocol.SecAggUnmaskShares)
+    second = protocol.SecAggUnmaskRequest(run_id="run", round=1, survivors=[1, 2, 3], dropped=[4, 5])
+    assert _reason(answer(sessions[1], "site-1", second)) == "out-of-order"
+
+
+def test_split_views_cannot_rebuild_both_secrets_of_one_site() -> None:
+    """The coordinator tells sites 1, 2 (and 5) that site 5 survived and sites 3, 4 that it dropped,
+    then asks everyone again: with t > n/2 it gets t seed shares of 5 but fewer than t key shares."""
+    coordinator, sessions = _masked_round()
+    seed_view = protocol.SecAggUnmaskRequest(run_id="run", round=1, survivors=[1, 2, 3, 4, 5], dropped=[])
+    key_view = protocol.SecAggUnmaskRequest(run_id="run", round=1, survivors=[1, 2, 3, 4], dropped=[5])
+    answers = [answer(sessions[n], "s", seed_view) for n in (1, 2, 5)] + [answer(sessions[n], "s", key_view) for n in (3, 4)]
+    answers += [answer(sessions[n], "s", key_view) for n in (1, 2)] + [answer(sessions[5], "s", key_view)]
+    shares = [a for a in answers if isinstance(a, protocol.SecAggUnmaskShares)]
+    seed_of_5 = [s.share for a in shares for s in a.seed_shares if s.node == 5]
+    key_of_5 = [s.share for a in shares for s in a.key_shares if s.node == 5]
+    assert len(seed_of_5) >= coordinator.threshold > len(key_of_5) == 2
+    with pytest.raises(ValueError):  # two shares of a 3-of-5 sharing rebuild garbage, not 5's key
+        crypto.key_pair_from_private(crypto.combine_shares(key_of_5))
+
+
+@pytest.mark.parametrize(("survivors", "dropped", "code"), [
+    ([1, 2, 3, 4], [5, 9], "unknown-node"),  # 9 was never in the round
+    ([2, 3, 4, 5], [1], "own-key-share"),  # the site itself as dropped
+    ([1, 2], [3], "below-threshold"),
+])
+def test_a_site_refuses_requests_outside_the_rule(survivors: list[int], dropped: list[int], code: str) -> None:
+    _, sessions = _masked_round()
+    request = protocol.SecAggUnmaskRequest(run_id="run", round=1, survivors=survivors, dropped=dropped)
+    assert _reason(answer(sessions[1], "site-1", request)) == code
+
+
+def test_a_site_refuses_a_threshold_at_or_below_half() -> None:
+    setup = protocol.SecAggSetup(run_id="r", round=1, node=1, participants=[1, 2, 3, 4], threshold=2, clip_range=1.0,
+                                 max_weight=1.0, bits=16, modulus_bits=32, max_sites=16, vector_length=5)
+    session, reply = start("site-1", setup, 5)
+    assert session is None and _reason(reply) == "settings-refused"
+
+
+def test_a_site_refuses_a_vector_length_unlike_its_model() -> None:
+    setup = protocol.SecAggSetup(run_id="r", round=1, node=1, participants=[1, 2, 3], threshold=2, clip_range=1.0,
+                                 max_weight=1.0, bits=16, modulus_bits=32, max_sites=16, vector_length=5)
+    with pytest.raises(SecAggRefused, match="settings-refused"):
+        SiteSecAggSession("site-1", setup, vector_length=6)
+
+
+def test_a_forged_share_is_refused_before_masking() -> None:
+    coordinator, sessions = _round(3, deliver=False)
+    inbox = coordinator.inbox(1)
+    # the coordinator swaps in a token sealed under a key site 1 never agreed to
+    forged = protocol.SecAggShareInbox(run_id="run", round=1, shares=[inbox.shares[0].model_copy(update={
+        "ciphertext": crypto.encrypt(crypto.new_key_pair().agree(crypto.new_key_pair().public), b"x" * 40)})] + inbox.shares[1:])
+    with pytest.raises(SecAggRefused, match="inconsistent-shares"):
+        sessions[1].receive_shares(forged)
+    with pytest.raises(SecAggRefused, match="out-of-order"):
+        sessions[1].mask(np.zeros(50))  # a refused session masks nothing
+    # one site's shares replayed as another's: authenticated, but the names inside do not match
+    swapped = protocol.SecAggShareInbox(run_id="run", round=1, shares=[
+        protocol.EncryptedShare(peer=3, ciphertext=inbox.shares[0].ciphertext)])
+    with pytest.raises(SecAggRefused, match="inconsistent-shares"):
+        sessions[2].receive_shares(swapped)
+
+
+def test_wire_messages_round_trip_through_their_records() -> None:
+    coordinator, sessions = _round(3)
+    for message in (coordinator.setup(1), coordinator.key_directory(), coordinator.inbox(2), coordinator.unmask_request()):
+        assert protocol.decode_secagg_request(protocol.encode_secagg(message)) == message
+    keys = sessions[1].public_keys()
+    assert protocol.decode_secagg_reply(protocol.encode_secagg(keys)) == keys
+    with pytest.raises(protocol.ProtocolError, match="exactly one JSON string"):
+        protocol.decode_secagg_reply({"secagg": "{}", "extra": "x"})
