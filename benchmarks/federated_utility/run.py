@@ -106,6 +106,8 @@ class Settings(BaseModel):
     mechanisms: list[str] = Field(default_factory=lambda: list(DEFAULT_MECHANISMS))
     epsilons: list[float] = Field(default_factory=lambda: [2.0, 8.0])
     seeds: list[int] = Field(default_factory=lambda: [0, 1, 2])
+    #: False: only the private arms (and public-only) — for probes of a private recipe
+    nonprivate: bool = True
     threads: int = 1
 
 
@@ -133,7 +135,7 @@ def all_arms(settings: Settings, only: str | None = None) -> list[Arm]:
     short still has complete seeds for what it finished."""
     site_ids = [f"site-{k}" for k in range(1, settings.sites + 1)]
     arms: list[Arm] = [Arm(seed, "none", None, "public-only") for seed in settings.seeds]
-    for seed in settings.seeds:
+    for seed in settings.seeds if settings.nonprivate else ():
         arms += [Arm(seed, "none", None, "federated"), Arm(seed, "none", None, "central")]
     for epsilon in sorted(settings.epsilons, reverse=True):
         for mechanism in settings.mechanisms:
@@ -358,7 +360,13 @@ def main() -> int:
     args = parser.parse_args()
 
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-    raw = {k: json.loads(v) if v[:1] in "[{0123456789-.tfn" else v for k, v in (o.split("=", 1) for o in args.overrides)}
+    def value(text: str) -> Any:  # JSON where it parses (numbers, lists, true/false/null), else the text itself
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text
+
+    raw = {k: value(v) for k, v in (o.split("=", 1) for o in args.overrides)}
     settings = Settings.model_validate(raw)
     work = args.work
     if args.probe:

@@ -9,10 +9,11 @@ standing, site 2 arm raises, site 3 sitting, site 4 bending, ...); any N sites a
 The public split (the stand-in for COCO next to MPII) is a broader, related distribution: every
 pose family and background with equal weight, neutral camera, wider lighting and scale jitter.
 
-What only the sites have (the clinic, which public photo collections lack): patients lying in bed,
-seen by a bedside or ceiling camera, so the body lies across the frame (a camera roll near ±90°:
-the public split's roll stays within ±30°), and night-time images from infrared cameras (grey,
-flat, noisy: the public split is in colour). Every site has both, each in its own proportion and
+What only the sites have (the clinic, which public photo collections lack): patients in bed with
+the head end raised, seen by a bedside camera, so the body is tilted 40–60° from upright in the
+frame (the public split's camera roll stays within ±30°, and pre-training rotates by at most ±30°
+more), and night-time images from infrared cameras (grey, flat, noisy: the public split is in
+colour). Every site has both, each in its own proportion and
 with its own side of the bed, so a federation shares what a public model has never seen while each
 site still differs from the others. A public pre-trained model must learn these from site data:
 that is what private training is for (issue 26).
@@ -59,7 +60,7 @@ class SiteProfile:
     #: clinical views the public split lacks (module docstring); 0 for the public profile, whose
     #: images then draw exactly the random numbers they drew before these existed
     lying_probability: float = 0.0  # patient in bed: the camera's roll is lying_roll (± 10°)
-    lying_roll: float = 90.0  # degrees; its sign is the side of the bed the camera is on
+    lying_roll: float = 50.0  # degrees from upright; its sign is the side of the bed the camera is on
     infrared_probability: float = 0.0  # night-time infrared image: grey, flat contrast, noisy
 
     def to_dict(self) -> dict[str, Any]:
@@ -77,7 +78,7 @@ class SiteProfile:
             f"brightness ×{self.brightness:.2f}, person {self.person_height[0]:.0%}–{self.person_height[1]:.0%} "
             f"of frame, blur σ≤{self.blur_sigma[1]:.1f}px, noise ≤{self.noise_std[1]:.0f}, "
             f"JPEG p={self.jpeg_probability:.2f}, occlusion p={self.occlusion_probability:.2f}"
-            + (f", lying in bed p={self.lying_probability:.2f} (roll {self.lying_roll:+.0f}°)" if self.lying_probability else "")
+            + (f", in bed p={self.lying_probability:.2f} (tilted {self.lying_roll:+.0f}°)" if self.lying_probability else "")
             + (f", infrared p={self.infrared_probability:.2f}" if self.infrared_probability else "")
         )
 
@@ -128,7 +129,7 @@ def site_profile(index: int) -> SiteProfile:
     return replace(
         profile,
         lying_probability=round(float(rng.uniform(0.3, 0.6)), 3),
-        lying_roll=round(float(rng.choice([-1.0, 1.0]) * rng.uniform(75, 105)), 1),
+        lying_roll=round(float(rng.choice([-1.0, 1.0]) * rng.uniform(40, 60)), 1),
         infrared_probability=round(float(rng.uniform(0.15, 0.45)), 3),
     )
 

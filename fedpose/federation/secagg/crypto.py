@@ -32,12 +32,50 @@ import numpy as np
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-from flwr.common.secure_aggregation.crypto.shamir import combine_shares, create_shares
-from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt, encrypt, generate_shared_key
-from flwr.common.secure_aggregation.secaggplus_utils import (
-    share_keys_plaintext_concat,
-    share_keys_plaintext_separate,
-)
+# Flower's primitives load on first use, not at import: the library (training, the round runner)
+# stays importable where Flower is not installed (a GPU machine that only trains); secure
+# aggregation itself needs it.
+def combine_shares(*args, **kwargs):  # type: ignore[no-untyped-def]
+    from flwr.common.secure_aggregation.crypto.shamir import combine_shares as flower_combine
+
+    return flower_combine(*args, **kwargs)
+
+
+def create_shares(*args, **kwargs):  # type: ignore[no-untyped-def]
+    from flwr.common.secure_aggregation.crypto.shamir import create_shares as flower_create
+
+    return flower_create(*args, **kwargs)
+
+
+def encrypt(*args, **kwargs):  # type: ignore[no-untyped-def]
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import encrypt as flower_encrypt
+
+    return flower_encrypt(*args, **kwargs)
+
+
+def decrypt(*args, **kwargs):  # type: ignore[no-untyped-def]
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt as flower_decrypt
+
+    return flower_decrypt(*args, **kwargs)
+
+
+def generate_shared_key(*args, **kwargs):  # type: ignore[no-untyped-def]
+    from flwr.common.secure_aggregation.crypto.symmetric_encryption import generate_shared_key as flower_key
+
+    return flower_key(*args, **kwargs)
+
+
+def share_keys_plaintext_concat(*args, **kwargs):  # type: ignore[no-untyped-def]
+    from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_concat as flower_concat
+
+    return flower_concat(*args, **kwargs)
+
+
+def share_keys_plaintext_separate(*args, **kwargs):  # type: ignore[no-untyped-def]
+    from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate as flower_separate
+
+    return flower_separate(*args, **kwargs)
+
 
 __all__ = ["KeyPair", "combine_shares", "create_shares", "decrypt", "encrypt", "mask", "new_key_pair", "new_seed",
            "open_share_pair", "seal_share_pair", "shared_key"]
