@@ -14,7 +14,7 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
 from fedpose.privacy.mechanisms import MECHANISM_NAMES, MECHANISMS, get_mechanism
 
@@ -133,6 +133,16 @@ class ModelSpec(Strict):
             raise ValueError(f"model spec: scenario {self.scenario!r} with lora_rank {self.lora_rank} and lora_alpha "
                              f"{self.lora_alpha}: both are required for 'lora' and absent otherwise")
         return self
+
+    @model_serializer(mode="wrap")
+    def _without_absent_adapters(self, handler: Any) -> Any:
+        # A spec without adapters serializes exactly as before they existed, so instructions,
+        # checkpoints and audit logs of the other scenarios stay readable by earlier versions.
+        data = handler(self)
+        if isinstance(data, dict) and self.scenario != "lora":
+            data.pop("lora_rank", None)
+            data.pop("lora_alpha", None)
+        return data
 
 
 class OptimConfig(Strict):

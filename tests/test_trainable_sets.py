@@ -123,7 +123,11 @@ def test_model_specs_with_and_without_adapters_are_validated() -> None:
     assert (spec.scenario, spec.lora_rank, spec.lora_alpha) == ("lora", 4, 16.0)
     assert model_spec(make("norms")).lora_rank is None
     fields = spec.model_dump(exclude={"lora_rank", "lora_alpha"})
-    assert ModelSpec.model_validate({**fields, "scenario": "finetune"})  # specs written before adapters existed
+    before_adapters = ModelSpec.model_validate({**fields, "scenario": "finetune"})  # a spec written before adapters existed
+    # ... and without adapters a spec is written as it was then (readable by earlier versions)
+    assert before_adapters.model_dump(mode="json") == {**fields, "scenario": "finetune", "input_size": list(SIZE)}
+    assert "lora" not in before_adapters.model_dump_json()
+    assert ModelSpec.model_validate_json(spec.model_dump_json()) == spec
     with pytest.raises(ValidationError, match="both are required for 'lora'"):
         ModelSpec.model_validate({**fields, "scenario": "lora"})
     with pytest.raises(ValidationError, match="absent otherwise"):
@@ -280,3 +284,28 @@ def test_a_lora_federation_round_moves_the_adapters_and_only_the_trainable_set(t
     for name, value in runner.global_state.items():
         moved = not np.array_equal(np.asarray(value), start[name])
         assert moved == (name in trainable), name
+
+
+def test_fedpose_export_publishes_a_federated_lora_model(tmp_path: Path) -> None:
+    """`fedpose export` of a coordinator's lora global model: the safetensors file holds the adapters
+    and its spec, and rebuilds the same function; the model card names the adapters."""
+    import json
+
+    from fedpose.cli import main
+    from fedpose.federation.aggregation import save_array_checkpoint
+
+    model = with_trained_adapters(make("lora"))
+    spec = model_spec(model)
+    coordinator = tmp_path / "coordinator"
+    save_array_checkpoint(coordinator / "global.npz", {k: v.detach().numpy().copy() for k, v in model.state_dict().items()},
+                          {"run_id": "demo", "state": {"model_spec": spec.model_dump(mode="json")}})
+    (coordinator / "report.json").write_text(json.dumps({"run_id": "demo", "sites": [
+        {"site_id": "site-1", "epsilon": 2.5, "delta": 1e-5, "guarantee": "DP", "rounds_joined": 3}]}))
+    assert main(["export", str(coordinator), "--out", str(tmp_path / "release")]) == 0
+    exported, checkpoint = model_from_checkpoint(tmp_path / "release" / "model.safetensors")
+    assert ModelSpec.model_validate(checkpoint["model_spec"]) == spec
+    assert any(is_adapter_key(k) for k in checkpoint["model"])
+    images = samples(2)["image"]
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(exported(images), model(images)))
+    assert "(lora: rank-8 adapters, α 8" in (tmp_path / "release" / "MODEL_CARD.md").read_text()
