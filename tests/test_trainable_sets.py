@@ -16,7 +16,14 @@ import torch
 from pydantic import ValidationError
 
 from fedpose.config import MAX_LORA_RANK, ModelConfig, ModelSpec, OptimConfig, PrivacyConfig
-from fedpose.model import build_model, build_model_from_spec, model_from_checkpoint, save_checkpoint
+from fedpose.model import (
+    CheckpointError,
+    build_model,
+    build_model_from_spec,
+    load_init_weights,
+    model_from_checkpoint,
+    save_checkpoint,
+)
 from fedpose.model.checkpoint import load_checkpoint, model_spec, save_safetensors
 from fedpose.model.pose_model import LORA_TARGETS, LoRALinear, is_adapter_key
 from fedpose.privacy import engine as engine_module
@@ -116,6 +123,9 @@ def test_a_fresh_lora_model_computes_its_base_model_exactly(tmp_path: Path) -> N
             assert torch.equal(ours, theirs)
         with_trained_adapters(lora)
         assert not torch.equal(lora(images)[0], base(images)[0])  # the adapters do act once B moves
+    # built from the same seed, a lora model's base weights are the finetune model's (adapters are drawn last)
+    same_seed = make("lora", seed=5).state_dict()
+    assert all(torch.equal(value, same_seed[key]) for key, value in base.state_dict().items())
 
 
 def test_model_specs_with_and_without_adapters_are_validated() -> None:
@@ -217,6 +227,12 @@ def test_lora_checkpoints_round_trip_and_merge_into_other_sets(tmp_path: Path) -
         with torch.no_grad():
             for ours, theirs in zip(other(images), expected):
                 torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    # adapters never stand in for a base weight the file lacks
+    checkpoint = load_checkpoint(path)
+    del checkpoint["model"]["backbone.stages.1.blocks.0.attn.qkv.weight"]
+    torch.save(checkpoint, tmp_path / "holed.pt")
+    with pytest.raises(CheckpointError, match=r"1 of \d+ backbone tensors missing.*stages\.1\.blocks\.0\.attn\.qkv\.weight"):
+        load_init_weights(make("lora", lora_rank=4, lora_alpha=8.0), tmp_path / "holed.pt")
 
 
 def test_a_lora_model_exports_to_safetensors_and_back(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from fedpose.config import ModelConfig
 from fedpose.io import atomic_write_json
 
 HERE = Path(__file__).resolve().parent
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write_json(args.out, {
         "what": "seconds per step, non-private ('none') and DP-SGD ('dpsgd'), per trainable-parameter set",
         "backbone": args.backbone, "input_size_hw": list(args.size), "batch_rows": args.batch, "repeats": args.repeats,
-        "torch_threads": args.threads, "lora_rank": 8,
+        "torch_threads": args.threads, "lora_rank": ModelConfig().lora_rank,
         "machine": {"cpus": os.cpu_count(), "cpu_model": base_sizing.cpu_model(),
                     "load_average_before": load_before, "load_average_after": base_sizing.load_average()},
         "wall_seconds_total": round(time.perf_counter() - started, 1),

@@ -279,9 +279,8 @@ def load_init_weights(model: nn.Module, path: str | Path) -> dict[str, list[str]
             skipped.append(key)
     backbone_keys = [k for k in target if k.startswith("backbone.") and not k.endswith("attention_bias_idxs")
                      and not is_adapter_key(k)]  # adapters the file lacks start at their zero update
-    matched = sum(1 for k in loaded if k.startswith("backbone."))
-    if matched < len(backbone_keys):
-        missing = [k for k in backbone_keys if k not in set(loaded)]
+    missing = [k for k in backbone_keys if k not in set(loaded)]
+    if missing:
         raise CheckpointError(
             f"{path}: does not fit backbone '{model.backbone_name}' "
             f"({len(missing)} of {len(backbone_keys)} backbone tensors missing or mis-shaped, e.g. {missing[:3]})"

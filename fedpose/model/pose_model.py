@@ -104,10 +104,11 @@ class LoRALinear(nn.Linear):
         if not 1 <= rank <= min(base.in_features, base.out_features):
             raise ValueError(f"LoRA rank {rank} must be in 1..{min(base.in_features, base.out_features)} "
                              f"for a {base.in_features} → {base.out_features} linear")
-        super().__init__(base.in_features, base.out_features, bias=base.bias is not None,
-                         device=base.weight.device, dtype=base.weight.dtype)
+        # nn.Linear's own __init__ would draw (and discard) a fresh weight from the global RNG
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
-        self.bias = base.bias
+        self.register_parameter("bias", base.bias)
         self.rank, self.alpha = int(rank), float(alpha)
         self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device, dtype=base.weight.dtype))
         self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device, dtype=base.weight.dtype))
