@@ -14,7 +14,7 @@ import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
 from fedpose.privacy.mechanisms import MECHANISM_NAMES, MECHANISMS, get_mechanism
 
@@ -82,10 +82,29 @@ class DataConfig(AugmentationConfig):
         return self
 
 
+#: Which parameters train (:mod:`fedpose.model.pose_model` defines each set). Under DP-SGD the
+#: noise's norm grows with √(trainable parameters), so a smaller set can pay at a given ε.
+Scenario = Literal["finetune", "norms_head", "norms", "lora", "full", "scratch"]
+#: the scenarios that keep most weights at ``model.init_checkpoint`` (random without one)
+PARTIAL_SCENARIOS: tuple[str, ...] = ("finetune", "norms_head", "norms", "lora")
+#: low-rank adapters wider than this are refused (a spec from the coordinator must stay buildable)
+MAX_LORA_RANK = 128
+
+
 class ModelConfig(Strict):
     backbone: str = Field("tiny_vit_5m_224", description="timm TinyViT name, or 'tiny_vit_test' (small, for tests)")
-    scenario: Literal["finetune", "full", "scratch"] = Field(
-        "finetune", description="finetune: stage 3 + all LayerNorms + head trainable; full: all; scratch: all, random init"
+    scenario: Scenario = Field(
+        "finetune",
+        description="which parameters train (trainable of all, tiny_vit_5m_224 at 256×192 | 128×96, measured): "
+        "finetune: stage 3 + every LayerNorm + the SimCC head (4.74 M of 7.17 M | 4.33 M of 6.76 M); "
+        "norms_head: every LayerNorm + the head (2.11 M | 1.70 M); "
+        "norms: every LayerNorm + the head without its 3×3 joint conv (0.63 M | 0.22 M); "
+        "lora: rank-r adapters on stage 3's attention qkv/proj and MLP fc1/fc2 (base weights frozen) + every "
+        "LayerNorm + the head (2.19 M | 1.78 M at r = 8, 82 k of them adapters); full: all; scratch: all, random init",
+    )
+    lora_rank: int = Field(8, ge=1, le=MAX_LORA_RANK, description="rank r of the low-rank adapters (scenario 'lora' only)")
+    lora_alpha: float = Field(
+        8.0, gt=0, description="adapter scale α: an adapter adds (α/r)·B·A to its frozen weight (scenario 'lora' only)"
     )
     init_checkpoint: Path | None = Field(None, description="timm state dict or fedpose checkpoint to start from")
     split_factor: int = Field(2, ge=1, le=8, description="SimCC bins per pixel")
@@ -98,11 +117,32 @@ class ModelSpec(Strict):
     checkpoints, and sent with every round's instruction: a site trains the model it is sent."""
 
     backbone: str
-    scenario: Literal["finetune", "full", "scratch"]
+    scenario: Scenario
     input_size: tuple[int, int]  #: (height, width)
     split_factor: int
     label_sigma: float
     head_hidden: int
+    #: the adapters of scenario "lora" (None otherwise; specs written before adapters existed lack them)
+    lora_rank: int | None = Field(None, ge=1, le=MAX_LORA_RANK)
+    lora_alpha: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _adapters(self) -> "ModelSpec":
+        has_lora = self.scenario == "lora"
+        if (self.lora_rank is not None, self.lora_alpha is not None) != (has_lora, has_lora):
+            raise ValueError(f"model spec: scenario {self.scenario!r} with lora_rank {self.lora_rank} and lora_alpha "
+                             f"{self.lora_alpha}: both are required for 'lora' and absent otherwise")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _without_absent_adapters(self, handler: Any) -> Any:
+        # A spec without adapters serializes exactly as before they existed, so instructions,
+        # checkpoints and audit logs of the other scenarios stay readable by earlier versions.
+        data = handler(self)
+        if isinstance(data, dict) and self.scenario != "lora":
+            data.pop("lora_rank", None)
+            data.pop("lora_alpha", None)
+        return data
 
 
 class OptimConfig(Strict):

@@ -303,7 +303,8 @@ def model_card(model: Any, report: dict[str, Any], evaluation: dict[str, Any] | 
     lines = ["# Model card", "",
              "A 2D human-pose estimator (16 MPII joints) trained with differential privacy by fedpose.", "",
              "## Architecture", "",
-             f"- backbone `{spec.backbone}` ({spec.scenario}), SimCC head (split factor {spec.split_factor}, label σ "
+             f"- backbone `{spec.backbone}` ({spec.scenario}"
+             f"{f': rank-{spec.lora_rank} adapters, α {spec.lora_alpha:g}, kept apart from the weights they adapt' if spec.lora_rank else ''}), SimCC head (split factor {spec.split_factor}, label σ "
              f"{spec.label_sigma:g}{f', hidden {spec.head_hidden}' if spec.head_hidden else ''}), {parameters:,} parameters",
              f"- input: one person crop of {spec.input_size[1]}×{spec.input_size[0]} pixels (width × height); output: "
              f"{len(JOINT_NAMES)} joints ({', '.join(JOINT_NAMES)}) with a confidence each",

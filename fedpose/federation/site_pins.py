@@ -135,8 +135,10 @@ MODEL_SPEC_FIELDS: dict[str, FieldRule] = {
         "network computes; its frozen part is a fixed function of public weights"),
     "scenario": FieldRule(
         "cannot change the guarantee",
-        "which parameters train: Δ holds only those, each updated only with privatized gradients; the others "
-        "are not released"),
+        "which parameters train (finetune, norms_head, norms, lora's adapters, full): Δ holds only those, each "
+        "updated only with privatized gradients, the unit's gradient clipped to C over all of them jointly and every "
+        "coordinate noised; the others are not released. The set changes what ε costs in utility (the noise's norm "
+        "grows with √p), never the guarantee"),
     "input_size": FieldRule(
         "site-pinned",
         "the pixel grid of the record: FDP's ψ blocks (privacy.public_view.factor) and MaskDP's mask zoom are in "
@@ -149,6 +151,14 @@ MODEL_SPEC_FIELDS: dict[str, FieldRule] = {
         "cannot change the guarantee", "width of the SimCC targets: the loss, not the sensitivity (clipped to C)"),
     "head_hidden": FieldRule(
         "cannot change the guarantee", "width of the head: the architecture, not the sensitivity (clipped to C)"),
+    "lora_rank": FieldRule(
+        "cannot change the guarantee",
+        "the adapters' rank under scenario lora (at most MAX_LORA_RANK, so the spec stays buildable): how many "
+        "parameters train, each clipped with the rest to C and noised, as for scenario"),
+    "lora_alpha": FieldRule(
+        "cannot change the guarantee",
+        "the adapters' scale α/r: the architecture's function, not the sensitivity (the adapters' gradients are "
+        "clipped to C with the rest)"),
 }
 
 #: The site's own settings that shape the public part of a guarantee: pinned under those guarantees.

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedpose.config import ModelConfig, ModelSpec
+from fedpose.config import PARTIAL_SCENARIOS, ModelConfig, ModelSpec
 from fedpose.model.backbones import available_backbones, create_backbone
 from fedpose.model.checkpoint import (
     CheckpointError,
@@ -31,30 +31,34 @@ def build_model(cfg: ModelConfig, input_size: tuple[int, int]) -> PoseModel:
         label_sigma=cfg.label_sigma,
         head_hidden=cfg.head_hidden,
         backbone_name=cfg.backbone,
+        lora_rank=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
     )
     if cfg.init_checkpoint is not None:
         load_init_weights(model, cfg.init_checkpoint)
-    elif cfg.scenario == "finetune":
+    elif cfg.scenario in PARTIAL_SCENARIOS:
         warnings.warn(
-            "model.scenario 'finetune' without model.init_checkpoint: the frozen stages keep random weights",
+            f"model.scenario '{cfg.scenario}' without model.init_checkpoint: the frozen weights stay random",
             stacklevel=2,
         )
     model.train_mode()
     return model
 
 
-def build_model_from_spec(spec: ModelSpec | Mapping[str, Any], scenario: str | None = None) -> PoseModel:
+def build_model_from_spec(spec: ModelSpec | Mapping[str, Any]) -> PoseModel:
     """Rebuild the architecture of ``spec`` (weights not loaded); a checkpoint's plain ``model_spec``
     is validated here."""
     spec = ModelSpec.model_validate(spec)
+    adapters = {"lora_rank": spec.lora_rank, "lora_alpha": spec.lora_alpha} if spec.scenario == "lora" else {}
     model = PoseModel(
         create_backbone(spec.backbone),
         spec.input_size,
-        scenario=scenario or spec.scenario,
+        scenario=spec.scenario,
         split_factor=spec.split_factor,
         label_sigma=spec.label_sigma,
         head_hidden=spec.head_hidden,
         backbone_name=spec.backbone,
+        **adapters,  # type: ignore[arg-type]
     )
     model.train_mode()
     return model

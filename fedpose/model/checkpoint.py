@@ -3,7 +3,8 @@
 A fedpose checkpoint is a dict::
 
     {"format": "fedpose-checkpoint", "version": 1,
-     "model_spec": {backbone, scenario, input_size, split_factor, label_sigma, head_hidden},
+     "model_spec": {backbone, scenario, input_size, split_factor, label_sigma, head_hidden,
+                    lora_rank, lora_alpha (scenario "lora" only)},
      "model": state_dict, "optimizer": state_dict | None, "scheduler": state_dict | None,
      "config": the run's config as plain data | None, "metrics": list/dict | None, "step": int,
      "rng": {"torch": ByteTensor, "python": tuple, "numpy": tuple}, "extra": dict}
@@ -54,6 +55,8 @@ def model_spec(model: nn.Module) -> ModelSpec:
         split_factor=model.split_factor,
         label_sigma=model.codec.sigma,
         head_hidden=model.head.cls_x.in_features if not isinstance(model.head.mlp, nn.Identity) else 0,
+        lora_rank=getattr(model, "lora_rank", None),
+        lora_alpha=getattr(model, "lora_alpha", None),
     )
 
 
@@ -206,17 +209,23 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return obj
 
 
+#: the spec fields that say which parameters train, not what the base network computes: a
+#: checkpoint of any scenario starts a model of any other (adapters are merged or start at zero)
+TRAINABLE_SET_FIELDS = frozenset({"scenario", "lora_rank", "lora_alpha"})
+
+
 def check_start_checkpoint(path: str | Path, spec: ModelSpec, where: str = "model.init_checkpoint") -> None:
     """Refuse a fedpose checkpoint whose architecture differs from ``spec`` in anything but the
-    scenario (a public pre-training run's ``scratch``/``full`` checkpoint is what a ``finetune``
-    federation starts from). :func:`load_init_weights` alone would quietly keep a random SimCC head
-    for another input size or split factor: a federation must start from the model it was given.
-    A timm state dict (no spec: ImageNet weights for the backbone) is accepted as it is."""
+    trainable set (:data:`TRAINABLE_SET_FIELDS`: a public pre-training run's ``scratch``/``full``
+    checkpoint is what a ``finetune`` or ``lora`` federation starts from). :func:`load_init_weights`
+    alone would quietly keep a random SimCC head for another input size or split factor: a
+    federation must start from the model it was given. A timm state dict (no spec: ImageNet
+    weights for the backbone) is accepted as it is."""
     raw = _torch_load(Path(path))
     if not is_fedpose_checkpoint(raw):
         return
-    theirs = ModelSpec.model_validate(raw.get("model_spec") or {}).model_dump(mode="json", exclude={"scenario"})
-    ours = spec.model_dump(mode="json", exclude={"scenario"})
+    theirs = ModelSpec.model_validate(raw.get("model_spec") or {}).model_dump(mode="json", exclude=TRAINABLE_SET_FIELDS)
+    ours = spec.model_dump(mode="json", exclude=TRAINABLE_SET_FIELDS)
     differ = [f"{key} {theirs[key]!r} (the model: {ours[key]!r})" for key in ours if theirs[key] != ours[key]]
     if differ:
         raise CheckpointError(f"{where} {path}: built for another model: {'; '.join(differ)} — pre-train at the "
@@ -240,14 +249,24 @@ def load_init_weights(model: nn.Module, path: str | Path) -> dict[str, list[str]
     """Initialise ``model`` from a fedpose checkpoint or a timm TinyViT state dict.
 
     Tensors whose shapes fit are copied; the SimCC head is skipped when it was built for a
-    different input size. Returns {"loaded": [...], "skipped": [...]} (key names). Raises
-    CheckpointError when nothing of the backbone matches (wrong file or wrong backbone).
+    different input size. Low-rank adapters (scenario "lora"): a checkpoint's adapters load as they
+    are into a model with the same rank and α, and are otherwise merged into their base weights
+    (what they learned is kept); a model's adapters that the file lacks keep their initialisation
+    (B = 0: the model computes the checkpoint's function). Returns {"loaded": [...], "skipped":
+    [...]} (key names). Raises CheckpointError when the backbone does not match (wrong file or
+    wrong backbone).
     """
+    from fedpose.model.pose_model import is_adapter_key, merged_adapter_weights
+
     path = Path(path)
     raw = _torch_load(path)
     if not isinstance(raw, dict):
         raise CheckpointError(f"{path}: expected a state dict or a fedpose checkpoint, got {type(raw).__name__}")
     source = raw["model"] if is_fedpose_checkpoint(raw) else _timm_backbone_state(raw, model)
+    if any(is_adapter_key(key) for key in source):
+        theirs = ModelSpec.model_validate(raw["model_spec"])
+        if (theirs.lora_rank, theirs.lora_alpha) != (getattr(model, "lora_rank", None), getattr(model, "lora_alpha", None)):
+            source = merged_adapter_weights(source, float(theirs.lora_alpha or 0.0))
     target = model.state_dict()
     loaded, skipped = [], []
     for key, value in source.items():
@@ -258,10 +277,10 @@ def load_init_weights(model: nn.Module, path: str | Path) -> dict[str, list[str]
             loaded.append(key)
         else:
             skipped.append(key)
-    backbone_keys = [k for k in target if k.startswith("backbone.") and not k.endswith("attention_bias_idxs")]
-    matched = sum(1 for k in loaded if k.startswith("backbone."))
-    if matched < len(backbone_keys):
-        missing = [k for k in backbone_keys if k not in set(loaded)]
+    backbone_keys = [k for k in target if k.startswith("backbone.") and not k.endswith("attention_bias_idxs")
+                     and not is_adapter_key(k)]  # adapters the file lacks start at their zero update
+    missing = [k for k in backbone_keys if k not in set(loaded)]
+    if missing:
         raise CheckpointError(
             f"{path}: does not fit backbone '{model.backbone_name}' "
             f"({len(missing)} of {len(backbone_keys)} backbone tensors missing or mis-shaped, e.g. {missing[:3]})"

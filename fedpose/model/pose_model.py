@@ -1,10 +1,26 @@
 """TinyViT + SimCC pose model with DP-friendly training scenarios.
 
-Scenarios (paper 001, §4.1):
+Scenarios — which parameters train (paper 001, §4.1, and issue 26's smaller sets). Under DP-SGD
+the noise's norm grows with √p for p trainable parameters while the clipped signal does not, so a
+smaller set can pay at a fixed ε (counts for tiny_vit_5m_224: ``model.scenario``'s description).
 
 - ``finetune``: stages 0–2 frozen; stage 3, every LayerNorm and the SimCC head trainable.
+- ``norms_head``: every LayerNorm's affine and the SimCC head; no attention, MLP or conv weight of
+  the backbone.
+- ``norms``: ``norms_head`` without the head's 3×3 joint conv (1.47 M of the head's 1.7 M
+  parameters in tiny_vit_5m_224): the LayerNorms and the head's linear layers. The joint conv
+  is the head's feature extractor, kept at its public pre-trained value.
+- ``lora``: low-rank adapters (:class:`LoRALinear`) on the last stage's attention qkv/proj and MLP
+  fc1/fc2, every LayerNorm and the head; every base weight frozen. The last stage only: it is
+  the stage ``finetune`` trains, and adapters in stages 1–2 would end their norm-tuned fast path
+  (below). Adapters start at B = 0, so a fresh ``lora`` model computes exactly its base model.
 - ``full``: everything trainable, starting from ``model.init_checkpoint``.
 - ``scratch``: everything trainable, random initialisation.
+
+Cost per DP-SGD step (tiny_vit_5m_224, 128×96, 16 rows, 1 thread, process-CPU s, non-private ≈
+0.7 for every set): finetune 1.06, norms_head 0.95, lora 0.98, norms 0.75
+(benchmarks/base_sizing/trainable_sets.json): the smaller sets save little time, their point is
+the noise.
 
 BatchNorm is frozen in every scenario: its modules always run in eval mode (running statistics,
 never batch statistics — batch statistics would mix samples and break per-sample DP). Its
@@ -20,7 +36,8 @@ prefix*: :meth:`forward_frozen` runs it (callers wrap it in ``torch.no_grad``), 
 ``torch.func.functional_call`` + ``vmap`` for per-sample gradients.
 
 The trainable rest splits once more. Its leading units whose only trainable parameters are
-LayerNorm affines (stages 1–2 under ``finetune``) are the *norm-tuned* part
+LayerNorm affines (stages 1–2 under ``finetune``; through stage 3 under ``norms_head`` and
+``norms``, through stage 3's downsample under ``lora``) are the *norm-tuned* part
 (:meth:`forward_norm_tuned`); from the first unit with any other trainable parameter on is the
 *suffix* (:meth:`forward_suffix`). The DP engine takes per-sample gradients of the suffix with
 ``vmap`` and of the norm-tuned LayerNorms from one batched backward
@@ -29,16 +46,25 @@ LayerNorm affines (stages 1–2 under ``finetune``) are the *norm-tuned* part
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from typing import Literal
+
+import math
+import typing
 
 import torch
+import torch.nn.functional as F
 from timm.models.tiny_vit import TinyVit
 from torch import Tensor, nn
 
+from fedpose.config import Scenario
 from fedpose.joints import NUM_JOINTS
 from fedpose.model.simcc import SimCCCodec, SimCCHead
 
-Scenario = Literal["finetune", "full", "scratch"]
+SCENARIOS: tuple[str, ...] = typing.get_args(Scenario)
+#: the linears of each last-stage block that get adapters under scenario "lora"
+LORA_TARGETS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+#: parameter-name suffixes of the adapters (their state-dict keys end in these)
+LORA_PARAMETERS = (".lora_a", ".lora_b")
 Start = Literal["images", "features", "hidden"]
 FEATURE_STRIDE = 32
 
@@ -65,6 +91,60 @@ def _is_batch_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.batchnorm._BatchNorm)
 
 
+def is_adapter_key(name: str) -> bool:
+    """Whether a parameter / state-dict key belongs to a low-rank adapter."""
+    return name.endswith(LORA_PARAMETERS)
+
+
+class LoRALinear(nn.Linear):
+    """``nn.Linear`` plus a low-rank update (Hu et al., 2021): y = x Wᵀ + b + (α/r) · x Aᵀ Bᵀ.
+
+    A subclass that keeps the wrapped layer's ``weight`` and ``bias`` as its own, so their state-dict
+    keys stay those of the plain layer (a non-adapter checkpoint loads unchanged) and the adapter
+    adds ``lora_a`` (r × in) and ``lora_b`` (out × r). A is initialised like ``nn.Linear`` (Kaiming
+    uniform, a = √5), B to zero: the layer starts as exactly the wrapped one. Pure in its
+    parameters (``torch.func.functional_call`` substitutes any of them), no per-call state.
+    """
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float) -> None:
+        if not 1 <= rank <= min(base.in_features, base.out_features):
+            raise ValueError(f"LoRA rank {rank} must be in 1..{min(base.in_features, base.out_features)} "
+                             f"for a {base.in_features} → {base.out_features} linear")
+        # nn.Linear's own __init__ would draw (and discard) a fresh weight from the global RNG
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.register_parameter("bias", base.bias)
+        self.rank, self.alpha = int(rank), float(alpha)
+        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features, device=base.weight.device, dtype=base.weight.dtype))
+        self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank, device=base.weight.device, dtype=base.weight.dtype))
+        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, alpha={self.alpha:g}"
+
+
+def merged_adapter_weights(state: dict[str, Tensor], alpha: float) -> dict[str, Tensor]:
+    """``state`` with every adapter folded into its base weight (W + (α/r)·B·A) and removed: the
+    same function as a model without adapters. For loading a ``lora`` model's weights into a model
+    whose adapters differ or are absent, so what the adapters learned is kept, not dropped."""
+    merged = {k: v for k, v in state.items() if not is_adapter_key(k)}
+    for key in state:
+        if key.endswith(".lora_a"):
+            prefix = key.removesuffix(".lora_a")
+            lora_a, lora_b = state[key], state[f"{prefix}.lora_b"]
+            weight = merged[f"{prefix}.weight"]
+            merged[f"{prefix}.weight"] = (weight.double() + (alpha / lora_a.shape[0]) * (lora_b.double() @ lora_a.double())).to(weight.dtype)
+    return merged
+
+
 class _StageBlocks(nn.Module):
     """A TinyViT stage's blocks as one unit (they work channels-last; the chain is channels-first)."""
 
@@ -89,6 +169,8 @@ class PoseModel(nn.Module):
         label_sigma: float = 6.0,
         head_hidden: int = 256,
         backbone_name: str = "",
+        lora_rank: int = 8,
+        lora_alpha: float = 8.0,
     ) -> None:
         super().__init__()
         height, width = input_size
@@ -107,6 +189,10 @@ class PoseModel(nn.Module):
             self.codec.bins,
             hidden=head_hidden,
         )
+        self.lora_rank: int | None = None
+        self.lora_alpha: float | None = None
+        if scenario == "lora":
+            self._add_adapters(lora_rank, lora_alpha)
         self._units = self._build_units()
         self.set_scenario(scenario)
         # Random-init BatchNorm statistics that match the network (loaded weights overwrite them);
@@ -123,24 +209,48 @@ class PoseModel(nn.Module):
             units.append((f"backbone.stages.{index}.blocks", _StageBlocks(stages[index].blocks)))
         return units
 
-    def set_scenario(self, scenario: Scenario) -> None:
-        """Set ``requires_grad`` for the scenario and recompute the frozen prefix."""
-        if scenario not in ("finetune", "full", "scratch"):
-            raise ValueError(f"model.scenario must be finetune, full or scratch, got {scenario!r}")
-        self.scenario = scenario
-        last_stage = f"backbone.stages.{len(self.backbone.stages) - 1}."
-        layer_norm_params = {
+    def _add_adapters(self, rank: int, alpha: float) -> None:
+        """Wrap the last stage's :data:`LORA_TARGETS` linears in :class:`LoRALinear` (rank, α)."""
+        for block in self.backbone.stages[-1].blocks:
+            for target in LORA_TARGETS:
+                owner_name, attribute = target.rsplit(".", 1)
+                owner = block.get_submodule(owner_name)
+                setattr(owner, attribute, LoRALinear(getattr(owner, attribute), rank, alpha))
+        self.lora_rank, self.lora_alpha = int(rank), float(alpha)
+
+    def _trainable_in(self, scenario: Scenario) -> set[str]:
+        """The names of the parameters ``scenario`` trains (module docstring)."""
+        names = [name for name, _ in self.named_parameters()]
+        if scenario in ("full", "scratch"):
+            return set(names)
+        layer_norms = {
             f"{name}.{pname}" if name else pname
             for name, module in self.named_modules() if _is_layer_norm(module)
             for pname, _ in module.named_parameters(recurse=False)
         }
+        head = {name for name in names if name.startswith("head.")}
+        if scenario == "finetune":
+            last_stage = f"backbone.stages.{len(self.backbone.stages) - 1}."
+            return layer_norms | head | {name for name in names if name.startswith(last_stage)}
+        if scenario == "norms_head":
+            return layer_norms | head
+        if scenario == "norms":
+            return layer_norms | {name for name in head if not name.startswith("head.joint_conv.")}
+        if scenario == "lora":
+            return layer_norms | head | {name for name in names if is_adapter_key(name)}
+        raise ValueError(f"model.scenario must be one of {', '.join(SCENARIOS)}, got {scenario!r}")
+
+    def set_scenario(self, scenario: Scenario) -> None:
+        """Set ``requires_grad`` for the scenario and recompute the frozen prefix. Adapters are part
+        of the architecture: only a model built with scenario "lora" has them, and it keeps it."""
+        has_adapters = self.lora_rank is not None
+        if (scenario == "lora") != has_adapters:
+            raise ValueError(f"model.scenario {scenario!r}: this model was built "
+                             f"{'with' if has_adapters else 'without'} low-rank adapters; build it for the scenario")
+        trainable = self._trainable_in(scenario)
+        self.scenario = scenario
         for name, param in self.named_parameters():
-            if scenario == "finetune":
-                param.requires_grad_(
-                    name.startswith(last_stage) or name.startswith("head.") or name in layer_norm_params
-                )
-            else:
-                param.requires_grad_(True)
+            param.requires_grad_(name in trainable)
         self._frozen_units = 0
         for _, unit in self._units:
             if any(p.requires_grad for p in unit.parameters()):
@@ -269,6 +379,7 @@ class PoseModel(nn.Module):
             "trainable_parameters": self.num_trainable(),
             "total_parameters": sum(p.numel() for p in self.parameters()),
             "frozen_prefix": self.frozen_prefix,
+            **({"lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha} if self.lora_rank is not None else {}),
         }
 
 
