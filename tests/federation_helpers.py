@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import tomli_w
 
 REPO = Path(__file__).resolve().parents[1]
@@ -138,6 +139,22 @@ def ledger_rows(run_dir: Path) -> list[Any]:
 
     with BudgetLedger(run_dir / "coordinator" / "ledger.sqlite", read_only=True) as ledger:
         return ledger.entries()
+
+
+def trained_rounds(run_dir: Path, site_id: str) -> list[int]:
+    """Rounds the site trained in (spent on), from its own log: 'ok', or 'failed' after training."""
+    lines = (run_dir / "sites" / site_id / "rounds.jsonl").read_text().splitlines()
+    return sorted({e["round"] for e in map(json.loads, lines) if e["outcome"] in ("ok", "failed")})
+
+
+def assert_budget_ledger_and_true_spend_agree(run_dir: Path, site_id: str, trained: list[int]) -> None:
+    """The site's own log says it trained in exactly ``trained``; its budget spent each of those
+    rounds once; the coordinator's ledger holds the ε those rounds cost."""
+    assert trained_rounds(run_dir, site_id) == trained, site_id
+    spent = [e["round"] for e in site_budget(run_dir, site_id)["entries"] if e["status"] == "spent"]
+    assert spent == trained, (site_id, spent)  # each round spent once
+    recorded = max(e.epsilon or 0.0 for e in ledger_rows(run_dir) if e.site_id == site_id)
+    assert recorded == pytest.approx(epsilon_after_rounds(len(trained)), rel=1e-6), site_id
 
 
 def no_leftover_processes(run_dir: Path) -> list[str]:
