@@ -24,6 +24,7 @@ PER_SITE = 24
 NOISE = 1.0
 SAMPLE_RATE = BATCH_SIZE / PER_SITE  # declared by each site (N stays secret)
 LOCAL_STEPS = 2
+UNIT_SLOTS = PER_SITE // 4  #: a synthetic site split shows up to 4 images per patient
 DELTA = 1e-5
 
 
@@ -36,7 +37,10 @@ def tiny_federation(tmp: Path, data_dir: Path, *, sites: int = 2, rounds: int = 
             "state_dir": str(tmp / "sites" / f"site-{k}"), "eps_max": (eps_max or [50.0] * sites)[k - 1],
             "local_steps": LOCAL_STEPS,
             "train": {"batch_size": BATCH_SIZE, "threads": 1, "seed": k},
-            "privacy": {"mechanism": "dpsgd", "noise_multiplier": NOISE, "sample_rate": SAMPLE_RATE, "max_grad_norm": 1.0, "delta": DELTA},
+            # 6 unit slots: the site's 6 patients (N_max at q = 1/3 is 6), the most any batch can hold;
+            # the default slot count for B = 8 (39) would make every step 6.5× the work
+            "privacy": {"mechanism": "dpsgd", "noise_multiplier": NOISE, "sample_rate": SAMPLE_RATE, "max_grad_norm": 1.0, "delta": DELTA,
+                        "max_batch_units": UNIT_SLOTS},
         }
 
     raw = {
