@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import tomli_w
 
 REPO = Path(__file__).resolve().parents[1]
@@ -23,6 +24,7 @@ PER_SITE = 24
 NOISE = 1.0
 SAMPLE_RATE = BATCH_SIZE / PER_SITE  # declared by each site (N stays secret)
 LOCAL_STEPS = 2
+UNIT_SLOTS = PER_SITE // 4  #: a synthetic site split shows up to 4 images per patient
 DELTA = 1e-5
 
 
@@ -35,7 +37,10 @@ def tiny_federation(tmp: Path, data_dir: Path, *, sites: int = 2, rounds: int = 
             "state_dir": str(tmp / "sites" / f"site-{k}"), "eps_max": (eps_max or [50.0] * sites)[k - 1],
             "local_steps": LOCAL_STEPS,
             "train": {"batch_size": BATCH_SIZE, "threads": 1, "seed": k},
-            "privacy": {"mechanism": "dpsgd", "noise_multiplier": NOISE, "sample_rate": SAMPLE_RATE, "max_grad_norm": 1.0, "delta": DELTA},
+            # 6 unit slots: the site's 6 patients (N_max at q = 1/3 is 6), the most any batch can hold;
+            # the default slot count for B = 8 (39) would make every step 6.5× the work
+            "privacy": {"mechanism": "dpsgd", "noise_multiplier": NOISE, "sample_rate": SAMPLE_RATE, "max_grad_norm": 1.0, "delta": DELTA,
+                        "max_batch_units": UNIT_SLOTS},
         }
 
     raw = {
@@ -138,6 +143,22 @@ def ledger_rows(run_dir: Path) -> list[Any]:
 
     with BudgetLedger(run_dir / "coordinator" / "ledger.sqlite", read_only=True) as ledger:
         return ledger.entries()
+
+
+def trained_rounds(run_dir: Path, site_id: str) -> list[int]:
+    """Rounds the site trained in (spent on), from its own log: 'ok', or 'failed' after training."""
+    lines = (run_dir / "sites" / site_id / "rounds.jsonl").read_text().splitlines()
+    return sorted({e["round"] for e in map(json.loads, lines) if e["outcome"] in ("ok", "failed")})
+
+
+def assert_budget_ledger_and_true_spend_agree(run_dir: Path, site_id: str, trained: list[int]) -> None:
+    """The site's own log says it trained in exactly ``trained``; its budget spent each of those
+    rounds once; the coordinator's ledger holds the ε those rounds cost."""
+    assert trained_rounds(run_dir, site_id) == trained, site_id
+    spent = [e["round"] for e in site_budget(run_dir, site_id)["entries"] if e["status"] == "spent"]
+    assert spent == trained, (site_id, spent)  # each round spent once
+    recorded = max(e.epsilon or 0.0 for e in ledger_rows(run_dir) if e.site_id == site_id)
+    assert recorded == pytest.approx(epsilon_after_rounds(len(trained)), rel=1e-6), site_id
 
 
 def no_leftover_processes(run_dir: Path) -> list[str]:

@@ -229,6 +229,8 @@ seed = 1
 mechanism = "dpsgd"
 target_epsilon = {target}
 delta = 1e-5
+# per record, as central_config: per patient (auto) every step is 4 record rows per unit slot
+unit = "record"
 """)
     out = tmp_path / "out"
     code = main(["audit", "--config", str(config), "--json", "--out", str(out)])
@@ -348,6 +350,8 @@ seed = 1
 mechanism = "dpsgd"
 target_epsilon = {target}
 delta = 1e-5
+# per record, as central_config: per patient (auto) every step is 4 record rows per unit slot
+unit = "record"
 """)
     code = main(["audit", "--config", str(config), "--mode", "black-box", "--canaries", "64", "--json", "--out", str(tmp_path / "out")])
     result = json.loads(capsys.readouterr().out)

@@ -1,8 +1,8 @@
 """What `fedpose deploy local` and the coordinator's transport make of a SuperLink or SuperNode that
-goes away, without a whole deployment (tests/federation/test_federation_deploy_faults.py runs
-those): `flwr ls` against a SuperLink that does not answer, a SuperLink that exits or cannot
-start, the watchdog's share of the run dir's lock, and Flower's own error replies for a node that
-left (built by the SuperLink's code)."""
+goes away, without a whole deployment (tests/federation/test_federation_deploy_faults.py and
+test_federation_deploy.py run those): `flwr ls` against a SuperLink that does not answer, a
+SuperLink that exits or cannot start, the watchdog's share of the run dir's lock, and Flower's own
+error replies for a node that left (built by the SuperLink's code)."""
 
 from __future__ import annotations
 

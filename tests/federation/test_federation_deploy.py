@@ -3,10 +3,12 @@ separate processes over gRPC with TLS and SuperNode authentication. Tiny model a
 
 Few deployments cover everything (each ClientApp is a new process that imports torch + opacus, so
 rounds are slow on a loaded 2-core machine): (A) results, wire protocol, metrics, what leaves a
-site, and a site that runs out of budget; (B) a site killed mid-round, then the coordinator killed
-and resumed (the killed site is back and its spend is picked up from its next report); (C) a site
-with a corrupt image: a visible, attributed failure and exit code 3, and --resume on the finished
-run; (D) deploy local itself SIGKILLed: nothing it started survives."""
+site, and a site that runs out of budget; (B) a site's SuperNode killed while its ClientApp runs
+(the disconnect ends the round, which says so), then the coordinator killed and resumed (the killed
+site is back and its spend is picked up from its next report); (C) a site with a corrupt image: a
+visible, attributed failure and exit code 3, and --resume on the finished run; (D) deploy local
+itself SIGKILLed: nothing it started survives. Faults that need a deployment of their own (a lost
+SuperLink) are in test_federation_deploy_faults.py."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import pytest
 
 from fedpose.federation.report import SITE_FAILURE_EXIT
 from federation_helpers import (
+    assert_budget_ledger_and_true_spend_agree,
     corrupt_image,
     deploy_output,
     epsilon_after_rounds,
@@ -214,15 +217,29 @@ def _trainable_shapes(run_dir: Path) -> dict[str, tuple[int, ...]]:
     return {k: tuple(p.shape) for k, p in model.trainable_parameters().items()}
 
 
-def test_killed_site_goes_missing_then_killed_coordinator_resumes_with_the_same_ledger(tmp_path: Path, data_dir: Path) -> None:
+def test_a_site_killed_while_its_clientapp_runs_goes_missing_then_killed_coordinator_resumes_with_the_same_ledger(
+        tmp_path: Path, data_dir: Path) -> None:
+    """site-2's machine goes while its round-2 ClientApp runs: the disconnect ends round 2 (not its
+    timeout), which says so; Ctrl-C then kills the coordinator, and --resume continues the run with
+    the same ledger, site-2 back and every spend counted once."""
+    timeout = 150.0
     # Four rounds: Ctrl-C lands in round 3 or just after it, so at least one round is left to resume.
-    config = tiny_federation(tmp_path, data_dir, sites=2, rounds=4, timeout=150.0)
+    config = tiny_federation(tmp_path, data_dir, sites=2, rounds=4, timeout=timeout)
     run_dir, base = tmp_path / "run", free_base_port()
     proc = start_deploy(config, run_dir, base, 2)
     try:
         wait_for(lambda: len(history(run_dir)) >= 1, 400, "round 1", proc)
-        pids = json.loads((run_dir / "pids.json").read_text())
-        os.killpg(pids["supernode-site-2"], signal.SIGKILL)  # mid-run: round 2 is being sent now
+        supernode = json.loads((run_dir / "pids.json").read_text())["supernode-site-2"]
+        tree = wait_for(lambda: (lambda t: t if any("flwr-clientapp" in c for c in t.values()) else None)(process_tree(supernode)),
+                        300, "site-2's round-2 ClientApp", proc, poll=0.2)
+        # the machine goes: SuperNode, SuperExec and ClientApp (before the ClientApp has imported
+        # torch, so before it could spend round 2)
+        os.killpg(supernode, signal.SIGKILL)
+        for pid, _ in tree:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         wait_for(lambda: len(history(run_dir)) >= 2, 400, "round 2", proc)
         proc.send_signal(signal.SIGINT)  # Ctrl-C on the deployment: the coordinator dies with it
         proc.wait(timeout=120)
@@ -233,7 +250,11 @@ def test_killed_site_goes_missing_then_killed_coordinator_resumes_with_the_same_
 
     rounds = history(run_dir)
     assert rounds[1]["sites"]["site-1"]["status"] == "ok" and rounds[1]["aggregated"]
-    assert rounds[1]["sites"]["site-2"]["status"] == "missing"
+    reason = rounds[1]["sites"]["site-2"]["reason"]
+    assert rounds[1]["sites"]["site-2"]["status"] == "missing" and reason.startswith(
+        "the site disconnected: Flower declared its node gone"), reason
+    # the disconnect ended the round (Flower declares a node gone ≤ 2 × 30 s after its last heartbeat)
+    assert rounds[1]["exchange_seconds"] < 0.8 * timeout, rounds[1]["exchange_seconds"]
     before = {(e.site_id, e.round): e for e in ledger_rows(run_dir)}
     assert before[("site-2", 2)].status == "missing" and before[("site-1", 2)].status == "ok"
     done = max(r for _, r in before)
@@ -242,9 +263,13 @@ def test_killed_site_goes_missing_then_killed_coordinator_resumes_with_the_same_
     proc = start_deploy(config, run_dir, base, 2, "--resume", "--allow-site-failures")
     output = _finish(proc)
     assert proc.returncode == 0, output  # site-2 missed rounds: allowed, and summarised
-    assert "round   2 site-2: missing — the site disconnected" in output, output
+    # the resumed deployment prints every round of the run, round 2 with why site-2 is missing
+    (line,) = [l for l in output.splitlines() if l.startswith("round   2 |")]
+    assert "site-2: missing (the site disconnected: Flower declared its node gone" in line, line
+    assert "round   2 site-2: missing — the site disconnected" in output, output  # the failure summary
     assert output.strip().splitlines()[-1].startswith("run 'itest': 4 rounds completed in total; report:"), output
     assert f"resuming run 'itest' after round {done}" in (run_dir / "logs" / "coordinator.log").read_text()
+    assert not no_leftover_processes(run_dir)
     rounds = history(run_dir)
     assert [r["round"] for r in rounds] == [1, 2, 3, 4]
     after = {(e.site_id, e.round): e for e in ledger_rows(run_dir)}
@@ -256,11 +281,11 @@ def test_killed_site_goes_missing_then_killed_coordinator_resumes_with_the_same_
     back = done + 1
     assert {("site-2", r) for r in (1, 2, back)} <= set(after)
     assert all(after[("site-2", r)].status == "missing" for r in range(2, back) if ("site-2", r) in after)
-    assert after[("site-2", back)].status == "ok"
+    assert after[("site-2", 1)].status == "ok" and after[("site-2", back)].status == "ok"
     assert after[("site-2", back)].epsilon == pytest.approx(epsilon_after_rounds(2), rel=1e-6)
-    for site_id, spent in (("site-1", [1, 2, 3, 4]), ("site-2", [1, *range(back, 5)])):
-        entries = site_budget(run_dir, site_id)["entries"]
-        assert [e["round"] for e in entries if e["status"] == "spent"] == spent  # no round spent twice
+    # each site's budget = the ledger = its true spend (the rounds its own log says it trained in)
+    assert_budget_ledger_and_true_spend_agree(run_dir, "site-1", [1, 2, 3, 4])
+    assert_budget_ledger_and_true_spend_agree(run_dir, "site-2", [1, *range(back, 5)])
 
 
 def test_a_corrupt_image_fails_its_site_visibly_and_resume_says_the_run_is_finished(tmp_path: Path, data_dir: Path) -> None:
