@@ -76,9 +76,9 @@ class CoordinatorSecAggRound:
         if count < self.threshold:
             # the refusals say why: without them, sites refusing a (buggy or malicious) request read as lost sites
             refused: dict[str, list[str]] = {}
-            for _, refusal in sorted(self.refusals.items()):
+            for refusal in self.refusals.values():
                 refused.setdefault(refusal.reason, []).append(refusal.site_id)
-            why = "".join(f"; refused by {', '.join(sites)} ({reason})" for reason, sites in sorted(refused.items()))
+            why = "".join(f"; refused by {', '.join(sorted(sites))} ({reason})" for reason, sites in sorted(refused.items()))
             raise RoundAbandoned(f"{count} of {len(self.participants)} sites after {stage} < threshold t = {self.threshold}{why}")
 
     def _note_refusal(self, node: int, message: protocol.SecAggSiteMessage) -> bool:
