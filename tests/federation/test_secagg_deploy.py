@@ -44,6 +44,7 @@ import subprocess
 import sys
 import time
 import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -433,21 +434,15 @@ def test_dropouts_after_masking_recovered_then_abandoned_and_a_site_requiring_se
     deployment = Deployment(tmp_path / "deploy", site_tomls)
     after_kill: dict[int, float] = {}  #: seconds from the kill to the round's end
     try:
-        import threading
-
-        runner: dict[str, Any] = {}
-        thread = threading.Thread(target=lambda: runner.update(result=_try(deployment.run, secure)))
-        thread.start()
-        try:
+        with ThreadPoolExecutor(max_workers=1) as pool:  # the run goes on while this thread kills sites
+            run = pool.submit(deployment.run, secure)
             for round_id, victims, others in ((1, ["site-4"], ["site-1", "site-2", "site-3"]), (2, ["site-2", "site-3"], ["site-1"])):
                 killed = drop_after_masking(deployment, tmp_path, round_id, victims, others)
                 wait_for(lambda: len(_rounds(tmp_path / "secure")) >= round_id, 400, f"round {round_id}", deployment.superlink, poll=0.5)
                 after_kill[round_id] = time.monotonic() - killed
                 if round_id == 1:
                     after_round_1, _ = load_array_checkpoint(tmp_path / "secure" / GLOBAL_CHECKPOINT)
-        finally:
-            thread.join(timeout=900)
-        output, seconds = runner["result"] if not isinstance(runner["result"], BaseException) else _raise(runner["result"])
+            output, seconds = run.result(timeout=900)
         first, second = history(tmp_path / "secure")
         lines = round_lines(output)
 
@@ -491,14 +486,3 @@ def test_dropouts_after_masking_recovered_then_abandoned_and_a_site_requiring_se
     finally:
         deployment.close()
     assert not no_leftover_processes(tmp_path / "deploy")
-
-
-def _try(fn, *args):
-    try:
-        return fn(*args)
-    except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
-        return exc
-
-
-def _raise(exc: BaseException):
-    raise exc
