@@ -113,8 +113,21 @@ def test_too_few_unmask_answers_abandon_the_round() -> None:
     updates = _updates(3)
     coordinator.receive_masked({node: sessions[node].mask(updates[node]) for node in (1, 2, 3)})
     request = coordinator.unmask_request()
-    with pytest.raises(RoundAbandoned, match="after unmasking"):
+    with pytest.raises(RoundAbandoned, match="after unmasking") as abandoned:
         coordinator.unmask({1: answer(sessions[1], "site-1", request)})
+    assert "refused" not in str(abandoned.value)  # lost answers, no refusal
+
+
+def test_an_abandoned_round_names_the_sites_that_refused_and_why() -> None:
+    coordinator, sessions = _round(3)
+    updates = _updates(3)
+    coordinator.receive_masked({node: sessions[node].mask(updates[node]) for node in (1, 2, 3)})
+    honest = coordinator.unmask_request()
+    both = honest.model_copy(update={"dropped": [1]})  # node 1 as survivor and dropped
+    with pytest.raises(RoundAbandoned) as abandoned:
+        coordinator.unmask({node: answer(s, s.site_id, both) for node, s in sessions.items()})
+    assert str(abandoned.value) == ("0 of 3 sites after unmasking < threshold t = 2; "
+                                    "refused by site-1, site-2, site-3 (both-shares-of-one-peer)")
 
 
 # -- a malicious coordinator --------------------------------------------------------------------------------

@@ -74,7 +74,12 @@ class CoordinatorSecAggRound:
 
     def _enough(self, count: int, stage: str) -> None:
         if count < self.threshold:
-            raise RoundAbandoned(f"{count} of {len(self.participants)} sites after {stage} < threshold t = {self.threshold}")
+            # the refusals say why: without them, sites refusing a (buggy or malicious) request read as lost sites
+            refused: dict[str, list[str]] = {}
+            for refusal in self.refusals.values():
+                refused.setdefault(refusal.reason, []).append(refusal.site_id)
+            why = "".join(f"; refused by {', '.join(sorted(sites))} ({reason})" for reason, sites in sorted(refused.items()))
+            raise RoundAbandoned(f"{count} of {len(self.participants)} sites after {stage} < threshold t = {self.threshold}{why}")
 
     def _note_refusal(self, node: int, message: protocol.SecAggSiteMessage) -> bool:
         if isinstance(message, protocol.SecAggRefusal):
