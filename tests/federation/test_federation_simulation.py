@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import subprocess
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -255,6 +256,13 @@ def test_a_killed_site_worker_is_blamed_on_its_site_only_and_the_next_round_runs
     from federation_helpers import FEDPOSE, REPO, flower_env, no_leftover_processes, process_tree, still_running, wait_for
 
     config = tiny_federation(tmp_path, tmp_path / "data", sites=2, rounds=3, timeout=300.0)
+    # The kill must land while site-2's round 2 runs: with the federation's 6 unit slots a tiny round
+    # can end (site.log closed) between two polls on a quiet machine. The default slot count makes
+    # each step the work it was when this test was written, a round of a few seconds.
+    raw = tomllib.loads(config.read_text())
+    for site in raw["sites"]:
+        del site["privacy"]["max_batch_units"]
+    config.write_text(tomli_w.dumps(raw))
     console = tmp_path / "console.txt"
     with console.open("w") as out:
         proc = subprocess.Popen([*FEDPOSE, "simulate", "--config", str(config)], cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
