@@ -160,7 +160,8 @@ def test_out_of_memory_names_the_settings_to_lower(model: torch.nn.Module, monke
         engine.step(model, batch_of(range(4)))
     message = str(failure.value)
     assert "a 'dpsgd' step on cpu (4 samples, per-sample gradients 3 at a time" in message
-    assert message.endswith("lower train.batch_size, privacy.max_batch_units, privacy.max_records_per_unit or train.chunk_size")
+    assert message.endswith("lower train.batch_size, privacy.max_batch_units, privacy.max_records_per_unit, "
+                            "privacy.augmentation_multiplicity or train.chunk_size")
     assert isinstance(failure.value, ValueError)  # the CLI reports it as `fedpose: error: …`
 
 

@@ -158,11 +158,13 @@ def test_noise_on_an_empty_batch_is_gaussian_with_std_sigma_c_over_expected_batc
     noise = flatten([p.grad for p in model.trainable_parameters().values()]).double().numpy()
     expected_std = 1.3 * 0.7 / 5  # σC / (qN)
     n = noise.size
-    # chi-square: n·s²/σ² ~ χ²(n); accept within the central 99.9%
+    # The noise is fresh (CSPRNG), so each check may fail by chance: at 1e-6 each, never in practice
+    # (a KS threshold of 1e-3 failed once in a CI run), while a σ off by 1 % still moves the
+    # chi-square statistic (n·s²/σ² ~ χ²(n), n ≈ 9·10⁵) by ~13 of its standard deviations.
     statistic = float((noise**2).sum() / expected_std**2)
-    assert stats.chi2.ppf(0.0005, n) < statistic < stats.chi2.ppf(0.9995, n)
-    assert abs(noise.mean()) < 4 * expected_std / math.sqrt(n)
-    assert stats.kstest(noise / expected_std, "norm").pvalue > 1e-3
+    assert stats.chi2.ppf(5e-7, n) < statistic < stats.chi2.ppf(1 - 5e-7, n)
+    assert abs(noise.mean()) < 5 * expected_std / math.sqrt(n)
+    assert stats.kstest(noise / expected_std, "norm").pvalue > 1e-6
     assert engine.accountant.steps == 1  # an empty step is still a release
 
 
