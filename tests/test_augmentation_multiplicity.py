@@ -20,6 +20,7 @@ from fedpose.privacy import engine as engine_module
 from fedpose.privacy.engine import build_engine
 from fedpose.privacy.per_sample import clipped_unit_gradient_sum, flatten, frozen_features
 from test_dp_engine import SHARED_DATA, SIZE, TensorPoseSet, batch_of, loop_gradients, make_model
+from test_fixed_shape_steps import patients
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +43,6 @@ class AugmentingSet(TensorPoseSet):
         sample["image"] = sample["image"] + 0.5 * torch.randn(sample["image"].shape, generator=self._rng)
         sample["joints"] = sample["joints"] + 2.0 * torch.randn(sample["joints"].shape, generator=self._rng)
         return sample
-
-
-def patients(sizes: list[int]) -> UnitIndex:
-    members, start = [], 0
-    for size in sizes:
-        members.append(tuple(range(start, start + size)))
-        start += size
-    return UnitIndex("patient", tuple(members))
 
 
 def dp(**kwargs) -> PrivacyConfig:

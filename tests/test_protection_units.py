@@ -29,6 +29,7 @@ from fedpose.privacy.per_sample import (
 )
 from fedpose.privacy.report import describe
 from test_dp_engine import TensorPoseSet, make_model
+from test_fixed_shape_steps import patients
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -150,17 +151,9 @@ def test_public_view_mechanisms_clip_the_private_part_per_unit(model, mechanism:
 
 
 # -- sampling ---------------------------------------------------------------------------------------
-def _patients(sizes: list[int]) -> UnitIndex:
-    members, start = [], 0
-    for size in sizes:
-        members.append(tuple(range(start, start + size)))
-        start += size
-    return UnitIndex("patient", tuple(members))
-
-
 def test_poisson_sampling_is_over_units_and_takes_every_record_of_a_sampled_unit(model) -> None:
     sizes = [1, 3, 2, 5, 1, 4, 2, 2, 3, 1, 6, 2]  # 12 patients, 32 records
-    units = _patients(sizes)
+    units = patients(sizes)
     privacy = PrivacyConfig(mechanism="dpsgd", noise_multiplier=1.0, unit="patient", max_records_per_unit=6,
                             insecure_seeded_noise=True)  # the cap (default 4) at the largest unit: no subsampling
     engine = build_engine(privacy, model, units.num_records, 3, 10, seed=0, units=units)
@@ -183,7 +176,7 @@ def test_poisson_sampling_is_over_units_and_takes_every_record_of_a_sampled_unit
 
 def test_batches_carry_each_rows_unit(model) -> None:
     dataset = TensorPoseSet(10)
-    units = _patients([3, 3, 4])
+    units = patients([3, 3, 4])
     privacy = PrivacyConfig(mechanism="dpsgd", noise_multiplier=1.0, unit="patient", insecure_seeded_noise=True)
     engine = build_engine(privacy, model, len(dataset), 2, 10, seed=1, units=units)
     seen_nonempty = False
@@ -203,7 +196,7 @@ def test_batches_carry_each_rows_unit(model) -> None:
 
 
 def test_records_per_unit_cap_takes_a_uniform_subset(model) -> None:
-    units = _patients([6, 1])
+    units = patients([6, 1])
     privacy = PrivacyConfig(mechanism="dpsgd", noise_multiplier=1.0, unit="patient", max_records_per_unit=2,
                             insecure_seeded_noise=True)
     engine = build_engine(privacy, model, units.num_records, 1, 10, seed=0, units=units)
@@ -220,9 +213,9 @@ def test_records_per_unit_cap_takes_a_uniform_subset(model) -> None:
 
 def test_unit_index_must_cover_the_training_set(model) -> None:
     with pytest.raises(ValueError, match="covers 3 records, the training set has 4"):
-        build_engine(PrivacyConfig(mechanism="dpsgd", noise_multiplier=1.0), model, 4, 1, 1, units=_patients([3]))
+        build_engine(PrivacyConfig(mechanism="dpsgd", noise_multiplier=1.0), model, 4, 1, 1, units=patients([3]))
     with pytest.raises(ValueError, match="2 patients"):
-        build_engine(PrivacyConfig(mechanism="dpsgd", noise_multiplier=1.0), model, 4, 3, 1, units=_patients([2, 2]))
+        build_engine(PrivacyConfig(mechanism="dpsgd", noise_multiplier=1.0), model, 4, 3, 1, units=patients([2, 2]))
 
 
 # -- default unit ---------------------------------------------------------------------------------
@@ -302,7 +295,7 @@ def test_config_unit_is_validated_once() -> None:
 
 # -- reports ----------------------------------------------------------------------------------------
 def test_the_report_names_the_unit(model) -> None:
-    units = _patients([2, 2, 1, 3])
+    units = patients([2, 2, 1, 3])
     privacy = PrivacyConfig(mechanism="dpsgd", noise_multiplier=1.0, unit="patient", delta=1e-5)
     engine = build_engine(privacy, model, units.num_records, 1, 10, seed=0, units=units)
     engine.step(model, engine_module.collate([], engine_module.collate([TensorPoseSet(1)[0]])))
