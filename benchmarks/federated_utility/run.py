@@ -83,6 +83,8 @@ class Settings(BaseModel):
     #: recovers; 0.1 ended highest (probes.json), 0.3 diverged
     nonprivate_lr: float = 0.1
     site_momentum: float = 0.9
+    #: the sites' optimizer (every arm): "sgd" (momentum ``site_momentum``) or "adamw" (weight decay 0)
+    site_optimizer: str = "sgd"
     max_grad_norm: float = 1.0
     #: measured on a demo-scale probe (128×96, pdp ε 6.6, seed 0): k 16 of 32 → +1.2 over the warm
     #: start, k 48 of 64 → +2.6, k 64 of 64 → +1.9–2.0 (PCKh@0.5, mixture; ±2 is noise)
@@ -98,6 +100,9 @@ class Settings(BaseModel):
     aggregation: str = "fedavg"
     server_lr: float = 1.0
     server_momentum: float = 0.9
+    #: coordinator.ema.decay: 0 off; else every arm is evaluated on the moving average of the global
+    #: models over rounds (post-processing of the released models: free in privacy)
+    ema_decay: float = 0.0
     delta: float = 1e-5
     unit: str = "patient"
     #: images of a sampled patient in a step (uniformly chosen); the patient is clipped as one unit
@@ -247,7 +252,8 @@ def site_config(settings: Settings, arm: Arm, site_id: str, train: Path, public:
     return SiteConfig.model_validate({
         "site_id": site_id, "data": {"train": str(train)}, "public_data": str(public),
         "state_dir": str(state), "eps_max": (arm.epsilon or 1.0) * (1 + 1e-6), "local_steps": settings.local_steps,
-        "optim": {"name": "sgd", "lr": settings.site_lr if arm.mechanism != "none" else settings.nonprivate_lr, "momentum": settings.site_momentum, "weight_decay": 0.0},
+        "optim": {"name": settings.site_optimizer, "lr": settings.site_lr if arm.mechanism != "none" else settings.nonprivate_lr,
+                  "momentum": settings.site_momentum, "weight_decay": 0.0},
         "train": {"batch_size": batch_size, "seed": arm.seed * 100 + int(site_id.rsplit("-", 1)[-1] if site_id[-1].isdigit() else 0),
                   "threads": settings.threads},
         "privacy": privacy,
@@ -301,11 +307,12 @@ def run_arm(settings: Settings, arm: Arm, data: Path, work: Path) -> dict[str, A
                       "refresh_every_rounds": settings.refresh_every_rounds},
             "model": {"backbone": settings.backbone, "scenario": settings.scenario, "init_checkpoint": str(init)},
             "aggregation": {"strategy": settings.aggregation, "server_lr": settings.server_lr, "momentum": settings.server_momentum},
+            "ema": {"decay": settings.ema_decay},
             "seed": arm.seed,
         }})
         lines: list[str] = []
         RoundRunner(run, echo=lines.append).run_rounds(InProcessTransport(sites))
-        model = load_global_model(arm_dir / "coordinator").model
+        model = load_global_model(arm_dir / "coordinator").model  # its moving average when ema_decay > 0
         history = load_history(arm_dir / "coordinator")
         initial = json.loads((arm_dir / "coordinator" / "report.json").read_text()).get("initial_pckh")
         last_sites = history[-1].sites if history else {}
@@ -356,6 +363,9 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (separate processes)")
     parser.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)  # "i/n": run every n-th pending arm
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--collect-probes", type=Path, default=None, metavar="JSON",
+                        help="write every probe under --work (settings that differ from the defaults, each run's "
+                             "scores and curve) to JSON, then exit")
     parser.add_argument("--out", type=Path, default=HERE, help="where results.{json,md,png} go")
     args = parser.parse_args()
 
@@ -366,6 +376,9 @@ def main() -> int:
         except json.JSONDecodeError:
             return text
 
+    if args.collect_probes:
+        collect_probes(args.work, args.collect_probes)
+        return 0
     raw = {k: value(v) for k, v in (o.split("=", 1) for o in args.overrides)}
     settings = Settings.model_validate(raw)
     work = args.work
@@ -418,6 +431,30 @@ def summarize_probe(arms: list[Arm], work: Path) -> None:
         scores = part["scores"]
         own = [scores[s]["pckh50"] for s in scores if s.startswith("site-")]
         print(f"{key}: own splits {np.mean(own):.2f} mixture {scores['mixture']['pckh50']:.2f} curve {part.get('curve_mixture_pckh50')}")
+
+
+def collect_probes(work: Path, out: Path) -> None:
+    """Every ``probe-*`` run under ``work`` as one tuning record: what each probe changed (settings
+    that differ from the defaults) and what each of its runs scored."""
+    from fedpose.io import atomic_write_json
+
+    defaults = Settings().model_dump()
+    probes = []
+    for directory in sorted(work.glob("probe-*")):
+        settings = Settings.model_validate_json((directory / "settings.json").read_text())
+        changed = {k: v for k, v in settings.model_dump().items() if v != defaults[k]}
+        runs = []
+        for path in sorted((directory / "parts").glob("*.json")):
+            part = json.loads(path.read_text())
+            scores = part["scores"]
+            runs.append({"arm": part["key"], "mixture_pckh50": scores["mixture"]["pckh50"],
+                         "own_splits_pckh50": {k: v["pckh50"] for k, v in scores.items() if k != "mixture"},
+                         "curve_mixture_pckh50": [None if x is None else round(x, 2) for x in part.get("curve_mixture_pckh50") or []],
+                         "noise_multiplier": part.get("noise_multiplier"), "epsilon_spent": part.get("epsilon_spent"),
+                         "wall_seconds": part["wall_seconds"], "load_before": part.get("load_before")})
+        probes.append({"probe": directory.name, "changed_settings": changed, "runs": runs})
+    atomic_write_json(out, {"defaults": defaults, "probes": probes})
+    print(f"{len(probes)} probes → {out}")
 
 
 def arm_table(settings: Settings, parts: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
