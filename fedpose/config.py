@@ -182,6 +182,11 @@ class BasisConfig(Strict):
     refresh_every: int = Field(50, ge=1, description="steps between basis refreshes")
     public_data: Path | None = Field(None, description="public dataset directory (S_pub)")
     dtype: Literal["float32", "float16", "bfloat16"] = Field("float32", description="storage dtype of V")
+    public_rotation: float = Field(
+        0.0, ge=0, le=180,
+        description="degrees: the basis sees each public image turned by a fixed angle drawn uniformly in ± this "
+        "(0: upright). For sites whose patients lie tilted beyond public photos (in bed); public data only, no privacy cost",
+    )
 
 
 class BlurConfig(Strict):

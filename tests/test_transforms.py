@@ -316,3 +316,30 @@ def test_weight_boundary_is_the_simcc_range(mpii):
     moved = type(record)(record.image, joints, np.ones(NUM_JOINTS, np.float32), record.center, record.scale)
     weight = PoseDataset([moved], root, INPUT, train=False)[0]["weight"].numpy()
     assert [weight[JOINT_INDEX[n]] for n in names] == [0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+
+
+def test_basis_view_turns_each_public_image_by_a_fixed_angle_about_the_crop_centre() -> None:
+    """public_basis_dataset (privacy.basis.public_rotation): the same angle per image on every
+    construction, within ±rotation; each labelled joint is the upright view's joint rotated about the
+    crop centre by that angle (so only the view turns, not the labels' meaning); 0 is the plain view."""
+    from fedpose.data.dataset import public_basis_dataset
+
+    directory = DATA / "mpii-real"
+    upright = public_basis_dataset(directory, (128, 96))
+    plain = PoseDataset(*load_records(directory), input_size=(128, 96), train=False)
+    turned, again = (public_basis_dataset(directory, (128, 96), public_rotation=60.0) for _ in range(2))
+    centre = np.array([96 / 2, 128 / 2])  # (x, y) of the crop centre
+    angles = []
+    for i in range(len(upright)):
+        assert torch.equal(upright[i]["image"], plain[i]["image"])
+        a, b, u = turned[i], again[i], upright[i]
+        assert a["rotation"] == b["rotation"] and torch.equal(a["image"], b["image"])
+        theta = math.radians(a["rotation"])
+        rotate = np.array([[math.cos(theta), math.sin(theta)], [-math.sin(theta), math.cos(theta)]])  # content turns by -rot
+        expected = (u["joints"].numpy() - centre) @ rotate.T + centre
+        labelled = u["weight"].numpy() > 0
+        assert np.allclose(a["joints"].numpy()[labelled], expected[labelled], atol=1e-3)
+        angles.append(a["rotation"])
+    assert all(abs(x) <= 60.0 for x in angles) and len(set(angles)) == len(angles) and max(map(abs, angles)) > 10.0
+    with pytest.raises(ValueError, match="fixed_rotations"):
+        PoseDataset(*load_records(directory), input_size=(128, 96), train=True, fixed_rotations=[0.0] * len(upright))

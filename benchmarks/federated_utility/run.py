@@ -95,6 +95,8 @@ class Settings(BaseModel):
     #: global weights); N: coordinator basis.source = "sites", each site recomputes V from its own
     #: copy of the public split every N local steps, at its current local weights (PDP-SGD's schedule)
     site_basis_refresh_steps: int | None = None
+    #: privacy.basis.public_rotation of a site-computed basis (degrees; 0: upright public images)
+    basis_public_rotation: float = 0.0
     public_view_factor: int = 8
     public_view_bits: int = 3
     aggregation: str = "fedavg"
@@ -248,7 +250,7 @@ def site_config(settings: Settings, arm: Arm, site_id: str, train: Path, public:
                        public_view={"kind": "downsample_quantize", "factor": settings.public_view_factor, "bits": settings.public_view_bits})
         if settings.site_basis_refresh_steps is not None:
             privacy["basis"] = {"k": settings.k, "public_samples": settings.public_samples,
-                                "refresh_every": settings.site_basis_refresh_steps}
+                                "refresh_every": settings.site_basis_refresh_steps, "public_rotation": settings.basis_public_rotation}
     return SiteConfig.model_validate({
         "site_id": site_id, "data": {"train": str(train)}, "public_data": str(public),
         "state_dir": str(state), "eps_max": (arm.epsilon or 1.0) * (1 + 1e-6), "local_steps": settings.local_steps,

@@ -193,6 +193,28 @@ def _round_down_f32(values: np.ndarray) -> np.ndarray:
     return np.where(rounded > values, np.nextafter(rounded, np.float32(-np.inf)), rounded).astype(np.float32)
 
 
+#: the fixed seed of the basis view's rotations (:func:`public_basis_dataset`): a public choice, so
+#: every run and every site sees the same tilted public images
+BASIS_VIEW_SEED = 0
+
+
+def public_basis_dataset(path: str | Path, input_size: tuple[int, int], public_rotation: float = 0.0) -> "PoseDataset":
+    """S_pub as the projection basis sees it (``privacy.basis``): un-augmented crops, each image turned
+    by a fixed angle drawn uniformly in ±``public_rotation`` degrees (0: upright).
+
+    Why: the basis spans the gradients of the public images at the current weights. Patients in a
+    hospital bed lie tilted far beyond what public photo collections show (the synthetic sites
+    40–60°, the public split within ±30°); upright public images then miss the directions those
+    patients need, tilted ones span them (benchmarks/federated_utility/probes.json). Public images
+    and a fixed seed: V stays a function of public data only, so it costs no privacy.
+    """
+    records, root = load_records(path)
+    rotations = None
+    if public_rotation > 0:
+        rotations = np.random.default_rng(BASIS_VIEW_SEED).uniform(-public_rotation, public_rotation, len(records))
+    return PoseDataset(records, root, input_size=input_size, train=False, fixed_rotations=rotations)
+
+
 class PoseDataset(Dataset):
     """Torch dataset of person crops; see the module docstring for the sample dict."""
 
@@ -210,6 +232,7 @@ class PoseDataset(Dataset):
         cache_images: bool = False,
         public_view: PublicImageView | None = None,
         reduced_decode: bool = True,
+        fixed_rotations: Sequence[float] | None = None,
     ) -> None:
         if len(input_size) != 2 or min(input_size) <= 0:
             raise ValueError(f"input_size must be (H, W) with positive sides, got {input_size}")
@@ -217,8 +240,12 @@ class PoseDataset(Dataset):
             raise ValueError(f"scale_jitter must be in [0, 1), got {scale_jitter}")
         if padding <= 0:
             raise ValueError(f"padding must be positive, got {padding}")
+        if fixed_rotations is not None and (train or len(fixed_rotations) != len(records)):
+            raise ValueError("fixed_rotations: one angle per record, for a deterministic view (train=False) only")
         self.records = list(records)
         self.root = Path(root)
+        #: a deterministic view's per-record rotation in degrees (privacy.basis.public_rotation)
+        self.fixed_rotations = None if fixed_rotations is None else [float(a) for a in fixed_rotations]
         self.input_size = (int(input_size[0]), int(input_size[1]))
         self.train = train
         self.flip = flip
@@ -334,16 +361,16 @@ class PoseDataset(Dataset):
             self._rng_pid = os.getpid()
         return self._rng
 
-    def augmentation(self) -> Augmentation:
+    def augmentation(self, index: int) -> Augmentation:
         if not self.train:
-            return Augmentation()
+            return Augmentation(rotation=self.fixed_rotations[index] if self.fixed_rotations is not None else 0.0)
         return sample_augmentation(self._generator(), self.scale_jitter, self.rotation, self.flip)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         if not 0 <= index < len(self.records):
             raise IndexError(f"index {index} out of range for a dataset of {len(self.records)}")
         record = self.records[index]
-        aug = self.augmentation()
+        aug = self.augmentation(index)
         scale = float(record.scale) * self.padding
         center = np.asarray(record.center, dtype=np.float32)
         matrix = crop_transform(center, scale, self.input_size, aug)

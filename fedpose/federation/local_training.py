@@ -425,10 +425,9 @@ def _train_site_round(
     public_dataset = None
     if basis is None and site.public_data is not None and mechanism.projects:
         # no coordinator basis: the engine computes its own from the site's copy of S_pub
-        from fedpose.data.dataset import PoseDataset, load_records
+        from fedpose.data.dataset import public_basis_dataset
 
-        public_records, public_root = load_records(site.public_data)
-        public_dataset = PoseDataset(public_records, public_root, input_size=model_spec.input_size, train=False)
+        public_dataset = public_basis_dataset(site.public_data, model_spec.input_size, site.privacy.basis.public_rotation)
     if units is None and budget is not None:
         units = site_units(site, dataset, budget.unit)
     engine = build_engine(

@@ -277,7 +277,11 @@ def run_training(
     if mechanism.projects:
         if cfg.privacy.basis.public_data is None:
             raise ConfigError(f"privacy.basis.public_data: required for mechanism '{cfg.privacy.mechanism}' in fedpose train")
-        public_set = _load_dataset(Path(cfg.privacy.basis.public_data), cfg, train=False, seed=seed)
+        from fedpose.data.dataset import public_basis_dataset
+
+        public_set = public_basis_dataset(cfg.privacy.basis.public_data, cfg.data.input_size, cfg.privacy.basis.public_rotation)
+        if not public_set.records:
+            raise ConfigError(f"{cfg.privacy.basis.public_data}: the dataset has no records")
 
     model = build_model(cfg.model if checkpoint is None else cfg.model.model_copy(update={"init_checkpoint": None}),
                         cfg.data.input_size)

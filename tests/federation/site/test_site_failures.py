@@ -159,3 +159,23 @@ def test_a_projecting_site_without_a_shipped_basis_computes_its_own(data_root: P
     assert result.reply.status == "ok" and result.update
     (engine,) = engines
     assert len(engine.basis_seconds) == 2 and engine.basis is not None and engine.basis.vectors.shape[1] == 2
+
+
+def test_a_site_basis_sees_the_public_images_turned_by_privacy_basis_public_rotation(
+    data_root: Path, tmp_path: Path, weights: tuple
+) -> None:
+    """privacy.basis.public_rotation reaches the site's own basis: its public set shows every image at
+    its fixed angle within ±public_rotation (upright without it), and training runs on it."""
+    basis = {"k": 2, "public_samples": 4, "refresh_every": 2}
+    state, spec = weights
+    angles = {}
+    for rotation in (0.0, 60.0):
+        site = site_config(data_root, tmp_path / f"state-{rotation:g}", mechanism="pdp", basis={**basis, "public_rotation": rotation},
+                           local_steps=2).model_copy(update={"public_data": data_root / "public"})
+        engines: list = []
+        result = train_site_round(site, "run", 1, state, spec, local_steps=2, engine_hook=engines.append)
+        assert result.reply.status == "ok" and result.update
+        public = engines[0].public_dataset
+        angles[rotation] = [public[i]["rotation"] for i in range(len(public))]
+    assert all(a == 0.0 for a in angles[0.0])
+    assert all(abs(a) <= 60.0 for a in angles[60.0]) and max(abs(a) for a in angles[60.0]) > 10.0
