@@ -94,13 +94,8 @@ def _free(port: int) -> bool:
         return True
 
 
-#: Flower's SuperExec asks its SuperNode (SuperLink) for a ClientApp (ServerApp) to launch every 1 s by
-#: default; every message starts a ClientApp (a SecAgg round: four in a row), so the tests ask 5× as often
-SUPEREXEC_POLL_S = "0.2"
-
-
 def flower_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": SUPEREXEC_POLL_S, **extra}
+    return dict(os.environ, FLWR_TELEMETRY_ENABLED="0", **extra)
 
 
 def start_deploy(config: Path, run_dir: Path, base_port: int, sites: int, *extra: str, env: dict | None = None) -> subprocess.Popen:
