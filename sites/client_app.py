@@ -32,7 +32,6 @@ from flwr.clientapp.typing import Mod
 from fedpose.config import ConfigError, load_config
 from fedpose.federation import protocol
 from fedpose.federation.config import FederationConfig, SiteConfig
-from fedpose.federation.local_training import run_site_round
 from fedpose.federation.secagg import site as secagg_site
 from fedpose.federation.site_budget import SITE_LOG_FILE
 from sites.egress import egress_guard
@@ -139,6 +138,9 @@ def handle_secagg(msg: Message, context: Context, site: SiteConfig) -> Message:
 
 
 def handle_train(msg: Message, context: Context, site: SiteConfig) -> Message:
+    # here, not at import: each message is a fresh ClientApp process, and a SecAgg stage needs no training code
+    from fedpose.federation.local_training import run_site_round
+
     instruction = protocol.decode_instruction(dict(msg.content[protocol.CONFIG_RECORD]))
     basis_message = None
     if protocol.BASIS_RECORD in msg.content:

@@ -71,9 +71,13 @@ def epsilon_after_rounds(rounds: int) -> float:
 
 
 def free_base_port() -> int:
-    """A base port with base..base+30 free on 127.0.0.1."""
+    """A base port with base..base+30 free on 127.0.0.1. Under pytest-xdist each worker draws from
+    bases of its own (base / 50 ≡ worker index, modulo the worker count), so two workers' federations
+    never pick one range (a check here and the bind later could otherwise race)."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     for _ in range(200):
-        base = random.randrange(20000, 60000, 50)
+        base = random.randrange(20000 + 50 * worker, 60000, 50 * workers)
         if all(_free(base + i) for i in range(31)):
             return base
     raise RuntimeError("no free port range")

@@ -25,7 +25,6 @@ from collections import defaultdict
 from typing import Sequence
 
 import numpy as np
-from scipy import optimize, special, stats
 
 from fedpose.privacy.accountants.base import ADD_REMOVE, REPLACE_PUBLIC_MEMBERSHIP, Event, check_delta, check_relation, effective
 
@@ -37,6 +36,8 @@ _TAIL_MASS = 1e-18
 
 def gaussian_delta(epsilon: float, mu: np.ndarray) -> np.ndarray:
     """δ_G(ε; μ) of the Gaussian mechanism with sensitivity/std ratio μ (0 where μ = 0), stably in logs."""
+    from scipy import special  # here, not at import: a site's SecAgg stage process loads this module, never calls it
+
     mu = np.asarray(mu, dtype=float)
     out = np.zeros_like(mu)
     positive = mu > 0
@@ -49,6 +50,8 @@ def gaussian_delta(epsilon: float, mu: np.ndarray) -> np.ndarray:
 
 def _sampled_steps_distribution(events: Sequence[Event]) -> tuple[np.ndarray, np.ndarray, float]:
     """(μ² values, probabilities, dropped mass) of μ² = Σ_j 4 k_j/σ_j², k_j ~ Binomial(T_j, q_j)."""
+    from scipy import stats
+
     by_sigma: dict[float, list[Event]] = defaultdict(list)
     for event in events:
         by_sigma[event.noise_multiplier].append(event)
@@ -77,6 +80,8 @@ def replace_public_membership_delta(events: Sequence[Event], epsilon: float) -> 
 
 
 def replace_public_membership_epsilon(events: Sequence[Event], delta: float) -> float:
+    from scipy import optimize
+
     events = effective(events)
     mu_squared, probs, dropped = _sampled_steps_distribution(events)
     mu = np.sqrt(mu_squared)
