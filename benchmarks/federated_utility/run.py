@@ -455,7 +455,13 @@ def collect_probes(work: Path, out: Path) -> None:
                          "noise_multiplier": part.get("noise_multiplier"), "epsilon_spent": part.get("epsilon_spent"),
                          "wall_seconds": part["wall_seconds"], "load_before": part.get("load_before")})
         probes.append({"probe": directory.name, "changed_settings": changed, "runs": runs})
-    atomic_write_json(out, {"defaults": defaults, "probes": probes})
+    atomic_write_json(out, {
+        "what": "tuning probes of benchmarks/federated_utility (--probe): each probe's settings that differ from "
+                "the defaults, and every run's scores; tuning data (its data_seed), never a reported split",
+        "conditions": {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                       "note": "one torch thread per run, two runs at a time beside other work: see each run's "
+                               "load_before; wall_seconds are not timings"},
+        "defaults": defaults, "probes": probes})
     print(f"{len(probes)} probes → {out}")
 
 
