@@ -362,16 +362,18 @@ class PoseDataset(Dataset):
             self._rng_pid = os.getpid()
         return self._rng
 
-    def augmentation(self, index: int) -> Augmentation:
+    def augmentation(self) -> Augmentation:
+        """The next draw of the training augmentation (none for a deterministic view); resuming a
+        run replays these draws to restore the stream (fedpose.train.central)."""
         if not self.train:
-            return Augmentation(rotation=self.fixed_rotations[index] if self.fixed_rotations is not None else 0.0)
+            return Augmentation()
         return sample_augmentation(self._generator(), self.scale_jitter, self.rotation, self.flip)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         if not 0 <= index < len(self.records):
             raise IndexError(f"index {index} out of range for a dataset of {len(self.records)}")
         record = self.records[index]
-        aug = self.augmentation(index)
+        aug = self.augmentation() if self.fixed_rotations is None else Augmentation(rotation=self.fixed_rotations[index])
         scale = float(record.scale) * self.padding
         center = np.asarray(record.center, dtype=np.float32)
         matrix = crop_transform(center, scale, self.input_size, aug)
