@@ -1,4 +1,4 @@
-"""Trainable-parameter sets (issue 26): norms_head, norms and lora next to finetune.
+"""Trainable-parameter sets (issue 26): norms_head, norms, biases_norms and lora next to finetune.
 
 What each scenario trains, that the DP engine noises exactly that set and nothing else moves,
 that per-sample gradients stay exact through the adapters, that a fresh lora model computes its
@@ -32,7 +32,7 @@ from fedpose.privacy.per_sample import flatten, frozen_features, per_sample_grad
 from fedpose.train.optim import build_optimizer
 
 SIZE = (64, 64)
-NEW_SCENARIOS = ("norms_head", "norms", "lora")
+NEW_SCENARIOS = ("norms_head", "norms", "biases_norms", "lora")
 
 
 def make(scenario: str, seed: int = 0, **kwargs) -> torch.nn.Module:
@@ -86,10 +86,15 @@ def test_each_new_scenario_trains_the_documented_set() -> None:
         expected = {
             "norms_head": norms | head,
             "norms": norms | {n for n in head if not n.startswith("head.joint_conv.")},
+            "biases_norms": norms | {n for n in names if n.endswith(".bias")},
             "lora": norms | head | adapters,
         }[scenario]
         assert set(model.trainable_parameters()) == expected, scenario
         assert bool(adapters) == (scenario == "lora")
+        if scenario == "biases_norms":  # biases from the first convolution on: nothing is frozen in front
+            assert model.frozen_prefix == [] and model.norm_tuned_part == []
+            assert not any(n.endswith(".weight") and n not in norms for n in model.trainable_parameters())
+            continue
         # the frozen prefix is what it is for finetune: nothing before stage 1's blocks trains
         assert model.frozen_prefix == ["backbone.patch_embed", "backbone.stages.0", "backbone.stages.1.downsample"]
     lora = make("lora")
@@ -104,8 +109,9 @@ def test_each_new_scenario_trains_the_documented_set() -> None:
 
 
 def test_smaller_sets_are_smaller() -> None:
-    counts = {s: make(s).num_trainable() for s in ("full", "finetune", "lora", "norms_head", "norms")}
-    assert counts["full"] > counts["finetune"] > counts["lora"] > counts["norms_head"] > counts["norms"]
+    counts = {s: make(s).num_trainable() for s in ("full", "finetune", "lora", "norms_head", "norms", "biases_norms")}
+    assert counts["full"] > counts["finetune"] > counts["lora"] > counts["norms_head"] > counts["norms"] > counts["biases_norms"]
+    assert counts["biases_norms"] < 0.01 * counts["full"]
     lora = make("lora", lora_rank=2)
     adapters = sum(p.numel() for n, p in lora.named_parameters() if is_adapter_key(n))
     assert lora.num_trainable() == counts["norms_head"] + adapters
@@ -325,3 +331,20 @@ def test_fedpose_export_publishes_a_federated_lora_model(tmp_path: Path) -> None
     with torch.no_grad():
         assert all(torch.equal(a, b) for a, b in zip(exported(images), model(images)))
     assert "(lora: rank-8 adapters, α 8" in (tmp_path / "release" / "MODEL_CARD.md").read_text()
+
+
+def test_a_biases_norms_site_round_releases_exactly_the_biases_and_layer_norms(tmp_path: Path) -> None:
+    """The real site round on a biases_norms spec: Δ holds every bias and LayerNorm affine (each
+    moved: noise on every coordinate) and nothing else — what the coordinator aggregates."""
+    from fedpose.federation.local_training import run_site_round
+    from site_round_helpers import make_site_data, site_config
+
+    data = make_site_data(tmp_path / "data")
+    site = site_config(data, tmp_path / "state", local_steps=1)
+    model = make("biases_norms")
+    global_state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
+    result = run_site_round(site, "run", 1, global_state, model_spec(model), 1)
+    assert result.reply.status == "ok"
+    assert set(result.update) == set(model.trainable_parameters())
+    assert all(k.endswith(".bias") or k in layer_norm_parameters(model) for k in result.update)
+    assert all(np.any(result.update[k] != 0) for k in result.update)

@@ -10,6 +10,11 @@ smaller set can pay at a fixed ε (counts for tiny_vit_5m_224: ``model.scenario`
 - ``norms``: ``norms_head`` without the head's 3×3 joint conv (1.47 M of the head's 1.7 M
   parameters in tiny_vit_5m_224): the LayerNorms and the head's linear layers. The joint conv
   is the head's feature extractor, kept at its public pre-trained value.
+- ``biases_norms``: every bias and every LayerNorm affine, nothing else (BitFit, Zaken et al. 2022;
+  under DP, Bu et al. 2022): a few thousand parameters across the whole network, so DP-SGD's
+  noise (norm ∝ √p) stays small without a projection. Measured on the sweep's tuning data
+  (benchmarks/federated_utility/noise_or_subspace.json): with σ = 0 it keeps 80 % of what
+  ``finetune`` gains; PDP's public projection of ``finetune`` (k 4–48) keeps under 25 %.
 - ``lora``: low-rank adapters (:class:`LoRALinear`) on the last stage's attention qkv/proj and MLP
   fc1/fc2, every LayerNorm and the head; every base weight frozen. The last stage only: it is
   the stage ``finetune`` trains, and adapters in stages 1–2 would end their norm-tuned fast path
@@ -236,6 +241,8 @@ class PoseModel(nn.Module):
             return layer_norms | head
         if scenario == "norms":
             return layer_norms | {name for name in head if not name.startswith("head.joint_conv.")}
+        if scenario == "biases_norms":
+            return layer_norms | {name for name in names if name.endswith(".bias")}
         if scenario == "lora":
             return layer_norms | head | {name for name in names if is_adapter_key(name)}
         raise ValueError(f"model.scenario must be one of {', '.join(SCENARIOS)}, got {scenario!r}")
