@@ -70,12 +70,15 @@ def data_paths(sites: list[Any], coordinator: Any) -> dict[str, Path]:
 
 
 def ensure_federation_data(paths: dict[str, Path], synthetic: dict[str, Any] | None, n_sites: int, source: str | Path) -> None:
-    """Every path in ``paths`` exists afterwards: when some is absent and ``[synthetic]`` is given,
-    that dataset is generated (into a directory without data only); otherwise a UserError names them."""
+    """Every path in ``paths`` exists afterwards: when some is absent, or the ``[synthetic]`` dataset's
+    generation was interrupted, and ``[synthetic]`` is given, that dataset is generated or completed
+    (into a directory without other data only); otherwise a UserError names the missing paths."""
+    from fedpose.data.synthetic import interrupted_dataset
+
     def not_found() -> str:
         return "; ".join(f"{what} {path}" for what, path in paths.items() if not path.exists())
 
-    if not_found() and synthetic is not None:
+    if synthetic is not None and (not_found() or interrupted_dataset(synthetic["dir"])):
         try:
             ensure_synthetic(synthetic, n_sites)
         except UserError as exc:

@@ -67,6 +67,16 @@ def test_synthetic_data_is_made_only_where_nothing_is(tmp_path: Path, capsys: py
     assert (data / "site-2" / "annotations.json").exists()
     capsys.readouterr()
 
+    # a first run stopped during generation (Ctrl-C): every directory exists, some annotations do not —
+    # the next run completes it instead of failing later on a half-written split
+    manifest = json.loads((data / "manifest.json").read_text())
+    (data / ".synth-params.json").write_text(json.dumps(manifest["params"]))
+    (data / "manifest.json").unlink()
+    (data / "test" / "annotations.json").unlink()
+    assert _deploy_until_ports(config, tmp_path / "run", 2) == 2
+    assert (data / "test" / "annotations.json").exists() and (data / "manifest.json").exists()
+    capsys.readouterr()
+
     # a split of that dataset goes missing: an error naming it, and nothing else is touched
     shutil.rmtree(data / "site-2")
     before = _snapshot(data)

@@ -12,6 +12,7 @@ from fedpose.data.synthetic.generate import (
     SyntheticDataError,
     ensure_dataset,
     generate_dataset,
+    interrupted_dataset,
     parse_size,
     render_example,
 )
@@ -20,6 +21,6 @@ from fedpose.data.synthetic.profiles import SiteProfile, public_profile, site_pr
 
 __all__ = [
     "GENERATOR_VERSION", "MANIFEST_FILE", "SplitSpec", "SyntheticDataError", "ensure_dataset",
-    "generate_dataset", "parse_size", "render_example", "gaussian_blur", "SiteProfile",
+    "generate_dataset", "interrupted_dataset", "parse_size", "render_example", "gaussian_blur", "SiteProfile",
     "public_profile", "site_profile",
 ]

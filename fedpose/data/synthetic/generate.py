@@ -178,6 +178,13 @@ def _status(out: Path, params: dict[str, Any]) -> str:
     return "foreign"
 
 
+def interrupted_dataset(out: str | Path) -> bool:
+    """``out`` holds a generation that stopped before it finished (e.g. Ctrl-C on a first run): its
+    directories exist, some annotations do not; :func:`ensure_dataset` completes it."""
+    out = Path(out)
+    return (out / PROGRESS_FILE).exists() and not (out / MANIFEST_FILE).exists()
+
+
 def _params_differ(out: Path, params: dict[str, Any]) -> str:
     """'key: stored → wanted' for each parameter in which ``out``'s dataset differs from ``params``."""
     for marker in (MANIFEST_FILE, PROGRESS_FILE):
