@@ -4,7 +4,8 @@ One coordinator (ServerApp) and one ClientApp per ``[[sites]]`` entry of the fed
 same apps as in deployment. The optional ``[synthetic]`` table (read by this command only) names
 the synthetic dataset to generate when data the configs point to is absent: ``dir``,
 ``per_site``, ``public``, ``test``, ``size = [H, W]``, ``seed`` (it writes ``<dir>/site-<k>``,
-``<dir>/test`` and ``<dir>/public``). Existing data is never deleted or regenerated.
+``<dir>/test`` and ``<dir>/public``). Existing data is never deleted or regenerated; a first generation that was
+interrupted (Ctrl-C) is completed by the next run.
 Flower's log goes to ``<checkpoint_dir>/simulation.log``, and so do the notices Ray prints (e.g. a
 worker that died); Ray keeps its workers' output in its session logs.
 """
