@@ -3,6 +3,7 @@
     python benchmarks/federated_utility/run.py                      # every run, resumes finished ones
     python benchmarks/federated_utility/run.py --probe federated    # one seed, ε 8, pdp only (tuning)
     python benchmarks/federated_utility/run.py --report-only        # rewrite results.{json,md,png} from the parts
+    python benchmarks/federated_utility/run.py --resume-from benchmarks/federated_utility/results.json  # go on in a new session
 
 Protocol (paper 001's public pre-training + private fine-tuning, federated), on fedpose's synthetic
 multi-site data (3 non-IID sites; the test split mixes the three sites' distributions and each test
@@ -383,6 +384,8 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time (separate processes)")
     parser.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)  # "i/n": run every n-th pending arm
     parser.add_argument("--report-only", action="store_true")
+    parser.add_argument("--resume-from", type=Path, default=None, metavar="RESULTS_JSON",
+                        help="first copy the runs of a committed results.json (same settings) into the work dir")
     parser.add_argument("--collect-probes", type=Path, default=None, metavar="JSON",
                         help="write every probe under --work (settings that differ from the defaults, each run's "
                              "scores and curve) to JSON, then exit")
@@ -409,6 +412,8 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     (work / "settings.json").write_text(settings.model_dump_json(indent=1))
     arms = all_arms(settings, args.probe)
+    if args.resume_from is not None:
+        print(f"{seed_parts_from(args.resume_from, settings, work)} runs taken from {args.resume_from}", flush=True)
     if args.report_only:
         write_results(settings, arms, work, args.out)
         return 0
@@ -437,6 +442,22 @@ def main() -> int:
 
 
 # -- results -------------------------------------------------------------------------------------------
+def seed_parts_from(results_path: Path, settings: Settings, work: Path) -> int:
+    """Continue a sweep another machine or session began: write the runs a committed results.json
+    holds as this work dir's parts (only with identical settings: the parts would mean otherwise)."""
+    results = json.loads(results_path.read_text())
+    if Settings.model_validate(results["settings"]) != settings:
+        raise SystemExit(f"{results_path}: its settings differ from this sweep's; not resuming from it")
+    written = 0
+    for key, part in results["runs"].items():
+        path = work / "parts" / (key.replace("/", "__") + ".json")
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(part))
+            written += 1
+    return written
+
+
 def load_parts(arms: list[Arm], work: Path) -> dict[str, dict[str, Any]]:
     parts = {}
     for arm in arms:
