@@ -71,6 +71,9 @@ def _layer_norm_names(model: Any) -> set[str]:
 EXTRA_SETS: dict[str, Any] = {
     "layernorms": lambda n, model: n in _layer_norm_names(model),
     "head_linears": lambda n, model: n.startswith("head.") and not n.startswith("head.joint_conv."),
+    #: biases_norms without the stem and stage 0 (a frozen prefix again: cheaper per-sample gradients)
+    "biases_norms_from_stage1": lambda n, model: (n.endswith(".bias") or n in _layer_norm_names(model))
+    and not n.startswith(("backbone.patch_embed.", "backbone.stages.0.")),
     "cls": lambda n, model: n.startswith(("head.cls_x.", "head.cls_y.")),
 }
 

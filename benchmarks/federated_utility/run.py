@@ -444,10 +444,14 @@ def main() -> int:
 # -- results -------------------------------------------------------------------------------------------
 def seed_parts_from(results_path: Path, settings: Settings, work: Path) -> int:
     """Continue a sweep another machine or session began: write the runs a committed results.json
-    holds as this work dir's parts (only with identical settings: the parts would mean otherwise)."""
+    holds as this work dir's parts (only where every setting that shapes a run is the same)."""
     results = json.loads(results_path.read_text())
-    if Settings.model_validate(results["settings"]) != settings:
-        raise SystemExit(f"{results_path}: its settings differ from this sweep's; not resuming from it")
+    # which mechanisms, ε and seeds only choose the arms (each part's key names its own); the rest is what a run means
+    arm_lists = {"mechanisms", "epsilons", "seeds", "nonprivate"}
+    theirs, ours = Settings.model_validate(results["settings"]).model_dump(), settings.model_dump()
+    differ = sorted(k for k in ours if k not in arm_lists and theirs[k] != ours[k])
+    if differ:
+        raise SystemExit(f"{results_path}: its settings differ from this sweep's in {', '.join(differ)}; not resuming from it")
     written = 0
     for key, part in results["runs"].items():
         path = work / "parts" / (key.replace("/", "__") + ".json")
