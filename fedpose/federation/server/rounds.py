@@ -154,7 +154,9 @@ class RoundRunner:
         self.device = resolve_device(self.cfg.device, "coordinator.device")
         configure_device(self.device)
         self.device_text = describe_device(self.device)
-        jobs = "warm start, basis and evaluation" if self.serves_basis else "warm start and evaluation"
+        parts = [*(["warm start"] if self.cfg.warm_start.steps and self.cfg.public_data is not None else []),
+                 *(["basis"] if self.serves_basis else [])]
+        jobs = f"{', '.join(parts)} and evaluation" if parts else "evaluation"
         basis_note = "" if self.serves_basis or self.cfg.public_data is None else " (no basis service: projecting sites compute their own)"
         self.echo(f"coordinator: {jobs} on {self.device_text}{basis_note}")
         resuming = resume and (self.dir / GLOBAL_CHECKPOINT).exists()
