@@ -1,7 +1,7 @@
 """Why federate: public-only vs site-alone vs federated vs central, private and non-private.
 
     python benchmarks/federated_utility/run.py                      # every run, resumes finished ones
-    python benchmarks/federated_utility/run.py --probe federated    # one seed, ε 8, pdp only (tuning)
+    python benchmarks/federated_utility/run.py --probe federated --set data_seed=7 --set "seeds=[0]"   # a tuning probe
     python benchmarks/federated_utility/run.py --report-only        # rewrite results.{json,md,png} from the parts
     python benchmarks/federated_utility/run.py --resume-from benchmarks/federated_utility/results.json  # go on in a new session
 
