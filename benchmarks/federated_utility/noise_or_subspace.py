@@ -68,14 +68,22 @@ def _layer_norm_names(model: Any) -> set[str]:
     return {f"{m}.{p}" for m, module in model.named_modules() if _is_layer_norm(module) for p, _ in module.named_parameters(recurse=False)}
 
 
-#: candidate trainable sets not (yet) among the model's scenarios: name → predicate(parameter name, model)
+def _biases(model: Any) -> set[str]:
+    return {n for n, _ in model.named_parameters() if n.endswith(".bias")}
+
+
+def _with_prefix(model: Any, *prefixes: str) -> set[str]:
+    return {n for n, _ in model.named_parameters() if n.startswith(prefixes)}
+
+
+#: candidate trainable sets not (yet) among the model's scenarios: name → the set's parameter names
 EXTRA_SETS: dict[str, Any] = {
-    "layernorms": lambda n, model: n in _layer_norm_names(model),
-    "head_linears": lambda n, model: n.startswith("head.") and not n.startswith("head.joint_conv."),
+    "layernorms": _layer_norm_names,
+    "head_linears": lambda model: _with_prefix(model, "head.") - _with_prefix(model, "head.joint_conv."),
     #: biases_norms without the stem and stage 0 (a frozen prefix again: cheaper per-sample gradients)
-    "biases_norms_from_stage1": lambda n, model: (n.endswith(".bias") or n in _layer_norm_names(model))
-    and not n.startswith(("backbone.patch_embed.", "backbone.stages.0.")),
-    "cls": lambda n, model: n.startswith(("head.cls_x.", "head.cls_y.")),
+    "biases_norms_from_stage1": lambda model: (_biases(model) | _layer_norm_names(model))
+    - _with_prefix(model, "backbone.patch_embed.", "backbone.stages.0."),
+    "cls": lambda model: _with_prefix(model, "head.cls_x.", "head.cls_y."),
 }
 
 
@@ -112,8 +120,8 @@ def run_regime(regime: Regime, work: Path, args: argparse.Namespace) -> dict[str
     else:
         model, _ = model_from_checkpoint(REPO / CHECKPOINTS[args.backbone])
         if scenario in EXTRA_SETS:  # a candidate set, tried here before it becomes a model.scenario
-            wanted = EXTRA_SETS[scenario]
-            model._trainable_in = lambda _: {n for n, _ in model.named_parameters() if wanted(n, model)}  # type: ignore[method-assign]
+            wanted = EXTRA_SETS[scenario](model)
+            model._trainable_in = lambda _: wanted  # type: ignore[method-assign]
         model.set_scenario(scenario)
     privacy: dict[str, Any] = {"mechanism": mechanism}
     if mechanism != "none":

@@ -353,15 +353,16 @@ def run_arm(settings: Settings, arm: Arm, data: Path, work: Path) -> dict[str, A
 
 
 # -- driver --------------------------------------------------------------------------------------------
-def part_path(work: Path, arm: Arm) -> Path:
-    return work / "parts" / (arm.key.replace("/", "__") + ".json")
+def part_path(work: Path, key: str) -> Path:
+    """Where the run of arm ``key`` is saved."""
+    return work / "parts" / (key.replace("/", "__") + ".json")
 
 
 def run_pending(settings: Settings, arms: list[Arm], work: Path, data: Path) -> None:
     from fedpose.io import atomic_write_json
 
     for arm in arms:
-        path = part_path(work, arm)
+        path = part_path(work, arm.key)
         if path.exists():
             continue
         print(f"[{time.strftime('%H:%M:%S')}] {arm.key} ...", flush=True)
@@ -385,7 +386,8 @@ def main() -> int:
     parser.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)  # "i/n": run every n-th pending arm
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--resume-from", type=Path, default=None, metavar="RESULTS_JSON",
-                        help="first copy the runs of a committed results.json (same settings) into the work dir")
+                        help="first copy the runs of a committed results.json into the work dir (every setting that "
+                             "shapes a run must match; mechanisms, ε and seeds may differ)")
     parser.add_argument("--collect-probes", type=Path, default=None, metavar="JSON",
                         help="write every probe under --work (settings that differ from the defaults, each run's "
                              "scores and curve) to JSON, then exit")
@@ -454,7 +456,7 @@ def seed_parts_from(results_path: Path, settings: Settings, work: Path) -> int:
         raise SystemExit(f"{results_path}: its settings differ from this sweep's in {', '.join(differ)}; not resuming from it")
     written = 0
     for key, part in results["runs"].items():
-        path = work / "parts" / (key.replace("/", "__") + ".json")
+        path = part_path(work, key)
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(part))
@@ -465,7 +467,7 @@ def seed_parts_from(results_path: Path, settings: Settings, work: Path) -> int:
 def load_parts(arms: list[Arm], work: Path) -> dict[str, dict[str, Any]]:
     parts = {}
     for arm in arms:
-        path = part_path(work, arm)
+        path = part_path(work, arm.key)
         if path.exists():
             parts[arm.key] = json.loads(path.read_text())
     return parts
