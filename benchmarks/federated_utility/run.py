@@ -90,6 +90,11 @@ class Settings(BaseModel):
     #: private arms (federated, central); site-alone private arms carry a single site's noise: ``site_alone_lr``
     site_lr: float = 0.1
     site_alone_lr: float = 0.03
+    #: "mechanism@ε" → the federated and central arms' step size where ``site_lr`` is wrong for that
+    #: noise: dpsgd at ε 2 (no projection: noise in all 6.4 k directions) lost 5.2 at lr 0.1 and
+    #: gained 1.9 at 0.03 (3 sites, tuning data; tuning_probes_biases_norms.json); pdp at ε 2 gained
+    #: more at 0.1 (+3.0) than at 0.03 (+1.5), so it keeps ``site_lr``
+    site_lr_at: dict[str, float] = Field(default_factory=lambda: {"dpsgd@2": 0.03})
     #: non-private arms (unclipped SGD, all weights): on the shipped base 0.1 wrecks it (14.5), 0.01 dips
     #: to 12.8 in round 1, 0.003 ends highest (tuning_probes.json)
     nonprivate_lr: float = 0.003
@@ -254,7 +259,9 @@ def arm_lr(settings: Settings, arm: Arm) -> float:
     """The sites' step size: tuned per noise level on the tuning data (data_seed 7), never on a reported split."""
     if arm.mechanism == "none":
         return settings.nonprivate_lr
-    return settings.site_alone_lr if arm.kind == "site-alone" else settings.site_lr
+    if arm.kind == "site-alone":
+        return settings.site_alone_lr
+    return settings.site_lr_at.get(f"{arm.mechanism}@{arm.epsilon:g}", settings.site_lr)
 
 
 def site_config(settings: Settings, arm: Arm, site_id: str, train: Path, public: Path, state: Path, batch_size: int,
@@ -296,7 +303,7 @@ def run_arm(settings: Settings, arm: Arm, data: Path, work: Path) -> dict[str, A
     load_before = os.getloadavg()
     started, cpu_started = time.time(), time.process_time()
     init = warm_start_checkpoint(settings, data, work, arm.seed)
-    result: dict[str, Any] = {"key": arm.key, **dataclasses.asdict(arm)}
+    result: dict[str, Any] = {"key": arm.key, **dataclasses.asdict(arm), "lr": arm_lr(settings, arm)}
     if arm.kind == "public-only":
         model, _ = model_from_checkpoint(init)
         result["scores"] = evaluate_splits(model, splits, tuple(settings.size))
@@ -449,18 +456,27 @@ def seed_parts_from(results_path: Path, settings: Settings, work: Path) -> int:
     holds as this work dir's parts (only where every setting that shapes a run is the same)."""
     results = json.loads(results_path.read_text())
     # which mechanisms, ε and seeds only choose the arms (each part's key names its own); the rest is what a run means
-    arm_lists = {"mechanisms", "epsilons", "seeds", "nonprivate"}
+    # (and the per-arm step sizes are checked run by run, below)
+    arm_lists = {"mechanisms", "epsilons", "seeds", "nonprivate", "site_lr_at"}
     theirs, ours = Settings.model_validate(results["settings"]).model_dump(), settings.model_dump()
     differ = sorted(k for k in ours if k not in arm_lists and theirs[k] != ours[k])
     if differ:
         raise SystemExit(f"{results_path}: its settings differ from this sweep's in {', '.join(differ)}; not resuming from it")
-    written = 0
+    # runs saved before step sizes were recorded used the rule without per-arm step sizes
+    before_site_lr_at = settings.model_copy(update={"site_lr_at": {}})
+    written, rerun = 0, []
     for key, part in results["runs"].items():
+        arm = Arm(**{field.name: part[field.name] for field in dataclasses.fields(Arm)})
+        if part.get("lr", arm_lr(before_site_lr_at, arm)) != arm_lr(settings, arm):
+            rerun.append(key)  # another step size: a different run, done again
+            continue
         path = part_path(work, key)
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(part))
             written += 1
+    if rerun:
+        print(f"not taken (another step size than this sweep's): {', '.join(rerun)}", flush=True)
     return written
 
 
