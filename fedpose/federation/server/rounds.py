@@ -154,7 +154,7 @@ class RoundRunner:
         self.device = resolve_device(self.cfg.device, "coordinator.device")
         configure_device(self.device)
         self.device_text = describe_device(self.device)
-        parts = [*(["warm start"] if self.cfg.warm_start.steps and self.cfg.public_data is not None else []),
+        parts = [*(["warm start"] if self.warm_starts else []),
                  *(["basis"] if self.serves_basis else [])]
         jobs = f"{', '.join(parts)} and evaluation" if parts else "evaluation"
         basis_note = "" if self.serves_basis or self.cfg.public_data is None else " (no basis service: projecting sites compute their own)"
@@ -214,6 +214,11 @@ class RoundRunner:
                     else WeightEma(self.cfg.ema.decay)) if self.cfg.ema.on else None
 
     # -- model --------------------------------------------------------------------------------------
+    @property
+    def warm_starts(self) -> bool:
+        """Whether the first global model takes steps on the coordinator's public data (no privacy cost)."""
+        return self.cfg.public_data is not None and self.cfg.warm_start.steps > 0
+
     def _initial_model(self) -> tuple[CoordinatorState, dict[str, np.ndarray]]:
         import torch
 
@@ -226,7 +231,8 @@ class RoundRunner:
         from_scratch = self.cfg.model.init_checkpoint is None
         if not from_scratch:
             check_start_checkpoint(self.cfg.model.init_checkpoint, model_spec(model), "coordinator.model.init_checkpoint")
-        if self.cfg.public_data is not None and (from_scratch or self.cfg.warm_start.steps > 0):
+        # a model built from scratch gets its BatchNorm statistics from public images even with 0 steps
+        if self.warm_starts or (from_scratch and self.cfg.public_data is not None):
             done = warm_start(model, self.cfg.public_data, self.cfg.warm_start.steps, self.cfg.warm_start.optim,
                               self.cfg.warm_start.batch_size, self.cfg.seed, calibrate=from_scratch, echo=self.echo)
             if done["steps"]:
