@@ -285,6 +285,14 @@ class PrivacyConfig(Strict):
         "(U·R·K rows, fedpose.privacy.fixed_shape). Needs random augmentation (data.flip, data.scale_jitter or "
         "data.rotation); the site's own setting, never sent by the coordinator",
     )
+    public_gradient_weight: float = Field(
+        1.0, ge=0,
+        description="λ in g = λ·∇l(public view) + (projected) noisy clipped mean: the weight of the noise-free gradient on "
+        "the public view (ψ(x) for fdp / fpdp, the masked image for maskdp). Changes no guarantee (the view is public by "
+        "the mechanism's definition) and no ε; 1 is the papers' sum. The public-view gradient is not clipped, so with a "
+        "small trainable set it can dwarf the private mean (≤ C) and pull the model toward the coarse view; the site's "
+        "own setting, never sent by the coordinator",
+    )
     basis: BasisConfig = BasisConfig()
     public_view: PublicViewConfig = PublicViewConfig()
     mask: MaskConfig = MaskConfig()

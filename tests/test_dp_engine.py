@@ -342,6 +342,28 @@ def test_fdp_public_path_sees_only_the_dataset_public_view(model) -> None:
         engine.step(model, without_view)
 
 
+@pytest.mark.parametrize("mechanism", ["fdp", "fpdp"])
+def test_the_public_view_gradient_is_added_with_the_sites_weight(model, mechanism: str) -> None:
+    """privacy.public_gradient_weight λ scales the noise-free ψ(x) gradient and nothing else: the
+    noisy private part (same noise, seeded) is the same at every λ, and λ = 0 leaves only it."""
+    dataset = TensorPoseSet(10)
+    batch = batch_of(dataset, range(3))
+    on_view, _ = mean_gradient(model, frozen_features(model, batch["public_image"]), batch["joints"], batch["weight"])
+    basis = torch.linalg.qr(torch.randn(on_view.numel(), 3, generator=torch.Generator().manual_seed(0)))[0]
+    released = {}
+    for weight in (1.0, 0.25, 0.0):
+        cfg = dp_config(mechanism=mechanism, noise_multiplier=1.0, insecure_seeded_noise=True, public_gradient_weight=weight)
+        engine = build_engine(cfg, model, len(dataset), 3, 10, seed=4)
+        if engine.mechanism.projects:
+            engine.set_basis(basis)
+        engine.step(model, batch)
+        released[weight] = flatten([p.grad for p in model.trainable_parameters().values()])
+    tolerance = 1e-4 * float(on_view.norm())
+    assert float((released[1.0] - released[0.0] - on_view).norm()) <= tolerance
+    assert float((released[0.25] - released[0.0] - 0.25 * on_view).norm()) <= tolerance
+    assert float(released[0.0].norm()) > 0  # the noisy private part is still there
+
+
 def test_fdp_report_says_a_blur_view_is_degenerate(model) -> None:
     cfg = dp_config(mechanism="fpdp", noise_multiplier=1.0, public_view={"kind": "gaussian_blur"})
     report = build_engine(cfg, model, 10, 2, 10).privacy_report()

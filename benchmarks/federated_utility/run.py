@@ -115,6 +115,8 @@ class Settings(BaseModel):
     basis_public_rotation: float = 60.0
     public_view_factor: int = 8
     public_view_bits: int = 3
+    #: privacy.public_gradient_weight: λ on fdp / fpdp's noise-free ψ(x) gradient
+    public_gradient_weight: float = 1.0
     aggregation: str = "fedavg"
     server_lr: float = 1.0
     server_momentum: float = 0.9
@@ -272,7 +274,8 @@ def site_config(settings: Settings, arm: Arm, site_id: str, train: Path, public:
     if arm.mechanism != "none":
         privacy.update(noise_multiplier=sigma, sample_rate=sample_rate, max_grad_norm=settings.max_grad_norm,
                        delta=settings.delta, unit=settings.unit, max_records_per_unit=settings.max_records_per_unit,
-                       public_view={"kind": "downsample_quantize", "factor": settings.public_view_factor, "bits": settings.public_view_bits})
+                       public_view={"kind": "downsample_quantize", "factor": settings.public_view_factor, "bits": settings.public_view_bits},
+                       public_gradient_weight=settings.public_gradient_weight)
         if settings.site_basis_refresh_steps is not None:
             privacy["basis"] = {"k": settings.k, "public_samples": settings.public_samples,
                                 "refresh_every": settings.site_basis_refresh_steps, "public_rotation": settings.basis_public_rotation}

@@ -541,13 +541,13 @@ class GradientEngine:
 
     def _release(self, noisy_sum: Tensor, public_gradient: Tensor | None) -> Tensor:
         """The step's gradient from its noisy clipped sum: ÷ B, projected onto V (pdp, fpdp), plus the
-        noise-free public-view gradient (fdp, fpdp, maskdp)."""
+        noise-free public-view gradient (fdp, fpdp, maskdp) times privacy.public_gradient_weight."""
         gradient = noisy_sum / self.expected_batch_size
         if self.mechanism.projects:
             assert self.basis is not None
             self.basis = self.basis.to(gradient.device)  # a basis set from the coordinator arrives on the CPU
             gradient = self.basis.project(gradient)
-        return gradient if public_gradient is None else gradient + public_gradient
+        return gradient if public_gradient is None else gradient + self.privacy.public_gradient_weight * public_gradient
 
     # -- reporting --------------------------------------------------------------------------------
     def epsilon(self) -> float:
