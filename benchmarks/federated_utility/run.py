@@ -117,6 +117,8 @@ class Settings(BaseModel):
     public_view_bits: int = 3
     #: privacy.public_gradient_weight: λ on fdp / fpdp's noise-free ψ(x) gradient
     public_gradient_weight: float = 1.0
+    #: privacy.augmentation_multiplicity K (De et al. 2022): K augmented copies per record, averaged before clipping
+    augmentation_multiplicity: int = 1
     aggregation: str = "fedavg"
     server_lr: float = 1.0
     server_momentum: float = 0.9
@@ -275,7 +277,8 @@ def site_config(settings: Settings, arm: Arm, site_id: str, train: Path, public:
         privacy.update(noise_multiplier=sigma, sample_rate=sample_rate, max_grad_norm=settings.max_grad_norm,
                        delta=settings.delta, unit=settings.unit, max_records_per_unit=settings.max_records_per_unit,
                        public_view={"kind": "downsample_quantize", "factor": settings.public_view_factor, "bits": settings.public_view_bits},
-                       public_gradient_weight=settings.public_gradient_weight)
+                       public_gradient_weight=settings.public_gradient_weight,
+                       augmentation_multiplicity=settings.augmentation_multiplicity)
         if settings.site_basis_refresh_steps is not None:
             privacy["basis"] = {"k": settings.k, "public_samples": settings.public_samples,
                                 "refresh_every": settings.site_basis_refresh_steps, "public_rotation": settings.basis_public_rotation}
