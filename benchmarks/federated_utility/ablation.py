@@ -2,6 +2,7 @@
 
     python benchmarks/federated_utility/ablation.py --jobs 2          # every lever, resumes finished runs
     python benchmarks/federated_utility/ablation.py --report-only     # rewrite ablation.{json,md,png}
+    python benchmarks/federated_utility/ablation.py --resume-from benchmarks/federated_utility/ablation.json --jobs 2
 
 The baseline is ``run.py``'s federated private arm with its defaults (pdp on ``biases_norms``, ε 8
 per patient, 3 sites) on the **tuning data** (generator seed 7, never a reported split): the
@@ -84,6 +85,28 @@ def run_share(work: Path, index: int, count: int) -> None:
             run_pending(lever_settings(name), [arm], work / name, data)
 
 
+def resume_from(path: Path, work: Path) -> int:
+    """Continue an ablation another session began: its runs become this work dir's parts, for every
+    lever whose settings are still what produced them."""
+    import json
+
+    from run import part_path
+
+    written = 0
+    for lever in json.loads(path.read_text())["levers"]:
+        name = lever["lever"]
+        if name not in LEVERS or lever["settings"] != lever_settings(name).model_dump(mode="json"):
+            print(f"{name}: its settings changed; run again", flush=True)
+            continue
+        for key, part in lever["runs"].items():
+            target = part_path(work / name, key)
+            if not target.exists():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(json.dumps(part))
+                written += 1
+    return written
+
+
 # -- report --------------------------------------------------------------------------------------------
 def summarize(work: Path) -> dict[str, Any]:
     def own(part: dict[str, Any]) -> float:
@@ -101,16 +124,15 @@ def summarize(work: Path) -> dict[str, Any]:
                     "n": len(values)} if values else None
 
         levers.append({
-            "lever": name, "what": what, "overrides": overrides, "seeds_done": [r["seed"] for r in runs],
+            "lever": name, "what": what, "overrides": overrides, "settings": lever_settings(name).model_dump(mode="json"),
+            "seeds_done": [r["seed"] for r in runs],
             "mixture_pckh50": stat([r["scores"]["mixture"]["pckh50"] for r in runs]),
             "own_splits_pckh50": stat([own(r) for r in runs]),
             "mixture_minus_baseline": stat([r["scores"]["mixture"]["pckh50"] - base[r["seed"]]["scores"]["mixture"]["pckh50"] for r in paired]),
             "own_minus_baseline": stat([own(r) - own(base[r["seed"]]) for r in paired]),
             "public_only_mixture": runs[0]["curve_mixture_pckh50"][0] if runs else None,
             "wall_seconds": [r["wall_seconds"] for r in runs],
-            "runs": {r["key"]: {"scores": r["scores"], "curve_mixture_pckh50": r["curve_mixture_pckh50"],
-                                "noise_multiplier": r["noise_multiplier"], "epsilon_spent": r["epsilon_spent"],
-                                "lr": r.get("lr"), "load_before": r["load_before"]} for r in runs},
+            "runs": {r["key"]: r for r in runs},  # whole parts: --resume-from writes them back
         })
     return {
         "what": "ablation of the private recipe's levers: each changes one setting of the baseline; federated "
@@ -175,10 +197,15 @@ def main() -> int:
     parser.add_argument("--worker", type=str, default=None, help=argparse.SUPPRESS)  # "i/n"
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--out", type=Path, default=HERE)
+    parser.add_argument("--resume-from", type=Path, default=None, metavar="ABLATION_JSON",
+                        help="first write the runs of a committed ablation.json back into the work dir (levers whose "
+                             "settings are unchanged only)")
     args = parser.parse_args()
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     from fedpose.io import atomic_write_json, atomic_write_text
 
+    if args.resume_from is not None:
+        print(f"{resume_from(args.resume_from, args.work)} runs taken from {args.resume_from}", flush=True)
     if args.worker:
         index, count = (int(x) for x in args.worker.split("/"))
         run_share(args.work, index, count)
