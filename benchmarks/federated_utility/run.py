@@ -702,7 +702,10 @@ def plot(settings: Settings, rows: list[dict[str, Any]], parts: dict[str, dict[s
         ax.bar(range(len(chosen)), [r["own50_mean"] for r in chosen], yerr=[r["own50_std"] for r in chosen], capsize=3,
                color=[colours.get(n, "k") for n in names])
         ax.set_xticks(range(len(chosen)), [n.replace(" (", "\n(") for n in names], rotation=45, ha="right", fontsize=7)
-        ax.set(title=f"{mechanism}, ε = {epsilon:g} per site", ylabel="PCKh@0.5, own test splits (%)")
+        guarantee, adjacency = ("FDP", "replace") if mechanism == "fpdp" else ("DP", "add/remove")
+        ax.set(title=f"{mechanism}: each site ({guarantee}) ε = {epsilon:g} per {settings.unit},\nδ = {settings.delta:g}, "
+                     f"{adjacency} one {settings.unit}, PLD", ylabel="PCKh@0.5, own test splits (%)")
+        ax.title.set_fontsize(9)
         ax = axes[1][col]
         for kind, label in (("site-alone", "site-alone (site-1)"), ("federated", "federated"), ("central", "central")):
             curves = [parts[k]["curve_mixture_pckh50"] for k in parts
