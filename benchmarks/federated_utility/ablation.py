@@ -166,7 +166,7 @@ def markdown(summary: dict[str, Any]) -> str:
                      + ("" if lever["lever"] == "baseline" else f"{fmt(lever['mixture_minus_baseline'], True)} | {fmt(lever['own_minus_baseline'], True)}")
                      + (" | |" if lever["lever"] == "baseline" else " |"))
     public = next((lv["public_only_mixture"] for lv in summary["levers"] if lv["public_only_mixture"] is not None), None)
-    lines += ["", f"Public-only (the shipped base) on the tuning mixture: {public}." if public is not None else "", ""]
+    lines += ["", f"Public-only (the shipped base) on the tuning mixture: {public:.1f}." if public is not None else "", ""]
     return "\n".join(lines)
 
 
