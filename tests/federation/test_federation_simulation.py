@@ -65,7 +65,9 @@ def test_simulation_rejects_a_corrupted_update_and_keeps_going(tmp_path: Path, c
     from fedpose.cli.simulate import gpus_per_site, resolve_federation
 
     data_dir = tmp_path / "data"
-    config = tiny_federation(tmp_path, data_dir, sites=5, rounds=1)
+    # every site replies (or its app's error does), so the round never waits for its timeout; a long
+    # one keeps a loaded machine's slow site from being reported missing (it was, at 120 s, under load 5)
+    config = tiny_federation(tmp_path, data_dir, sites=5, rounds=1, timeout=600.0)
     raw = tomllib.loads(config.read_text())
     raw["sites"][2]["optim"] = {"name": "sgd", "lr": 3e38}  # site-3: near float32 max, the noisy step overflows
     config.write_text(tomli_w.dumps(raw))
