@@ -70,7 +70,7 @@ def lever_arms(settings: Settings) -> list[Arm]:
     return [Arm(seed, settings.mechanisms[0], settings.epsilons[0], "federated") for seed in settings.seeds]
 
 
-def pending(work: Path) -> list[tuple[str, Arm]]:
+def pending() -> list[tuple[str, Arm]]:
     """Every (lever, run), baseline first, seed-major: a cut-short ablation has whole levers."""
     return [(name, arm) for name in LEVERS for arm in lever_arms(lever_settings(name))]
 
@@ -80,7 +80,7 @@ def run_share(work: Path, index: int, count: int) -> None:
     shaping = ("sites", "per_site", "public", "test", "size", "data_seed")
     for name in LEVERS:  # one dataset for every lever
         assert all(getattr(lever_settings(name), f) == getattr(lever_settings("baseline"), f) for f in shaping), name
-    for i, (name, arm) in enumerate(pending(work)):
+    for i, (name, arm) in enumerate(pending()):
         if i % count == index:
             run_pending(lever_settings(name), [arm], work / name, data)
 
@@ -107,6 +107,12 @@ def resume_from(path: Path, work: Path) -> int:
     return written
 
 
+def stat(values: list[float]) -> dict[str, float] | None:
+    """Mean, sample std (None for one value) and n, or None for no values."""
+    return {"mean": round(float(np.mean(values)), 2), "std": round(float(np.std(values, ddof=1)), 2) if len(values) > 1 else None,
+            "n": len(values)} if values else None
+
+
 # -- report --------------------------------------------------------------------------------------------
 def summarize(work: Path) -> dict[str, Any]:
     def own(part: dict[str, Any]) -> float:
@@ -118,11 +124,6 @@ def summarize(work: Path) -> dict[str, Any]:
         parts = load_parts(lever_arms(lever_settings(name)), work / name)
         runs = sorted(parts.values(), key=lambda p: p["seed"])
         paired = [r for r in runs if r["seed"] in base]
-
-        def stat(values: list[float]) -> dict[str, float] | None:
-            return {"mean": round(float(np.mean(values)), 2), "std": round(float(np.std(values, ddof=1)), 2) if len(values) > 1 else None,
-                    "n": len(values)} if values else None
-
         levers.append({
             "lever": name, "what": what, "overrides": overrides, "settings": lever_settings(name).model_dump(mode="json"),
             "seeds_done": [r["seed"] for r in runs],
@@ -136,7 +137,7 @@ def summarize(work: Path) -> dict[str, Any]:
         })
     return {
         "what": "ablation of the private recipe's levers: each changes one setting of the baseline; federated "
-                "private arm, 3 sites, ε 8 per patient ((ε, δ)-DP, add/remove one patient, δ 1e-5, PLD; fpdp-free), "
+                "private arm, 3 sites, ε 8 per patient ((ε, δ)-DP, add/remove one patient, δ 1e-5, PLD), "
                 "PCKh@0.5 of the final global model; mean ± std over seeds (fresh CSPRNG noise every run); "
                 "'minus_baseline' pairs each seed with the baseline's run of that seed",
         "data": "tuning data (synthetic generator seed 7): the levers choose the defaults, so they are measured where "
