@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import Arm, Settings, ensure_data, load_parts, run_pending  # noqa: E402
+from run import Arm, Settings, ensure_data, load_parts, run_pending, run_workers, worker_share  # noqa: E402
 
 #: the baseline: run.py's defaults, one private setting, on the tuning data
 BASELINE: dict[str, Any] = {"data_seed": 7, "mechanisms": ["pdp"], "epsilons": [8.0], "nonprivate": False,
@@ -59,6 +58,8 @@ LEVERS: dict[str, tuple[str, dict[str, Any]]] = {
     "lr0.03": ("site step size 0.03 instead of 0.1", {"site_lr": 0.03}),
     "records4": ("4 images of a sampled patient per step instead of 1 (the patient still clipped as one)",
                  {"max_records_per_unit": 4}),
+    "rounds16": ("16 rounds × 10 steps instead of 8 (160 steps; σ recalibrated to the same ε; 2× compute)",
+                 {"rounds": 16}),
 }
 
 
@@ -75,14 +76,13 @@ def pending() -> list[tuple[str, Arm]]:
     return [(name, arm) for name in LEVERS for arm in lever_arms(lever_settings(name))]
 
 
-def run_share(work: Path, index: int, count: int) -> None:
+def run_share(work: Path, worker: str) -> None:
     data = ensure_data(lever_settings("baseline"), work)
     shaping = ("sites", "per_site", "public", "test", "size", "data_seed")
     for name in LEVERS:  # one dataset for every lever
         assert all(getattr(lever_settings(name), f) == getattr(lever_settings("baseline"), f) for f in shaping), name
-    for i, (name, arm) in enumerate(pending()):
-        if i % count == index:
-            run_pending(lever_settings(name), [arm], work / name, data)
+    for name, arm in worker_share(pending(), worker):
+        run_pending(lever_settings(name), [arm], work / name, data)
 
 
 def resume_from(path: Path, work: Path) -> int:
@@ -208,15 +208,12 @@ def main() -> int:
     if args.resume_from is not None:
         print(f"{resume_from(args.resume_from, args.work)} runs taken from {args.resume_from}", flush=True)
     if args.worker:
-        index, count = (int(x) for x in args.worker.split("/"))
-        run_share(args.work, index, count)
+        run_share(args.work, args.worker)
         return 0
     if not args.report_only:
         started = time.time()
         ensure_data(lever_settings("baseline"), args.work)  # once, before the workers share it
-        workers = [subprocess.Popen([sys.executable, __file__, "--work", str(args.work), "--worker", f"{i}/{args.jobs}"])
-                   for i in range(args.jobs)]
-        codes = [w.wait() for w in workers]
+        codes = run_workers([sys.executable, __file__, "--work", str(args.work)], args.jobs)
         print(f"done in {time.time() - started:.0f} s" + (f"; workers exited with {codes}" if any(codes) else ""), flush=True)
     summary = summarize(args.work)
     atomic_write_json(args.out / "ablation.json", summary)

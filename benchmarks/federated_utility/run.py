@@ -45,7 +45,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -388,6 +388,22 @@ def run_pending(settings: Settings, arms: list[Arm], work: Path, data: Path) -> 
               + f" ({result['wall_seconds']} s)", flush=True)
 
 
+T = TypeVar("T")
+
+
+def worker_share(runs: list[T], worker: str) -> list[T]:
+    """The runs of worker ``"i/n"`` (``--worker``): every n-th from the i-th, so n worker processes
+    split a sweep without talking to each other (each run is saved as its own part)."""
+    index, count = (int(x) for x in worker.split("/"))
+    return runs[index::count]
+
+
+def run_workers(command: list[str], jobs: int) -> list[int]:
+    """Run ``command --worker i/jobs`` for i < jobs as separate processes; their exit codes."""
+    workers = [subprocess.Popen([*command, "--worker", f"{i}/{jobs}"]) for i in range(jobs)]
+    return [w.wait() for w in workers]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("/tmp/fedpose_federated_utility"), help="data, checkpoints, per-run parts")
@@ -434,16 +450,14 @@ def main() -> int:
         return 0
     data = ensure_data(settings, work)
     if args.worker:
-        index, count = (int(x) for x in args.worker.split("/"))
-        run_pending(settings, [a for i, a in enumerate(a for a in arms if a.kind != "public-only") if i % count == index], work, data)
+        run_pending(settings, worker_share([a for a in arms if a.kind != "public-only"], args.worker), work, data)
         return 0
     started = time.time()
     run_pending(settings, [a for a in arms if a.kind == "public-only"], work, data)  # shared by every arm of a seed
     if args.jobs > 1:
         base = [sys.executable, str(Path(__file__).resolve()), "--work", str(args.work), *sum((["--set", o] for o in args.overrides), [])]
         base += ["--probe", args.probe] if args.probe else []
-        workers = [subprocess.Popen([*base, "--worker", f"{i}/{args.jobs}"]) for i in range(args.jobs)]
-        codes = [w.wait() for w in workers]
+        codes = run_workers(base, args.jobs)
         if any(codes):
             print(f"workers exited with {codes}", flush=True)
     else:
