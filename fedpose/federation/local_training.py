@@ -17,6 +17,8 @@ before it is returned: public values only, for the site's privacy officer.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 import math
@@ -25,7 +27,7 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ParamSpec
 
 import numpy as np
 
@@ -48,6 +50,7 @@ from fedpose.federation.site_pins import check_global_arrays, check_pinned_setti
 from fedpose.privacy.mechanisms import get_mechanism
 
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
 
 #: site-local diagnostics, one JSON line per round (never sent)
 ROUND_LOG = "rounds.jsonl"
@@ -204,48 +207,35 @@ def load_site_dataset(site: SiteConfig, input_size: tuple[int, int]) -> Any:
     )
 
 
-def train_site_round(
-    site: SiteConfig,
-    run_id: str,
-    round_id: int,
-    global_state: dict[str, np.ndarray],
-    model_spec: ModelSpec,
-    local_steps: int,
-    basis_version: int = -1,
-    basis_message: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None,
-    threads: int | None = None,
-    engine_hook: Callable[[Any], None] | None = None,
-    ledger_records: Sequence[SpendRecord] = (),
-    secagg: SiteSecAggSession | None = None,
-    secagg_inbox: SecAggShareInbox | None = None,
-) -> SiteRoundResult:
-    """:func:`_train_site_round`, its reply entered in the site's audit log before it is returned
+def _instruction_of_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[SiteConfig, site_audit.AuditInstruction]:
+    """The site and the audit log's view of the instruction in a call of :func:`train_site_round`."""
+    bound = inspect.signature(train_site_round).bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    instruction = site_audit.instruction_of(a["local_steps"], a["basis_version"], a["model_spec"], a["global_state"],
+                                            a["ledger_records"], a["site"].site_id)
+    return a["site"], instruction
+
+
+def _recorded_in_audit_log(train: Callable[P, SiteRoundResult]) -> Callable[P, SiteRoundResult]:
+    """``train``, its reply entered in the site's audit log before it is returned
     (:func:`~fedpose.federation.site_audit.record_reply`): a reply that cannot be logged raises, so
     its update is never sent."""
-    result = _train_site_round(site, run_id, round_id, global_state, model_spec, local_steps, basis_version,
-                               basis_message, threads, engine_hook, ledger_records, secagg, secagg_inbox)
-    asked = site_audit.instruction_of(local_steps, basis_version, model_spec, global_state, ledger_records, site.site_id)
-    # what left the site: Δ, or under secure aggregation the masked vector
-    released = {MASKED_KEY: result.masked} if result.masked is not None else result.update
-    site_audit.record_reply(site.state_dir, result.reply, released, asked)
-    return result
+
+    @functools.wraps(train)
+    def train_and_record(*args: P.args, **kwargs: P.kwargs) -> SiteRoundResult:
+        result = train(*args, **kwargs)
+        site, asked = _instruction_of_call(args, kwargs)
+        # what left the site: Δ, or under secure aggregation the masked vector
+        released = {MASKED_KEY: result.masked} if result.masked is not None else result.update
+        site_audit.record_reply(site.state_dir, result.reply, released, asked)
+        return result
+
+    return train_and_record
 
 
-def _asked(site: SiteConfig, args: tuple[Any, ...], kwargs: dict[str, Any]) -> site_audit.AuditInstruction | None:
-    """The audit log's view of an instruction :func:`train_site_round` failed on (None: unreadable)."""
-    import inspect
-
-    try:
-        bound = inspect.signature(_train_site_round).bind(site, "", 0, *args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        return site_audit.instruction_of(a["local_steps"], a["basis_version"], a["model_spec"], a["global_state"],
-                                         a["ledger_records"], site.site_id)
-    except Exception:  # noqa: BLE001 - a malformed instruction is logged as unreadable
-        return None
-
-
-def _train_site_round(
+@_recorded_in_audit_log
+def train_site_round(
     site: SiteConfig,
     run_id: str,
     round_id: int,
@@ -513,10 +503,18 @@ def run_site_round(site: SiteConfig, run_id: str, round_id: int, *args: Any, **k
         # audit, and a log alone would make its state dir look like a state that lost its budget)
         if (Path(site.state_dir) / GENESIS_FILE).exists():
             try:
-                site_audit.record_reply(site.state_dir, reply, {}, _asked(site, args, kwargs))
+                site_audit.record_reply(site.state_dir, reply, {}, _asked((site, run_id, round_id, *args), kwargs))
             except Exception:  # noqa: BLE001 - the error reply releases no update; the failure goes to the local log
                 log.error("site %s round %s: cannot write its audit log:\n%s", site.site_id, round_id, traceback.format_exc())
         return SiteRoundResult(reply)
+
+
+def _asked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> site_audit.AuditInstruction | None:
+    """The audit log's view of an instruction :func:`train_site_round` failed on (None: unreadable)."""
+    try:
+        return _instruction_of_call(args, kwargs)[1]
+    except Exception:  # noqa: BLE001 - a malformed instruction is logged as unreadable
+        return None
 
 
 def _with_capacity_warning(note: str, engine: Any) -> str:
