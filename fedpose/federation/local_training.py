@@ -250,7 +250,8 @@ def train_site_round(
     secagg: SiteSecAggSession | None = None,
     secagg_inbox: SecAggShareInbox | None = None,
 ) -> SiteRoundResult:
-    """Guard the budget, run ``local_steps`` private steps from the global weights, return Δ.
+    """Guard the budget, run ``local_steps`` private steps from the global weights, return Δ — its
+    reply entered in the site's audit log first (:func:`_recorded_in_audit_log`).
 
     Training runs on ``site.train.device`` (resolved here, at the site: CUDA when available for
     "auto"); ``threads`` applies on the CPU only. Δ comes back to the host as numpy arrays.
