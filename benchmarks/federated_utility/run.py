@@ -158,18 +158,18 @@ class Arm:
 
 def all_arms(settings: Settings, only: str | None = None) -> list[Arm]:
     """Every run, in the order they are run: the seed-shared public-only and non-private arms first,
-    then each (ε, mechanism) over all seeds, ε 8 first (the goals are stated there), so a sweep cut
-    short still has complete seeds for what it finished."""
+    then each (ε, mechanism), ε 8 first (the goals are stated there): its federated arm over all
+    seeds, then central, then site-alone — a sweep cut short has every seed of the arms it finished,
+    the headline arm first."""
     site_ids = [f"site-{k}" for k in range(1, settings.sites + 1)]
     arms: list[Arm] = [Arm(seed, "none", None, "public-only") for seed in settings.seeds]
     for seed in settings.seeds if settings.nonprivate else ():
         arms += [Arm(seed, "none", None, "federated"), Arm(seed, "none", None, "central")]
     for epsilon in sorted(settings.epsilons, reverse=True):
         for mechanism in settings.mechanisms:
-            for seed in settings.seeds:
-                arms.append(Arm(seed, mechanism, epsilon, "federated"))
-                arms.append(Arm(seed, mechanism, epsilon, "central"))
-                arms += [Arm(seed, mechanism, epsilon, "site-alone", s) for s in site_ids]
+            arms += [Arm(seed, mechanism, epsilon, "federated") for seed in settings.seeds]
+            arms += [Arm(seed, mechanism, epsilon, "central") for seed in settings.seeds]
+            arms += [Arm(seed, mechanism, epsilon, "site-alone", s) for seed in settings.seeds for s in site_ids]
     return [a for a in arms if only is None or a.kind in (only, "public-only")]
 
 
@@ -471,6 +471,15 @@ def main() -> int:
 
 
 # -- results -------------------------------------------------------------------------------------------
+#: settings that shape only the private arms (site_config's ``privacy`` block, the private step sizes
+#: and trainable set): a sweep that changes only these reuses another's public-only and non-private runs
+PRIVATE_RECIPE = frozenset({
+    "scenario", "site_lr", "site_alone_lr", "max_grad_norm", "k", "public_samples", "refresh_every_rounds",
+    "site_basis_refresh_steps", "basis_public_rotation", "public_view_factor", "public_view_bits",
+    "public_gradient_weight", "augmentation_multiplicity", "delta", "unit", "max_records_per_unit",
+})
+
+
 def seed_parts_from(results_path: Path, settings: Settings, work: Path) -> int:
     """Continue a sweep another machine or session began: write the runs a committed results.json
     holds as this work dir's parts (only where every setting that shapes a run is the same)."""
@@ -480,13 +489,17 @@ def seed_parts_from(results_path: Path, settings: Settings, work: Path) -> int:
     arm_lists = {"mechanisms", "epsilons", "seeds", "nonprivate", "site_lr_at"}
     theirs, ours = Settings.model_validate(results["settings"]).model_dump(), settings.model_dump()
     differ = sorted(k for k in ours if k not in arm_lists and theirs[k] != ours[k])
-    if differ:
+    if differ and not set(differ) <= PRIVATE_RECIPE:
         raise SystemExit(f"{results_path}: its settings differ from this sweep's in {', '.join(differ)}; not resuming from it")
+    if differ:
+        print(f"{results_path}: another private recipe ({', '.join(differ)}): taking its public-only and non-private runs only", flush=True)
     # runs saved before step sizes were recorded used the rule without per-arm step sizes
     before_site_lr_at = settings.model_copy(update={"site_lr_at": {}})
     written, rerun = 0, []
     for key, part in results["runs"].items():
         arm = Arm(**{field.name: part[field.name] for field in dataclasses.fields(Arm)})
+        if differ and arm.mechanism != "none":
+            continue
         if part.get("lr", arm_lr(before_site_lr_at, arm)) != arm_lr(settings, arm):
             rerun.append(key)  # another step size: a different run, done again
             continue
