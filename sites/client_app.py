@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 import tomllib
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -169,6 +170,20 @@ def handle_train(msg: Message, context: Context, site: SiteConfig) -> Message:
     return Message(content, reply_to=msg)
 
 
+def hold_reply(site: SiteConfig, received: float) -> None:
+    """Keep the reply until ``site.reply_after_s`` after the instruction arrived (``received``,
+    ``time.monotonic()``): its arrival time then says nothing of how long the site's work took."""
+    if site.reply_after_s is None:
+        return
+    elapsed = time.monotonic() - received
+    if elapsed > site.reply_after_s:
+        # local log only: the reply is late already, and how late is what the hold was to hide
+        log.warning("site %s: the round took %.1f s, over reply_after_s = %g s: this reply's arrival tells how long its "
+                    "work took (raise reply_after_s)", site.site_id, elapsed, site.reply_after_s)
+        return
+    time.sleep(site.reply_after_s - elapsed)
+
+
 @contextmanager
 def site_log(site: SiteConfig) -> Iterator[None]:
     """Send fedpose's log records to ``<state_dir>/site.log`` for the duration of one message.
@@ -203,12 +218,16 @@ def build_client_app(federation_config: str | Path | None = None, outer_mods: Se
 
     @client_app.train()
     def train(msg: Message, context: Context) -> Message:
+        received = time.monotonic()
         try:
             site = site_from_context(context, federation_config)
         except Exception as exc:  # noqa: BLE001 - a broken config is reported, attributed to its site
             return config_failure_reply(msg, context, exc, federation_config)
         with site_log(site):
-            return handle_train(msg, context, site)
+            try:
+                return handle_train(msg, context, site)
+            finally:  # every train reply, an error's included
+                hold_reply(site, received)
 
     @client_app.query("secagg")
     def secagg(msg: Message, context: Context) -> Message:

@@ -122,6 +122,13 @@ class SiteConfig(Strict):
         description="refuse every round whose update would leave in the clear (a plain round is refused before any "
         "data work or spend); the site then only trains in secure-aggregation rounds",
     )
+    reply_after_s: float | None = Field(
+        None, gt=0,
+        description="hold every train reply until this many seconds after its instruction arrived: whoever sees when "
+        "replies arrive then sees the same round time whatever the data, as long as the round's work fits in it (the "
+        "work before the DP steps — reading annotations, checking images — grows with the dataset size). A longer round "
+        "replies when done, noted in site.log only. The coordinator's round_timeout_s must exceed it. None: reply when done",
+    )
     max_basis_k: int = Field(
         128, ge=1,
         description="largest projection dimension k the site accepts in a coordinator's basis V (p × k floats in memory: "
