@@ -316,8 +316,10 @@ def ensure_site_state(state_dir: str | Path, site_id: str, guarantee: str, delta
             fresh = _State(site_id, guarantee, float(delta) if delta is not None else 0.0, ledger, genesis_created_at=created_at,
                            unit=unit)
             _write_signed(budget, fresh.to_payload())
+        # "pins": this state keeps its pinned settings (site_pins.py) from its first round on, so a pins
+        # file missing after spends was lost, not never written
         _write_signed(marker, {"format": GENESIS_FORMAT, "site_id": site_id, "guarantee": guarantee, "delta": delta,
-                               "created_at": created_at, **({"unit": unit} if private else {})})
+                               "created_at": created_at, "pins": True, **({"unit": unit} if private else {})})
     return True
 
 

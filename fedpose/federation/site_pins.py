@@ -29,7 +29,9 @@ field is added to either model without being classified here.
 
 A state from before pins (or a setting pinned since) adopts the value of its first round with
 pins, with a log line: nothing saved is lost, and the releases made before are not checked
-against it (they were made before the site could tell).
+against it (they were made before the site could tell). A state created with pins (its genesis
+marker says so) whose pins file is gone after it spent is refused instead: the file was lost,
+and adopting would let the coordinator choose the values anew.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from typing import Any, Literal, Mapping
 import numpy as np
 
 from fedpose.config import ModelSpec
-from fedpose.federation.site_budget import BudgetStateError, _read_signed, _state_lock, _write_signed
+from fedpose.federation.site_budget import GENESIS_FILE, BudgetStateError, _read_signed, _state_lock, _write_signed
 
 log = logging.getLogger(__name__)
 
@@ -217,6 +219,11 @@ def check_pinned_settings(state_dir: str | Path, site_id: str, guarantee: str, p
     state_dir = Path(state_dir)
     path = state_dir / PINS_FILE
     with _state_lock(state_dir):  # two processes of one new site pin one value
+        if state_has_rounds and not path.exists() and _read_signed(state_dir / GENESIS_FILE, "site state marker").get("pins"):
+            raise BudgetStateError(
+                f"site '{site_id}': its pinned settings {path} are missing, but this state has kept them since it was "
+                f"created ({state_dir / GENESIS_FILE}) and has recorded rounds: refusing to pin what the coordinator asks "
+                f"now. Restore {PINS_FILE} from a backup of {state_dir}.")
         stored = _load(path, site_id, guarantee)
         pinned = stored.get("settings", {})
         mismatched = [(name, pinned[name], value) for name, value in wanted.items() if name in pinned and pinned[name] != value]

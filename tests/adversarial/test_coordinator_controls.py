@@ -177,7 +177,7 @@ def test_a_state_from_before_pins_adopts_them_and_keeps_everything(data_root, we
     state = tmp_path / "state"
     site = site_config(data_root, state, mechanism="fdp", eps_max=TOO_SMALL_BUDGET)
     assert run_site_round(site, "run", 1, global_state, spec, 2).reply.status == "refused"
-    (state / PINS_FILE).unlink()  # as written before pins existed
+    _as_before_pins(state)
     budget_entries = json.loads((state / "budget.json").read_text())["payload"]["entries"]
     with caplog.at_level(logging.WARNING, logger="fedpose"):
         assert run_site_round(site, "run", 2, global_state, spec, 2).reply.status == "refused"
@@ -185,6 +185,39 @@ def test_a_state_from_before_pins_adopts_them_and_keeps_everything(data_root, we
     entries = json.loads((state / "budget.json").read_text())["payload"]["entries"]
     assert entries[: len(budget_entries)] == budget_entries and len(entries) == 2
     assert run_site_round(site, "run", 3, *_global_at(spec, (32, 32)), 2).reply.error_class == "PinnedSettingMismatch"
+
+
+def _as_before_pins(state: Path) -> None:
+    """The state as a site wrote it before pins existed: no pins file, a genesis marker without "pins"."""
+    from fedpose.federation.site_budget import GENESIS_FILE, _read_signed, _write_signed
+
+    (state / PINS_FILE).unlink()
+    genesis = _read_signed(state / GENESIS_FILE, "site state marker")
+    del genesis["pins"]
+    _write_signed(state / GENESIS_FILE, genesis)
+
+
+def test_a_lost_pins_file_is_refused_not_adopted(data_root, weights, tmp_path) -> None:
+    """A state created with pins whose pins file is gone after it spent (a partial restore, a
+    deleted file) would let the coordinator choose the pinned values anew: refused, naming the
+    file, before any data work or spend; restoring the file is the way on."""
+    from fedpose.federation.site_budget import BudgetStateError
+
+    global_state, spec = weights
+    state = tmp_path / "state"
+    site = site_config(data_root, state, mechanism="fdp", eps_max=TOO_SMALL_BUDGET)
+    assert run_site_round(site, "run", 1, global_state, spec, 2).reply.status == "refused"
+    saved = (state / PINS_FILE).read_bytes()
+    (state / PINS_FILE).unlink()
+    unspent = _Unspent(site)
+    asked = _global_at(spec, (32, 32))
+    with pytest.raises(BudgetStateError, match=rf"{PINS_FILE} are missing.*Restore {PINS_FILE}"):
+        train_site_round(site, "run", 2, *asked, 2)
+    _refused_on_the_wire(run_site_round(site, "run", 2, *asked, 2), "BudgetStateError")
+    unspent.check()
+    assert not (state / PINS_FILE).exists()
+    (state / PINS_FILE).write_bytes(saved)
+    assert run_site_round(site, "run", 2, *asked, 2).reply.error_class == "PinnedSettingMismatch"
 
 
 def test_asking_for_fewer_steps_never_buys_a_lower_sigma(data_root, weights, tmp_path) -> None:
