@@ -22,8 +22,12 @@ def _type_name(annotation: object) -> str:
 
 
 def _submodel(annotation: object) -> type[BaseModel] | None:
+    """The model a field holds — an optional one (``Model | None``) too."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
+    options = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    if type(None) in typing.get_args(annotation) and len(options) == 1:
+        return _submodel(options[0])
     return None
 
 

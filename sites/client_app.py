@@ -128,11 +128,12 @@ def handle_secagg(msg: Message, context: Context, site: SiteConfig) -> Message:
     request = protocol.decode_secagg_request(dict(msg.content[protocol.SECAGG_RECORD]))
     if isinstance(request, protocol.SecAggShareInbox):
         raise protocol.ProtocolError("a share inbox travels with the train message, not as a stage of its own")
+    identity = secagg_site.Identity.from_config(site.site_id, site.identity)
     if isinstance(request, protocol.SecAggSetup):
-        session, answer = secagg_site.start(site.site_id, request)  # a new round's session replaces the last one
+        session, answer = secagg_site.start(site.site_id, request, identity=identity)  # a new round's session replaces the last one
     else:
         session = _load_session(context)
-        answer = secagg_site.answer(session, site.site_id, request)
+        answer = secagg_site.answer(session, site.site_id, request, identity)
     _keep_session(context, session)
     log.info("site %s round %d: secure aggregation %s → %s", site.site_id, request.round, request.kind, answer.kind)
     return Message(RecordDict({protocol.SECAGG_RECORD: ConfigRecord(protocol.encode_secagg(answer))}), reply_to=msg)

@@ -398,3 +398,18 @@ def test_ldp_slice_says_what_it_keeps_and_writes_files_others_can_read(synth: Pa
     assert "only edges and fine detail are released" in out and "--ll-offset 128" in out and "--no-ll-prune" in out
     for path in (tmp_path / "out").iterdir():
         assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
+
+
+def test_site_identity_writes_a_private_key_and_prints_its_public_half(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`fedpose site identity`: the key for the site config's identity.key (owner-only), and the public
+    key its peers list; it never overwrites an identity unasked (its peers know the old one)."""
+    from fedpose.federation.secagg import crypto
+
+    out = tmp_path / "keys" / "site-1.identity.pem"
+    assert main(["site", "identity", "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["public_key"] == crypto.identity_public_key(crypto.load_identity(out))
+    assert out.stat().st_mode & 0o777 == 0o600
+    before = out.read_bytes()
+    assert main(["site", "identity", "--out", str(out)]) != 0
+    assert "already exists" in capsys.readouterr().err and out.read_bytes() == before

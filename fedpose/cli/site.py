@@ -1,9 +1,11 @@
-"""``fedpose site report``: a site's audit log for its privacy officer (public values only).
+"""``fedpose site``: a site's own records and keys.
 
     fedpose site report --state-dir state/site-1            # one line per reply the site sent
     fedpose site report --state-dir state/site-1 --csv      # the same, for a spreadsheet
     fedpose site report --state-dir state/site-1 --verify   # the hash chain + agreement with the budget
+    fedpose site identity --out /etc/fedpose/site-1.identity.pem   # the site's secure-aggregation identity
 
+``report``: the audit log for the site's privacy officer (public values only).
 The log (``<state_dir>/audit.jsonl``, :mod:`fedpose.federation.site_audit`) is written by the site
 each time it replies: what was asked, what it answered, its ε after the round (guarantee, unit, δ,
 accountant), the bytes and SHA-256 of the update it released, when. The site's diagnostics
@@ -40,6 +42,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "fedpose site report --state-dir state/site-1 --verify",
     )
     report.set_defaults(handler=_report)
+    identity = sub.add_parser(
+        "identity", help="make this site's secure-aggregation identity key; prints the public key its peers list",
+        description="Writes an Ed25519 private key (PEM, mode 0600) for the site config's identity.key and prints its "
+                    "public key: give that to every other site out of band (not through the coordinator), and list "
+                    "theirs under identity.peers. The key never leaves the site.")
+    identity.add_argument("--out", required=True, type=Path, help="where to write the private key")
+    identity.add_argument("--force", action="store_true", help="overwrite an existing key (its peers must then be told)")
+    identity.epilog = examples("fedpose site identity --out /etc/fedpose/site-1.identity.pem")
+    identity.set_defaults(handler=_identity)
+
+
+def _identity(args: argparse.Namespace) -> int:
+    from fedpose.federation.secagg import crypto
+    from fedpose.io import atomic_write
+
+    out: Path = args.out
+    if out.exists() and not args.force:
+        raise UserError(f"--out {out} already exists (use --force to replace the identity; its peers must then be told)")
+    pem = crypto.new_identity()
+    atomic_write(out, lambda fh: fh.write(pem))  # owner-only (0600) from the start
+    print_json({"key": str(out), "public_key": crypto.identity_public_key(crypto.load_identity(out))})
+    return 0
 
 
 #: CSV columns, in order (nested fields flattened)

@@ -16,6 +16,7 @@ RDP accounting, composed over every local step of every round the site joins.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -100,6 +101,26 @@ class SiteDataConfig(AugmentationConfig):
     train: Path = Field(..., description="the site's training data (dataset directory or COCO json)")
 
 
+class SiteIdentityConfig(Strict):
+    """A site's long-term identity for secure aggregation: it signs its round keys, and checks every
+    peer's against the list it was given out of band (`fedpose site identity` makes a key)."""
+
+    key: Path = Field(..., description="this site's Ed25519 private key (PEM; never leaves the site)")
+    peers: dict[str, str] = Field(
+        ..., min_length=2,
+        description="site id → Ed25519 public key (base64, as `fedpose site identity` prints it) of every site this site "
+        "may share a secure sum with, its own included — exchanged between the sites out of band, never through the "
+        "coordinator: a directory key that is not signed by the listed identity of its site id is refused",
+    )
+
+    @model_validator(mode="after")
+    def _peer_ids(self) -> "SiteIdentityConfig":
+        bad = [site_id for site_id in self.peers if not re.fullmatch(SITE_ID_PATTERN, site_id)]
+        if bad:
+            raise ValueError(f"identity.peers: {bad} are not site ids")
+        return self
+
+
 class SiteConfig(Strict):
     """One clinical site (`sites/` ClientApp). The site is the authority on its own budget."""
 
@@ -122,6 +143,11 @@ class SiteConfig(Strict):
         description="refuse every round whose update would leave in the clear (a plain round is refused before any "
         "data work or spend); the site then only trains in secure-aggregation rounds",
     )
+    identity: SiteIdentityConfig | None = Field(
+        None,
+        description="sign this site's secure-aggregation keys and check its peers' (None: keys unsigned — the "
+        "coordinator is trusted to relay them faithfully, docs/privacy.md)",
+    )
     reply_after_s: float | None = Field(
         None, gt=0,
         description="hold every train reply until this many seconds after its instruction arrived: whoever sees when "
@@ -143,6 +169,8 @@ class SiteConfig(Strict):
         if getattr(self.input_privacy, "insecure_seed", None) is not None:
             raise ValueError(f"site '{self.site_id}': input_privacy.insecure_seed is for tests only; a site refuses to federate with it")
         check_augmentation_multiplicity(self.privacy, self.data, f"site '{self.site_id}': ")
+        if self.identity is not None and self.site_id not in self.identity.peers:
+            raise ValueError(f"site '{self.site_id}': identity.peers must list this site's own public key too")
         if not get_mechanism(self.privacy.mechanism).noisy:
             return self
         if self.privacy.sample_rate is None:

@@ -297,7 +297,7 @@ SITE_SECAGG_RECORDS = frozenset({SECAGG_RECORD})
 #: record names a site may send in the masked-vector stage (an "ok" reply carries ``masked``, never ``update``)
 SITE_MASKED_REPLY_RECORDS = frozenset({MASKED_RECORD, REPLY_RECORD})
 
-SecAggRefusalCode = Literal["settings-refused", "out-of-order", "inconsistent-keys", "inconsistent-shares",
+SecAggRefusalCode = Literal["settings-refused", "out-of-order", "inconsistent-keys", "unsigned-keys", "inconsistent-shares",
                             "both-shares-of-one-peer", "unknown-node", "own-key-share", "below-threshold"]
 SECAGG_REFUSAL_TEXT: dict[str, str] = {
     "settings-refused": "the site refused the round's secure-aggregation settings (threshold ≤ n/2, overflow, "
@@ -305,6 +305,8 @@ SECAGG_REFUSAL_TEXT: dict[str, str] = {
     "out-of-order": "a stage message arrived out of order, for another round, or after the round's unmasking",
     "inconsistent-keys": "the key directory lacks the site's own keys, repeats a key, names nodes outside the round, "
                          "or has fewer entries than the threshold",
+    "unsigned-keys": "a key in the directory is not signed by the identity the site was given for its site id, or "
+                     "names a site outside that list (a coordinator's key in a site's place)",
     "inconsistent-shares": "a share did not decrypt, was not from its claimed peer or not for this site, or too few arrived",
     "both-shares-of-one-peer": "asked for both the mask-seed share and the secret-key share of one peer (SecAgg's "
                                "security rule: that would unmask the peer's individual update)",
@@ -358,12 +360,18 @@ class SecAggPublicKeys(_BytesWire):
     round: int = Field(ge=1)
     mask_key: bytes = Field(max_length=1024)  #: c^PK: pairwise masks are derived from it (ECDH)
     share_key: bytes = Field(max_length=1024)  #: s^PK: shares for this site are encrypted to it
+    #: Ed25519 signature of the keys (crypto.key_statement: run, round, node, site id) by the site's
+    #: long-term identity, so its peers can tell its keys from a coordinator's; a signature of public
+    #: values (None: the site has no identity configured)
+    signature: bytes | None = Field(None, max_length=64)
 
 
 class NodeKeys(_BytesWire):
     node: int = Field(ge=0)
     mask_key: bytes = Field(max_length=1024)
     share_key: bytes = Field(max_length=1024)
+    site_id: str | None = Field(None, pattern=SITE_ID_PATTERN)  #: who the keys' signature says they are from
+    signature: bytes | None = Field(None, max_length=64)  #: as the site sent it (SecAggPublicKeys)
 
 
 class SecAggKeyDirectory(_BytesWire):

@@ -68,10 +68,18 @@ def test_three_sites_through_the_client_app_one_dropping_after_masking(tmp_path:
     from coordinator.grid import GridTransport
     from sites.client_app import SECAGG_STATE_RECORD, build_client_app
 
+    from fedpose.federation.config import SiteIdentityConfig
+    from fedpose.federation.secagg import crypto
+
     data = make_site_data(tmp_path / "data")
     contexts = {}
+    peers = {}  # the sites' identities, exchanged out of band: their keys are signed and checked
     for node in (1, 2, 3):
-        site = site_config(data, tmp_path / f"site-{node}").model_copy(update={"site_id": f"site-{node}"})
+        (tmp_path / f"site-{node}.pem").write_bytes(crypto.new_identity())
+        peers[f"site-{node}"] = crypto.identity_public_key(crypto.load_identity(tmp_path / f"site-{node}.pem"))
+    for node in (1, 2, 3):
+        identity = SiteIdentityConfig(key=tmp_path / f"site-{node}.pem", peers=peers)
+        site = site_config(data, tmp_path / f"site-{node}").model_copy(update={"site_id": f"site-{node}", "identity": identity})
         path = tmp_path / f"site-{node}.toml"
         path.write_text(to_toml(json.loads(site.model_dump_json())))
         contexts[node] = Context(run_id=1, node_id=node, node_config={"site-config": str(path)}, state=RecordDict(), run_config={})
@@ -98,6 +106,9 @@ def test_three_sites_through_the_client_app_one_dropping_after_masking(tmp_path:
     assert any(not np.array_equal(runner.global_state[k], before[k]) for k in before)
     # what left the sites: stage records and masked vectors only, never an update
     assert all(protocol.UPDATE_RECORD not in m.content for m in masked_replies if m.has_content())
+    keys = [protocol.decode_secagg_reply(dict(m.content[protocol.SECAGG_RECORD])) for m in masked_replies
+            if m.has_content() and protocol.SECAGG_RECORD in m.content]
+    assert sum(isinstance(k, protocol.SecAggPublicKeys) and k.signature is not None for k in keys) == 3
     trained = [m for m in masked_replies if m.has_content() and protocol.MASKED_RECORD in m.content]
     assert len(trained) == 3 and all(np.dtype(m.content[protocol.MASKED_RECORD][protocol.MASKED_KEY].dtype) == np.uint32
                                      for m in trained)  # M = 2^32: no more bytes than a float32 Δ

@@ -224,3 +224,95 @@ def test_wire_messages_round_trip_through_their_records() -> None:
     assert protocol.decode_secagg_reply(protocol.encode_secagg(keys)) == keys
     with pytest.raises(protocol.ProtocolError, match="exactly one JSON string"):
         protocol.decode_secagg_reply({"secagg": "{}", "extra": "x"})
+
+
+# -- signed keys: a coordinator that substitutes keys or invents a site ------------------------------------
+def _identities(n: int, tmp_path) -> dict:
+    """Sites 1..n with identity keys on disk and each other's public keys listed (as exchanged out of band)."""
+    from fedpose.federation.config import SiteIdentityConfig
+    from fedpose.federation.secagg.site import Identity
+
+    public = {}
+    for node in range(1, n + 1):
+        (tmp_path / f"site-{node}.pem").write_bytes(crypto.new_identity())
+        public[f"site-{node}"] = crypto.identity_public_key(crypto.load_identity(tmp_path / f"site-{node}.pem"))
+    return {node: Identity.from_config(f"site-{node}", SiteIdentityConfig(key=tmp_path / f"site-{node}.pem", peers=public))
+            for node in range(1, n + 1)}
+
+
+def _signed_setup(n: int, tmp_path) -> tuple[CoordinatorSecAggRound, dict[int, SiteSecAggSession], dict, dict]:
+    identities = _identities(n, tmp_path)
+    coordinator = CoordinatorSecAggRound(SETTINGS, "run", 1, list(range(1, n + 1)), 50)
+    sessions, replies = {}, {}
+    for node in coordinator.participants:
+        sessions[node], replies[node] = start(f"site-{node}", coordinator.setup(node), 50, identities[node])
+    coordinator.receive_public_keys(replies)
+    return coordinator, sessions, identities, replies
+
+
+def test_signed_keys_run_the_round_to_the_sum(tmp_path) -> None:
+    coordinator, sessions, identities, _ = _signed_setup(3, tmp_path)
+    directory = coordinator.key_directory()
+    assert all(entry.signature is not None and entry.site_id == f"site-{entry.node}" for entry in directory.keys)
+    coordinator.receive_shares({node: answer(s, s.site_id, directory, identities[node]) for node, s in sessions.items()})
+    updates = _updates(3)
+    for node, session in sessions.items():
+        session.receive_shares(coordinator.inbox(node))
+    coordinator.receive_masked({node: s.mask(updates[node]) for node, s in sessions.items()})
+    request = coordinator.unmask_request()
+    result = coordinator.unmask({node: answer(s, s.site_id, request, identities[node]) for node, s in sessions.items()})
+    assert np.abs(result.total - sum(updates.values())).max() < result.error_bound
+
+
+def _directory_with(directory: protocol.SecAggKeyDirectory, node: int, **change) -> protocol.SecAggKeyDirectory:
+    keys = [entry.model_copy(update=change) if entry.node == node else entry for entry in directory.keys]
+    return directory.model_copy(update={"keys": keys})
+
+
+def test_a_coordinator_substituting_a_sites_keys_is_refused(tmp_path) -> None:
+    """The man in the middle: the coordinator replaces site-2's keys with its own (so that it could
+    decrypt the shares the others send site-2). Unsigned, with a copied signature, or signed by an
+    identity of its own: every honest site refuses before it shares anything."""
+    coordinator, sessions, identities, _ = _signed_setup(3, tmp_path)
+    directory = coordinator.key_directory()
+    own = crypto.new_key_pair(), crypto.new_key_pair()
+    swapped = {"mask_key": own[0].public, "share_key": own[1].public}
+    (tmp_path / "coordinator.pem").write_bytes(crypto.new_identity())
+    coordinator_key = crypto.load_identity(tmp_path / "coordinator.pem")
+    forged = crypto.sign_keys(coordinator_key, crypto.key_statement("run", 1, 2, "site-2", own[0].public, own[1].public))
+    for attack in ({**swapped, "signature": None}, swapped, {**swapped, "signature": forged}):
+        tampered = _directory_with(directory, 2, **attack)
+        for node in (1, 3):
+            fresh = SiteSecAggSession.from_json(sessions[node].to_json())
+            assert _reason(answer(fresh, f"site-{node}", tampered, identities[node])) == "unsigned-keys"
+
+
+def test_a_coordinator_inventing_a_site_or_moving_one_is_refused(tmp_path) -> None:
+    """A site the peers were never told of (the coordinator's own, to reach the threshold with
+    shares it can read), one site's signed keys at another node, or one site twice: refused."""
+    coordinator, sessions, identities, replies = _signed_setup(3, tmp_path)
+    directory = coordinator.key_directory()
+    (tmp_path / "stranger.pem").write_bytes(crypto.new_identity())
+    stranger = crypto.load_identity(tmp_path / "stranger.pem")
+    own = crypto.new_key_pair(), crypto.new_key_pair()
+    invented = _directory_with(directory, 3, site_id="site-9", mask_key=own[0].public, share_key=own[1].public,
+                               signature=crypto.sign_keys(stranger, crypto.key_statement(
+                                   "run", 1, 3, "site-9", own[0].public, own[1].public)))
+    def signed_keys_of(node: int) -> dict:
+        return {"site_id": f"site-{node}", **{k: getattr(replies[node], k) for k in ("mask_key", "share_key", "signature")}}
+
+    moved = _directory_with(_directory_with(directory, 2, **signed_keys_of(3)), 3, **signed_keys_of(2))  # 2 and 3 swapped
+    twice = _directory_with(directory, 3, site_id="site-2", signature=replies[2].signature)
+    for tampered in (invented, moved, twice):
+        fresh = SiteSecAggSession.from_json(sessions[1].to_json())
+        assert _reason(answer(fresh, "site-1", tampered, identities[1])) == "unsigned-keys"
+
+
+def test_an_identity_must_be_the_one_its_peers_list(tmp_path) -> None:
+    from fedpose.federation.config import SiteIdentityConfig
+    from fedpose.federation.secagg.site import Identity
+
+    identities = _identities(2, tmp_path)
+    peers = dict(identities[1].peers)
+    with pytest.raises(ValueError, match="not the one identity.peers lists"):
+        Identity.from_config("site-1", SiteIdentityConfig(key=tmp_path / "site-2.pem", peers=peers))

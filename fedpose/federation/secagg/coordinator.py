@@ -100,7 +100,8 @@ class CoordinatorSecAggRound:
             if node not in self.participants or self._note_refusal(node, message):
                 continue
             if isinstance(message, protocol.SecAggPublicKeys) and (message.run_id, message.round) == (self.run_id, self.round):
-                self.keys[node] = protocol.NodeKeys(node=node, mask_key=message.mask_key, share_key=message.share_key)
+                self.keys[node] = protocol.NodeKeys(node=node, mask_key=message.mask_key, share_key=message.share_key,
+                                                    site_id=message.site_id, signature=message.signature)
         # a key two nodes claim is dropped for both (the sites would refuse the directory)
         seen: dict[bytes, list[int]] = {}
         for node, entry in self.keys.items():

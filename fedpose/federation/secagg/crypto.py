@@ -25,12 +25,16 @@ Flower's ``quantization`` is not reused either (numpy's default RNG for the roun
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import json
 import os
+from pathlib import Path
 
 import numpy as np
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 # Flower's primitives load on first use, not at import: the library (training, the round runner)
 # stays importable where Flower is not installed (a GPU machine that only trains); secure
@@ -77,8 +81,9 @@ def share_keys_plaintext_separate(*args, **kwargs):  # type: ignore[no-untyped-d
     return flower_separate(*args, **kwargs)
 
 
-__all__ = ["KeyPair", "combine_shares", "create_shares", "decrypt", "encrypt", "mask", "new_key_pair", "new_seed",
-           "open_share_pair", "seal_share_pair", "shared_key"]
+__all__ = ["KeyPair", "combine_shares", "create_shares", "decrypt", "encrypt", "identity_public_key", "key_statement",
+           "load_identity", "mask", "new_identity", "new_key_pair", "new_seed", "open_share_pair", "seal_share_pair",
+           "shared_key", "sign_keys", "verify_keys"]
 
 SEED_BYTES = 32
 
@@ -148,3 +153,48 @@ def mask(seed: bytes, length: int, modulus_bits: int) -> np.ndarray:
     encryptor = Cipher(algorithms.AES(hashlib.sha256(b"fedpose-secagg-mask" + seed).digest()), modes.CTR(bytes(16))).encryptor()
     words = np.frombuffer(encryptor.update(bytes(8 * length)), dtype=np.uint64)
     return words & np.uint64(2**modulus_bits - 1)
+
+
+# -- the sites' long-term identities: signed round keys ------------------------------------------------
+# A site signs its two round public keys with its Ed25519 identity key; its peers check the signature
+# against the identity keys they were given out of band, so a coordinator that substitutes keys or
+# invents a site is refused (otherwise it could collect enough shares to unmask one site's Δ).
+
+
+def new_identity() -> bytes:
+    """A fresh Ed25519 identity key, PEM (PKCS#8): it stays at the site."""
+    return ed25519.Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+
+
+def load_identity(path: str | Path) -> ed25519.Ed25519PrivateKey:
+    key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    if not isinstance(key, ed25519.Ed25519PrivateKey):
+        raise ValueError(f"{path}: not an Ed25519 private key (make one with `fedpose site identity`)")
+    return key
+
+
+def identity_public_key(key: ed25519.Ed25519PrivateKey) -> str:
+    """The identity's public half as peers list it: base64 of its 32 raw bytes."""
+    raw = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return base64.b64encode(raw).decode()
+
+
+def key_statement(run_id: str, round_id: int, node: int, site_id: str, mask_key: bytes, share_key: bytes) -> bytes:
+    """What a site signs: its round keys bound to the run, the round, its node slot and its site id."""
+    return json.dumps({"what": "fedpose secure-aggregation round keys/1", "run_id": run_id, "round": round_id, "node": node,
+                       "site_id": site_id, "mask_key": base64.b64encode(mask_key).decode(),
+                       "share_key": base64.b64encode(share_key).decode()}, sort_keys=True).encode()
+
+
+def sign_keys(key: ed25519.Ed25519PrivateKey, statement: bytes) -> bytes:
+    return key.sign(statement)
+
+
+def verify_keys(public_key: str, signature: bytes, statement: bytes) -> bool:
+    """True when ``signature`` over ``statement`` is by the identity whose public key is ``public_key``."""
+    try:
+        ed25519.Ed25519PublicKey.from_public_bytes(base64.b64decode(public_key, validate=True)).verify(signature, statement)
+    except (InvalidSignature, ValueError):
+        return False
+    return True

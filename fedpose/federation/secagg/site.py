@@ -10,6 +10,10 @@ Checks a site makes that Flower's ``secaggplus_mod`` does not:
 * setup: threshold t > n/2 (so that no split of the sites into two views of "who dropped" can
   gather t seed shares and t key shares of one site: (t − 1) + t > n − 1), n ≥ 2 (a sum of one is
   the update), n ≤ n_max and n_max·(2^bits − 1) < M (no wrap-around), the model's vector length;
+* share keys, with an identity (:class:`Identity`, the site's ``identity`` config): every key in
+  the directory is signed by the identity its site id was given out of band, and no site id
+  appears twice — a coordinator cannot put its own keys in a site's place or invent sites, which
+  is what would let it gather the shares that unmask one site's Δ;
 * unmask, **SecAgg's security rule**: for one peer the site reveals the share of its mask seed
   (peer survived) or of its secret key (peer dropped), never both — in one request or over
   several (it answers one unmask request per round); a node outside the round, the site itself
@@ -19,11 +23,15 @@ Checks a site makes that Flower's ``secaggplus_mod`` does not:
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from fedpose.federation import protocol
+from fedpose.federation.config import SiteIdentityConfig
 from fedpose.federation.secagg import crypto
 from fedpose.federation.secagg.quantization import WIRE_DTYPE, Quantizer, wire_dtype
 
@@ -36,6 +44,25 @@ class SecAggRefused(Exception):
     def __init__(self, code: protocol.SecAggRefusalCode, detail: str):
         super().__init__(f"{code}: {detail}")
         self.code = code
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A site's long-term signing key and its peers' public keys (site id → base64 Ed25519)."""
+
+    site_id: str
+    key: Any  # Ed25519PrivateKey
+    peers: Mapping[str, str]
+
+    @classmethod
+    def from_config(cls, site_id: str, config: SiteIdentityConfig | None) -> "Identity | None":
+        """The configured identity, its key checked against the site's own entry in the peer list."""
+        if config is None:
+            return None
+        key = crypto.load_identity(config.key)
+        if crypto.identity_public_key(key) != config.peers.get(site_id):
+            raise ValueError(f"site '{site_id}': the key in {config.key} is not the one identity.peers lists for this site")
+        return cls(site_id, key, dict(config.peers))
 
 
 def threshold_for(sites: int) -> int:
@@ -135,15 +162,38 @@ class SiteSecAggSession:
         if self._stage != stage:
             self._refuse("out-of-order", f"{message.kind} while the session is at '{self._stage}'")
 
-    def public_keys(self) -> protocol.SecAggPublicKeys:
+    def public_keys(self, identity: Identity | None = None) -> protocol.SecAggPublicKeys:
+        """The round's public keys, signed by ``identity`` when the site has one."""
+        signature = None
+        if identity is not None:
+            signature = crypto.sign_keys(identity.key, crypto.key_statement(
+                self.setup.run_id, self.setup.round, self.node, self.site_id, self._mask_pair.public, self._share_pair.public))
         return protocol.SecAggPublicKeys(site_id=self.site_id, run_id=self.setup.run_id, round=self.setup.round,
-                                         mask_key=self._mask_pair.public, share_key=self._share_pair.public)
+                                         mask_key=self._mask_pair.public, share_key=self._share_pair.public, signature=signature)
+
+    def _check_signatures(self, directory: protocol.SecAggKeyDirectory, identity: Identity) -> None:
+        """Every entry signed by the listed identity of the site it names; each site once, this one at its own node."""
+        site_ids = [entry.site_id for entry in directory.keys]
+        if len(set(site_ids)) != len(site_ids):
+            self._refuse("unsigned-keys", "a site id appears twice in the key directory")
+        for entry in directory.keys:
+            public = identity.peers.get(entry.site_id) if entry.site_id is not None else None
+            if public is None or entry.signature is None:
+                self._refuse("unsigned-keys", f"node {entry.node}: site {entry.site_id!r} is not in identity.peers, or unsigned")
+            statement = crypto.key_statement(self.setup.run_id, self.setup.round, entry.node, entry.site_id,
+                                             entry.mask_key, entry.share_key)
+            if not crypto.verify_keys(public, entry.signature, statement):
+                self._refuse("unsigned-keys", f"node {entry.node}: the keys are not signed by site {entry.site_id!r}")
+            if (entry.site_id == self.site_id) != (entry.node == self.node):
+                self._refuse("unsigned-keys", f"node {entry.node}: this site's id at another node, or another's at its own")
 
     # -- stage 2 ---------------------------------------------------------------------------------------
-    def share_keys(self, directory: protocol.SecAggKeyDirectory) -> protocol.SecAggEncryptedShares:
-        """Check the key directory, draw the self-mask seed, share it and the mask secret key (t of n),
-        and encrypt each peer's pair of shares to that peer."""
+    def share_keys(self, directory: protocol.SecAggKeyDirectory, identity: Identity | None = None) -> protocol.SecAggEncryptedShares:
+        """Check the key directory (its signatures too, with an ``identity``), draw the self-mask seed,
+        share it and the mask secret key (t of n), and encrypt each peer's pair of shares to that peer."""
         self._expect("keys-sent", directory)
+        if identity is not None:
+            self._check_signatures(directory, identity)
         entries = {entry.node: entry for entry in directory.keys}
         if len(entries) != len(directory.keys) or not set(entries) <= set(self.setup.participants):
             self._refuse("inconsistent-keys", "repeated nodes, or nodes outside the round")
@@ -260,25 +310,25 @@ def refusal(site_id: str, run_id: str, round_id: int, refused: SecAggRefused) ->
 
 
 def answer(session: SiteSecAggSession | None, site_id: str, message: protocol.SecAggKeyDirectory | protocol.SecAggUnmaskRequest,
-           ) -> protocol.SecAggSiteMessage:
+           identity: Identity | None = None) -> protocol.SecAggSiteMessage:
     """The session's reply to a stage-2 or stage-4 message, a refusal when it refuses (or has no session)."""
     try:
         if session is None:
             raise SecAggRefused("out-of-order", "no secure-aggregation session for this round")
         if isinstance(message, protocol.SecAggKeyDirectory):
-            return session.share_keys(message)
+            return session.share_keys(message, identity)
         return session.unmask(message)
     except SecAggRefused as refused:
         return refusal(site_id, message.run_id, message.round, refused)
 
 
-def start(site_id: str, setup: protocol.SecAggSetup, vector_length: int | None = None,
+def start(site_id: str, setup: protocol.SecAggSetup, vector_length: int | None = None, identity: Identity | None = None,
           ) -> tuple[SiteSecAggSession | None, protocol.SecAggSiteMessage]:
-    """Stage 1: a new session and its public keys, or a refusal."""
+    """Stage 1: a new session and its public keys (signed with ``identity``), or a refusal."""
     try:
         session = SiteSecAggSession(site_id, setup, vector_length)
     except SecAggRefused as refused:
         return None, refusal(site_id, setup.run_id, setup.round, refused)
-    return session, session.public_keys()
+    return session, session.public_keys(identity)
 
 
