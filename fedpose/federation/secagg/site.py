@@ -25,9 +25,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from pydantic import BaseModel, ConfigDict
 
 from fedpose.federation import protocol
@@ -50,8 +50,7 @@ class SecAggRefused(Exception):
 class Identity:
     """A site's long-term signing key and its peers' public keys (site id → base64 Ed25519)."""
 
-    site_id: str
-    key: Any  # Ed25519PrivateKey
+    key: Ed25519PrivateKey
     peers: Mapping[str, str]
 
     @classmethod
@@ -62,7 +61,7 @@ class Identity:
         key = crypto.load_identity(config.key)
         if crypto.identity_public_key(key) != config.peers.get(site_id):
             raise ValueError(f"site '{site_id}': the key in {config.key} is not the one identity.peers lists for this site")
-        return cls(site_id, key, dict(config.peers))
+        return cls(key, dict(config.peers))
 
 
 def threshold_for(sites: int) -> int:
