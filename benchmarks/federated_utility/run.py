@@ -293,6 +293,19 @@ def site_config(settings: Settings, arm: Arm, site_id: str, train: Path, public:
     })
 
 
+CPU_HOST = "CPU (x86_64), 2 cores shared with other engineers' jobs; no GPU"
+
+
+def this_device() -> str:
+    """Where a run trains here: every site and the coordinator use device "auto" (CUDA when visible)."""
+    from fedpose.runtime import describe_device, resolve_device
+
+    device = resolve_device("auto")
+    if device.type == "cuda":
+        return f"{describe_device(device)}, {os.cpu_count()} CPU cores"
+    return f"CPU ({platform.processor() or platform.machine()}), {os.cpu_count()} cores shared with other engineers' jobs; no GPU"
+
+
 def run_arm(settings: Settings, arm: Arm, data: Path, work: Path) -> dict[str, Any]:
     """Train one arm through the coordinator's round loop; evaluate it on every test split."""
     from fedpose.federation.deployment import CoordinatorRunConfig
@@ -309,7 +322,7 @@ def run_arm(settings: Settings, arm: Arm, data: Path, work: Path) -> dict[str, A
     load_before = os.getloadavg()
     started, cpu_started = time.time(), time.process_time()
     init = warm_start_checkpoint(settings, data, work, arm.seed)
-    result: dict[str, Any] = {"key": arm.key, **dataclasses.asdict(arm), "lr": arm_lr(settings, arm)}
+    result: dict[str, Any] = {"key": arm.key, **dataclasses.asdict(arm), "lr": arm_lr(settings, arm), "device": this_device()}
     if arm.kind == "public-only":
         model, _ = model_from_checkpoint(init)
         result["scores"] = evaluate_splits(model, splits, tuple(settings.size))
@@ -371,6 +384,18 @@ def part_path(work: Path, key: str) -> Path:
     return work / "parts" / (key.replace("/", "__") + ".json")
 
 
+def failed_rounds(result: dict[str, Any], rounds: int) -> str:
+    """What went wrong in a run's rounds: "" when every site finished every one of ``rounds``
+    (public-only runs train nothing)."""
+    if "site_rounds" not in result:
+        return ""
+    failures = [f"{site} round {number}: {status or 'no reply'}" for site, statuses in result["site_rounds"].items()
+                for number, status in enumerate(statuses, start=1) if status != "ok"]
+    if result["rounds_completed"] < rounds:
+        failures.insert(0, f"{result['rounds_completed']} of {rounds} rounds")
+    return "; ".join(failures[:3]) + (f" and {len(failures) - 3} more" if len(failures) > 3 else "")
+
+
 def run_pending(settings: Settings, arms: list[Arm], work: Path, data: Path) -> None:
     from fedpose.io import atomic_write_json
 
@@ -380,6 +405,15 @@ def run_pending(settings: Settings, arms: list[Arm], work: Path, data: Path) -> 
             continue
         print(f"[{time.strftime('%H:%M:%S')}] {arm.key} ...", flush=True)
         result = run_arm(settings, arm, data, work)
+        failed = failed_rounds(result, settings.rounds)
+        if failed:
+            # a round a site did not finish (out of device memory, say) leaves the model partly or wholly
+            # untrained: never a result; kept aside for reading, and run again by the next resume
+            failed_path = work / "parts" / "failed" / path.name
+            failed_path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(failed_path, result)
+            print(f"[{time.strftime('%H:%M:%S')}] {arm.key}: FAILED, not a result ({failed}); kept in {failed_path}", flush=True)
+            continue
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, result)
         mixture = result["scores"]["mixture"]["pckh50"]
@@ -647,8 +681,10 @@ def write_results(settings: Settings, arms: list[Arm], work: Path, out: Path) ->
     parts = load_parts(arms, work)
     rows = arm_table(settings, parts)
     goal_rows = goals(settings, rows)
+    # runs saved before they recorded their device all ran on the CPU
+    devices = sorted({p.get("device", CPU_HOST) for p in parts.values() if p["kind"] != "public-only"}) or [this_device()]
     conditions = {
-        "device": f"CPU ({platform.processor() or platform.machine()}), {os.cpu_count()} cores shared with other engineers' jobs; no GPU",
+        "device": "; ".join(devices),
         "torch": torch.__version__, "torch_threads_per_run": settings.threads,
         "python": platform.python_version(),
         "load_average_per_run": {k: {"before": p["load_before"], "after": p["load_after"]} for k, p in parts.items()},
@@ -680,7 +716,8 @@ def markdown(settings: Settings, rows: list[dict[str, Any]], goal_rows: list[dic
     from fedpose.privacy.mechanisms import get_mechanism
 
     site_ids = [f"site-{k}" for k in range(1, settings.sites + 1)]
-    lines = [f"# Federated utility: why federate (synthetic {settings.sites}-site data, CPU)", "",
+    where = "GPU" if results["conditions"]["device"].startswith("cuda") else "CPU"
+    lines = [f"# Federated utility: why federate (synthetic {settings.sites}-site data, {where})", "",
              f"Runs done: {results['runs_done']} / {results['runs_planned']}. PCKh in %, mean ± std over seeds "
              f"{settings.seeds}; *own* = mean over the sites of each model on the site's own test split "
              "(site-alone: each site's own model), *mixture* = the union of the sites' test splits.", "",
