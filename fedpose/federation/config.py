@@ -16,6 +16,8 @@ RDP accounting, composed over every local step of every round the site joins.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from pathlib import Path
 from typing import Literal
@@ -118,7 +120,19 @@ class SiteIdentityConfig(Strict):
         bad = [site_id for site_id in self.peers if not re.fullmatch(SITE_ID_PATTERN, site_id)]
         if bad:
             raise ValueError(f"identity.peers: {bad} are not site ids")
+        # a garbled key would otherwise surface only mid-round, as that peer's keys "unsigned"
+        garbled = [site_id for site_id, key in self.peers.items() if not _is_ed25519_public_key(key)]
+        if garbled:
+            raise ValueError(f"identity.peers: the keys of {garbled} are not Ed25519 public keys "
+                             "(base64 of 32 bytes, as `fedpose site identity` prints them)")
         return self
+
+
+def _is_ed25519_public_key(text: str) -> bool:
+    try:
+        return len(base64.b64decode(text, validate=True)) == 32
+    except (binascii.Error, ValueError):
+        return False
 
 
 class SiteConfig(Strict):

@@ -8,19 +8,11 @@ import math
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 from fedpose.federation import protocol
 from sites.egress import egress_guard, violations
 from site_round_helpers import PLACEHOLDER_SPEC
 
-
-@pytest.fixture()
-def task_identity():
-    saved = (TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id)
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, 1
-    yield
-    TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = saved
 
 
 def _train_message() -> Message:
@@ -58,7 +50,7 @@ def _tamper_reply(records: dict, **extra) -> None:
     records[protocol.REPLY_RECORD][protocol.REPLY_KEY] = json.dumps(raw)
 
 
-def test_egress_guard_lets_the_protocol_through(task_identity) -> None:
+def test_egress_guard_lets_the_protocol_through(flower_task_identity) -> None:
     msg = _train_message()
     assert violations(msg, _reply(msg, _ok_records())) == []
     refused = {protocol.REPLY_RECORD: ConfigRecord(protocol.encode_reply(_site_reply(status="refused", reason="budget-exhausted")))}
@@ -81,7 +73,7 @@ def test_egress_guard_lets_the_protocol_through(task_identity) -> None:
         (lambda r: r.pop(protocol.REPLY_RECORD), "record 'reply'"),
     ],
 )
-def test_egress_guard_blocks_anything_else(task_identity, mutate, expected: str) -> None:
+def test_egress_guard_blocks_anything_else(flower_task_identity, mutate, expected: str) -> None:
     msg = _train_message()
     records = _ok_records()
     mutate(records)
@@ -95,7 +87,7 @@ def test_egress_guard_blocks_anything_else(task_identity, mutate, expected: str)
     assert "2.5" not in out.error.reason and "John Doe" not in out.error.reason and "patient-17" not in out.error.reason
 
 
-def test_a_crashing_client_app_sends_only_the_error_class(task_identity) -> None:
+def test_a_crashing_client_app_sends_only_the_error_class(flower_task_identity) -> None:
     """An exception's message can hold paths or values of private data: only its class leaves."""
     msg = _train_message()
 
@@ -203,7 +195,7 @@ def test_the_coordinator_console_shows_warnings_not_what_the_round_lines_say(cap
     ("OutOfMemoryError", "the site's simulation worker died before replying — killed or crashed"),
     ("RaySystemError", "the simulation runtime (Ray) could not run the site's ClientApp"),
 ])
-def test_a_ray_failure_is_told_in_fedposes_words_and_a_site_failure_keeps_its_own(task_identity, ray_class: str, expected: str) -> None:
+def test_a_ray_failure_is_told_in_fedposes_words_and_a_site_failure_keeps_its_own(flower_task_identity, ray_class: str, expected: str) -> None:
     """Flower's simulation runtime reports Ray's own exceptions as error code UNKNOWN with Ray's
     text (actor ids, ports, tips): the round record says what happened to the site instead."""
     from flwr.app import Error

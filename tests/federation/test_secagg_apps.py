@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 import fedpose.federation.server.rounds as rounds_module
 from fedpose.federation import protocol
@@ -28,9 +27,7 @@ from site_round_helpers import PLACEHOLDER_SPEC, make_site_data, site_config
 
 
 @pytest.fixture(autouse=True)
-def task_identity(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("_run_id", "_node_id", "_task_id"):
-        monkeypatch.setattr(TaskIdentity, name, 1)
+def no_node_settling(monkeypatch: pytest.MonkeyPatch, flower_task_identity: None) -> None:
     monkeypatch.setattr(rounds_module, "NODE_SETTLE_S", 0.0)
 
 

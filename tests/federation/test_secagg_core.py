@@ -316,3 +316,17 @@ def test_an_identity_must_be_the_one_its_peers_list(tmp_path) -> None:
     peers = dict(identities[1].peers)
     with pytest.raises(ValueError, match="not the one identity.peers lists"):
         Identity.from_config("site-1", SiteIdentityConfig(key=tmp_path / "site-2.pem", peers=peers))
+
+
+def test_a_garbled_peer_key_is_refused_when_the_config_loads(tmp_path) -> None:
+    """Not mid-round, as that peer's keys "unsigned": the site's config names the peer and the format."""
+    from pydantic import ValidationError
+
+    from fedpose.federation.config import SiteIdentityConfig
+
+    (tmp_path / "site-1.pem").write_bytes(crypto.new_identity())
+    good = crypto.identity_public_key(crypto.load_identity(tmp_path / "site-1.pem"))
+    for garbled in (good[:-4], "not base64!", good + good):  # truncated, not base64, 64 bytes
+        with pytest.raises(ValidationError, match=r"the keys of \['site-2'\] are not Ed25519 public keys"):
+            SiteIdentityConfig(key=tmp_path / "site-1.pem", peers={"site-1": good, "site-2": garbled})
+    SiteIdentityConfig(key=tmp_path / "site-1.pem", peers={"site-1": good, "site-2": good})  # well-formed: accepted

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
-from flwr.supercore.task_identity import TaskIdentity
 
 from fedpose.federation import protocol
 from fedpose.train.central import to_toml
@@ -22,10 +21,7 @@ from site_round_helpers import PLACEHOLDER_SPEC, make_site_data, site_config
 HOLD_S = 1.5
 
 
-@pytest.fixture(autouse=True)
-def task_identity(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in ("_run_id", "_node_id", "_task_id"):
-        monkeypatch.setattr(TaskIdentity, name, 1)
+pytestmark = pytest.mark.usefixtures("flower_task_identity")
 
 
 @pytest.fixture(scope="module")

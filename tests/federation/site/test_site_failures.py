@@ -82,15 +82,6 @@ def test_a_refused_round_never_reads_the_data(data_root: Path, tmp_path: Path, w
     assert not (tmp_path / "state" / IMAGE_CHECK_CACHE).exists()
 
 
-@pytest.fixture
-def flower_task_identity(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Flower stamps every message with the running task's identity; give this process one."""
-    from flwr.supercore.task_identity import TaskIdentity
-
-    for name in ("_run_id", "_node_id", "_task_id"):
-        monkeypatch.setattr(TaskIdentity, name, 1)
-
-
 @pytest.mark.parametrize("site_id, attributed", [("site-7", True), ("../etc/passwd", False)])
 def test_a_broken_site_config_is_reported_under_its_site_id(tmp_path: Path, flower_task_identity: None,
                                                              site_id: str, attributed: bool) -> None:
