@@ -192,6 +192,21 @@ def test_too_many_dropouts_abandon_the_round_and_record_the_spends(tmp_path: Pat
     assert rows["site-2"].status == rows["site-3"].status == "missing"
 
 
+def test_too_few_unmask_answers_abandon_the_round_and_record_every_spend(tmp_path: Path) -> None:
+    """All three vectors arrived, then two sites vanished before unmasking: 1 answer < t = 2, so no
+    mask can be removed — abandoned, the global model unchanged, all three spends recorded."""
+    runner, before, sites, lines = _one_round(tmp_path, True, [1, 2, 3], {"unmask": {2, 3}})
+    assert sorted(sites.trained) == [1, 2, 3]
+    assert all(np.array_equal(runner.global_state[k], before[k]) for k in before)
+    (entry,) = load_history(tmp_path / "secure" / "coordinator")
+    assert not entry.aggregated and entry.secure_aggregation.abandoned.startswith("1 of 3 sites after unmasking")  # type: ignore[union-attr]
+    assert "secure aggregation: abandoned (1 of 3 sites after unmasking < threshold t = 2)" in lines[-1]
+    with BudgetLedger(tmp_path / "secure" / "coordinator" / "ledger.sqlite", read_only=True) as ledger:
+        rows = {e.site_id: e for e in ledger.entries()}
+    assert all(rows[s].status == "rejected" and "secure aggregation abandoned" in rows[s].reason and rows[s].epsilon == 1.0
+               for s in ("site-1", "site-2", "site-3")), rows
+
+
 def test_too_few_keys_abandon_the_round_before_anyone_trains(tmp_path: Path) -> None:
     runner, before, sites, _ = _one_round(tmp_path, True, [1, 2, 3], {"setup": {2, 3}})
     assert sites.trained == []
