@@ -28,7 +28,8 @@ the union):
 * non-private ``federated`` and ``central``: the same with mechanism "none".
 
 Every run is saved when it finishes (``parts/<key>.json`` in the work dir), so an interrupted
-sweep resumes where it stopped; results.json / results.md / results.png are rewritten from the
+sweep resumes where it stopped (a run in which a site failed a round — out of GPU memory, say — is
+no result: it goes to ``parts/failed/`` and runs again); results.json / results.md / results.png are rewritten from the
 parts after every run. ``--jobs 2`` runs two runs at a time (one torch thread each).
 """
 
