@@ -14,7 +14,6 @@ from sites.egress import egress_guard, violations
 from site_round_helpers import PLACEHOLDER_SPEC
 
 
-
 def _train_message() -> Message:
     content = RecordDict({
         protocol.GLOBAL_RECORD: ArrayRecord({"head.w": Array(np.zeros((4, 3), np.float32)), "head.b": Array(np.zeros(3, np.float32))}),
