@@ -137,6 +137,10 @@ class Settings(BaseModel):
     #: False: only the private arms (and public-only) — for probes of a private recipe
     nonprivate: bool = True
     threads: int = 1
+    #: samples per chunk of per-sample gradients (site ``train.chunk_size``): memory only, the same
+    #: gradients. None sizes it from free GPU memory when the run starts, which counts neither the
+    #: activations nor the runs beside it: 15 runs side by side on one H100 ran out of memory
+    chunk_size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,7 +293,7 @@ def site_config(settings: Settings, arm: Arm, site_id: str, train: Path, public:
         "optim": {"name": settings.site_optimizer, "lr": arm_lr(settings, arm),
                   "momentum": settings.site_momentum, "weight_decay": 0.0},
         "train": {"batch_size": batch_size, "seed": arm.seed * 100 + int(site_id.rsplit("-", 1)[-1] if site_id[-1].isdigit() else 0),
-                  "threads": settings.threads},
+                  "threads": settings.threads, "chunk_size": settings.chunk_size},
         "privacy": privacy,
     })
 
@@ -309,6 +313,8 @@ def this_device() -> str:
 
 def run_arm(settings: Settings, arm: Arm, data: Path, work: Path) -> dict[str, Any]:
     """Train one arm through the coordinator's round loop; evaluate it on every test split."""
+    import torch
+
     from fedpose.federation.deployment import CoordinatorRunConfig
     from fedpose.federation.global_model import load_global_model
     from fedpose.federation.report import load_history
@@ -323,7 +329,8 @@ def run_arm(settings: Settings, arm: Arm, data: Path, work: Path) -> dict[str, A
     load_before = os.getloadavg()
     started, cpu_started = time.time(), time.process_time()
     init = warm_start_checkpoint(settings, data, work, arm.seed)
-    result: dict[str, Any] = {"key": arm.key, **dataclasses.asdict(arm), "lr": arm_lr(settings, arm), "device": this_device()}
+    result: dict[str, Any] = {"key": arm.key, **dataclasses.asdict(arm), "lr": arm_lr(settings, arm), "device": this_device(),
+                              "torch": torch.__version__, "python": platform.python_version()}
     if arm.kind == "public-only":
         model, _ = model_from_checkpoint(init)
         result["scores"] = evaluate_splits(model, splits, tuple(settings.size))
@@ -522,8 +529,9 @@ def seed_parts_from(results_path: Path, settings: Settings, work: Path) -> int:
     # which mechanisms, ε and seeds only choose the arms (each part's key names its own); the rest is what a run means
     # (and the per-arm step sizes are checked run by run, below)
     arm_lists = {"mechanisms", "epsilons", "seeds", "nonprivate", "site_lr_at"}
+    how_run = {"threads", "chunk_size"}  # how fast and in how much memory, not what a run computes
     theirs, ours = Settings.model_validate(results["settings"]).model_dump(), settings.model_dump()
-    differ = sorted(k for k in ours if k not in arm_lists and theirs[k] != ours[k])
+    differ = sorted(k for k in ours if k not in arm_lists | how_run and theirs[k] != ours[k])
     if differ and not set(differ) <= PRIVATE_RECIPE:
         raise SystemExit(f"{results_path}: its settings differ from this sweep's in {', '.join(differ)}; not resuming from it")
     if differ:
@@ -675,8 +683,6 @@ def goals(settings: Settings, rows: list[dict[str, Any]]) -> list[dict[str, Any]
 
 
 def write_results(settings: Settings, arms: list[Arm], work: Path, out: Path) -> None:
-    import torch
-
     from fedpose.io import atomic_write_json, atomic_write_text
 
     parts = load_parts(arms, work)
@@ -684,10 +690,13 @@ def write_results(settings: Settings, arms: list[Arm], work: Path, out: Path) ->
     goal_rows = goals(settings, rows)
     # runs saved before they recorded their device all ran on the CPU
     devices = sorted({p.get("device", CPU_HOST) for p in parts.values() if p["kind"] != "public-only"}) or [this_device()]
+    def versions(name: str) -> str:  # of the machines that ran the parts (a report may be written elsewhere)
+        return "; ".join(sorted({p.get(name, "not recorded") for p in parts.values()})) or "none"
+
     conditions = {
         "device": "; ".join(devices),
-        "torch": torch.__version__, "torch_threads_per_run": settings.threads,
-        "python": platform.python_version(),
+        "torch": versions("torch"), "torch_threads_per_run": settings.threads,
+        "python": versions("python"),
         "load_average_per_run": {k: {"before": p["load_before"], "after": p["load_after"]} for k, p in parts.items()},
         "wall_seconds_total_of_runs": round(sum(p["wall_seconds"] for p in parts.values()), 1),
         "transport": "in-process (fedpose.federation.server.in_process.InProcessTransport): the real RoundRunner "
