@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -31,7 +30,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import Arm, Settings, ensure_data, load_parts, run_pending, run_workers, worker_share  # noqa: E402
+from run import CPU_HOST, Arm, Settings, ensure_data, load_parts, run_pending, run_workers, worker_share  # noqa: E402
 
 #: the baseline: run.py's defaults, one private setting, on the tuning data
 BASELINE: dict[str, Any] = {"data_seed": 7, "mechanisms": ["pdp"], "epsilons": [8.0], "nonprivate": False,
@@ -41,9 +40,9 @@ BASELINE: dict[str, Any] = {"data_seed": 7, "mechanisms": ["pdp"], "epsilons": [
 LEVERS: dict[str, tuple[str, dict[str, Any]]] = {
     "baseline": ("pdp, biases_norms, k 64, site basis of turned public images every 5 steps, lr 0.1, B 16, C 1, "
                  "8 rounds × 10 steps, FedAvg", {}),
-    "finetune-set": ("trainable set: the paper's finetune scenario (1 M) instead of biases + LayerNorms (6.4 k)",
+    "finetune-set": ("trainable set: the paper's finetune scenario (1 M) instead of biases + LayerNorms (6.6 k)",
                      {"scenario": "finetune"}),
-    "no-projection": ("dpsgd: no public projection (noise in all 6.4 k directions)", {"mechanisms": ["dpsgd"]}),
+    "no-projection": ("dpsgd: no public projection (noise in all 6.6 k directions)", {"mechanisms": ["dpsgd"]}),
     "k16": ("projection rank k 16 instead of 64", {"k": 16}),
     "coordinator-basis": ("basis from the coordinator every 2 rounds (global weights) instead of the sites' every 5 steps",
                           {"site_basis_refresh_steps": None}),
@@ -60,6 +59,16 @@ LEVERS: dict[str, tuple[str, dict[str, Any]]] = {
                  {"max_records_per_unit": 4}),
     "rounds16": ("16 rounds × 10 steps instead of 8 (160 steps; σ recalibrated to the same ε; 2× compute)",
                  {"rounds": 16}),
+    "norms": ("trainable set: LayerNorm affines and the head's classifiers (norms) instead of biases + LayerNorms",
+              {"scenario": "norms"}),
+    "norms-head": ("trainable set: LayerNorm affines and the whole head (norms_head) instead of biases + LayerNorms",
+                   {"scenario": "norms_head"}),
+    "lora": ("trainable set: rank-8 low-rank adapters, LayerNorm affines and the head (lora) instead of biases + LayerNorms",
+             {"scenario": "lora"}),
+    "fedadam": ("FedAdam on the noisy mean update (server lr 0.01, the library's default) instead of FedAvg",
+                {"aggregation": "fedadam", "server_lr": 0.01}),
+    "server-cosine": ("server step decayed 1 → 0.1 over the rounds (cosine) instead of constant",
+                      {"server_lr_schedule": "cosine"}),
 }
 
 
@@ -90,12 +99,12 @@ def resume_from(path: Path, work: Path) -> int:
     lever whose settings are still what produced them."""
     import json
 
-    from run import part_path
+    from run import part_path, same_runs
 
     written = 0
     for lever in json.loads(path.read_text())["levers"]:
         name = lever["lever"]
-        if name not in LEVERS or lever["settings"] != lever_settings(name).model_dump(mode="json"):
+        if name not in LEVERS or not same_runs(lever["settings"], lever_settings(name)):
             print(f"{name}: its settings changed; run again", flush=True)
             continue
         for key, part in lever["runs"].items():
@@ -127,6 +136,8 @@ def summarize(work: Path) -> dict[str, Any]:
         levers.append({
             "lever": name, "what": what, "overrides": overrides, "settings": lever_settings(name).model_dump(mode="json"),
             "seeds_done": [r["seed"] for r in runs],
+            # runs saved before they recorded their device ran on the CPU
+            "device": "; ".join(sorted({r.get("device", CPU_HOST) for r in runs})),
             "mixture_pckh50": stat([r["scores"]["mixture"]["pckh50"] for r in runs]),
             "own_splits_pckh50": stat([own(r) for r in runs]),
             "mixture_minus_baseline": stat([r["scores"]["mixture"]["pckh50"] - base[r["seed"]]["scores"]["mixture"]["pckh50"] for r in paired]),
@@ -143,9 +154,10 @@ def summarize(work: Path) -> dict[str, Any]:
         "data": "tuning data (synthetic generator seed 7): the levers choose the defaults, so they are measured where "
                 "choosing is allowed; never a reported split",
         "baseline_settings": lever_settings("baseline").model_dump(),
-        "conditions": {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+        "conditions": {"devices": sorted({lever["device"] for lever in levers if lever["device"]}),
                        "threads_per_run": lever_settings("baseline").threads,
-                       "note": "runs two at a time beside other work: wall_seconds are not timings (see load_before)"},
+                       "note": "on the CPU two runs at a time beside other work, on a GPU up to 15 side by side: "
+                               "wall_seconds are not timings (see load_before); each lever's device is its own"},
         "levers": levers,
     }
 
@@ -168,6 +180,10 @@ def markdown(summary: dict[str, Any]) -> str:
                      + (" | |" if lever["lever"] == "baseline" else " |"))
     public = next((lv["public_only_mixture"] for lv in summary["levers"] if lv["public_only_mixture"] is not None), None)
     lines += ["", f"Public-only (the shipped base) on the tuning mixture: {public:.1f}." if public is not None else "", ""]
+    by_device: dict[str, list[str]] = {}
+    for lever in summary["levers"]:
+        by_device.setdefault(lever["device"] or "not run", []).append(lever["lever"])
+    lines += [f"Ran on {device}: {', '.join(names)}." for device, names in by_device.items()] + [""]
     return "\n".join(lines)
 
 

@@ -14,7 +14,7 @@ steps, k = ``k``), "fdp" / "fpdp" (plus the noise-free gradient on ψ). Each res
 ``<work>/parts`` (resumable); the JSON gathers them all.
 
 What it found (noise_or_subspace.json): the projection, not the noise or the clipping, held PDP at
-the base (``finetune``, σ = 0: clipping alone +8.0, clipping + projection k 4 +0.8); the 6.4 k
+the base (``finetune``, σ = 0: clipping alone +8.0, clipping + projection k 4 +0.8); the 6.6 k
 biases and LayerNorm affines (``model.scenario = "biases_norms"``) keep most of the gain and pay
 under real noise.
 """

@@ -74,7 +74,7 @@ class Settings(BaseModel):
     #: the private arms' trainable set. Measured on the tuning data (noise_or_subspace.json, one site,
     #: ε 8 per patient): PDP's public projection of ``finetune`` keeps < 25 % of what clipping alone
     #: gains (k 4–48, σ = 0), so every private ``finetune`` recipe ended within ±1 of the base; the
-    #: 6.4 k biases and LayerNorms keep 80 % of it with σ = 0 and gain under real noise
+    #: 6.6 k biases and LayerNorms keep 80 % of it with σ = 0 and gain under real noise
     scenario: str = "biases_norms"
     #: the non-private arms' set: the best reference, not the private arms' restriction
     nonprivate_scenario: str = "full"
@@ -92,7 +92,7 @@ class Settings(BaseModel):
     site_lr: float = 0.1
     site_alone_lr: float = 0.03
     #: "mechanism@ε" → the federated and central arms' step size where ``site_lr`` is wrong for that
-    #: noise: dpsgd at ε 2 (no projection: noise in all 6.4 k directions) lost 5.2 at lr 0.1 and
+    #: noise: dpsgd at ε 2 (no projection: noise in all 6.6 k directions) lost 5.2 at lr 0.1 and
     #: gained 1.9 at 0.03 (3 sites, tuning data; tuning_probes_biases_norms.json); pdp at ε 2 gained
     #: more at 0.1 (+3.0) than at 0.03 (+1.5), so it keeps ``site_lr``
     site_lr_at: dict[str, float] = Field(default_factory=lambda: {"dpsgd@2": 0.03})
@@ -103,7 +103,7 @@ class Settings(BaseModel):
     #: the sites' optimizer (every arm): "sgd" (momentum ``site_momentum``) or "adamw" (weight decay 0)
     site_optimizer: str = "sgd"
     max_grad_norm: float = 1.0
-    #: PDP's k of the ``biases_norms`` set's 6.4 k directions: 64, every direction 64 public images span
+    #: PDP's k of the ``biases_norms`` set's 6.6 k directions: 64, every direction 64 public images span
     #: (noise_or_subspace.json: one site at ε 8, +4.7 on the mixture, dpsgd without projection +3.8)
     k: int = 64
     public_samples: int = 64
@@ -122,6 +122,8 @@ class Settings(BaseModel):
     augmentation_multiplicity: int = 1
     aggregation: str = "fedavg"
     server_lr: float = 1.0
+    #: coordinator.aggregation.lr_schedule: "cosine" decays the server step to a tenth over the rounds
+    server_lr_schedule: str = "constant"
     server_momentum: float = 0.9
     #: coordinator.ema.decay: 0 off; else every arm is evaluated on the moving average of the global
     #: models over rounds (post-processing of the released models: free in privacy)
@@ -361,7 +363,8 @@ def run_arm(settings: Settings, arm: Arm, data: Path, work: Path) -> dict[str, A
                       "refresh_every_rounds": settings.refresh_every_rounds},
             "model": {"backbone": settings.backbone, "init_checkpoint": str(init),
                       "scenario": settings.nonprivate_scenario if arm.mechanism == "none" else settings.scenario},
-            "aggregation": {"strategy": settings.aggregation, "server_lr": settings.server_lr, "momentum": settings.server_momentum},
+            "aggregation": {"strategy": settings.aggregation, "server_lr": settings.server_lr, "momentum": settings.server_momentum,
+                            "lr_schedule": settings.server_lr_schedule},
             "ema": {"decay": settings.ema_decay},
             "seed": arm.seed,
         }})
@@ -513,6 +516,17 @@ def main() -> int:
 
 
 # -- results -------------------------------------------------------------------------------------------
+#: settings that say how fast and in how much memory a run goes, not what it computes
+HOW_RUN = frozenset({"threads", "chunk_size"})
+
+
+def same_runs(theirs: dict[str, Any], ours: Settings) -> bool:
+    """Whether settings another session saved (a dump, perhaps from before a setting existed: its
+    default) describe the same runs as ``ours``."""
+    saved = Settings.model_validate(theirs).model_dump()
+    return all(saved[k] == v for k, v in ours.model_dump().items() if k not in HOW_RUN)
+
+
 #: settings that shape only the private arms (site_config's ``privacy`` block, the private step sizes
 #: and trainable set): a sweep that changes only these reuses another's public-only and non-private runs
 PRIVATE_RECIPE = frozenset({
@@ -529,9 +543,8 @@ def seed_parts_from(results_path: Path, settings: Settings, work: Path) -> int:
     # which mechanisms, ε and seeds only choose the arms (each part's key names its own); the rest is what a run means
     # (and the per-arm step sizes are checked run by run, below)
     arm_lists = {"mechanisms", "epsilons", "seeds", "nonprivate", "site_lr_at"}
-    how_run = {"threads", "chunk_size"}  # how fast and in how much memory, not what a run computes
     theirs, ours = Settings.model_validate(results["settings"]).model_dump(), settings.model_dump()
-    differ = sorted(k for k in ours if k not in arm_lists | how_run and theirs[k] != ours[k])
+    differ = sorted(k for k in ours if k not in arm_lists | HOW_RUN and theirs[k] != ours[k])
     if differ and not set(differ) <= PRIVATE_RECIPE:
         raise SystemExit(f"{results_path}: its settings differ from this sweep's in {', '.join(differ)}; not resuming from it")
     if differ:
