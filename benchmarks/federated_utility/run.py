@@ -703,6 +703,7 @@ def write_results(settings: Settings, arms: list[Arm], work: Path, out: Path) ->
     goal_rows = goals(settings, rows)
     # runs saved before they recorded their device all ran on the CPU
     devices = sorted({p.get("device", CPU_HOST) for p in parts.values() if p["kind"] != "public-only"}) or [this_device()]
+
     def versions(name: str) -> str:  # of the machines that ran the parts (a report may be written elsewhere)
         return "; ".join(sorted({p.get(name, "not recorded") for p in parts.values()})) or "none"
 
