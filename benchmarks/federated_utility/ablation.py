@@ -30,7 +30,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import CPU_HOST, Arm, Settings, ensure_data, load_parts, run_pending, run_workers, worker_share  # noqa: E402
+from run import Arm, Settings, devices_of, ensure_data, load_parts, run_pending, run_workers, worker_share  # noqa: E402
 
 #: the baseline: run.py's defaults, one private setting, on the tuning data
 BASELINE: dict[str, Any] = {"data_seed": 7, "mechanisms": ["pdp"], "epsilons": [8.0], "nonprivate": False,
@@ -99,12 +99,12 @@ def resume_from(path: Path, work: Path) -> int:
     lever whose settings are still what produced them."""
     import json
 
-    from run import part_path, same_runs
+    from run import part_path, settings_differ
 
     written = 0
     for lever in json.loads(path.read_text())["levers"]:
         name = lever["lever"]
-        if name not in LEVERS or not same_runs(lever["settings"], lever_settings(name)):
+        if name not in LEVERS or settings_differ(lever["settings"], lever_settings(name)):
             print(f"{name}: its settings changed; run again", flush=True)
             continue
         for key, part in lever["runs"].items():
@@ -136,8 +136,7 @@ def summarize(work: Path) -> dict[str, Any]:
         levers.append({
             "lever": name, "what": what, "overrides": overrides, "settings": lever_settings(name).model_dump(mode="json"),
             "seeds_done": [r["seed"] for r in runs],
-            # runs saved before they recorded their device ran on the CPU
-            "device": "; ".join(sorted({r.get("device", CPU_HOST) for r in runs})),
+            "device": "; ".join(devices_of(runs)),
             "mixture_pckh50": stat([r["scores"]["mixture"]["pckh50"] for r in runs]),
             "own_splits_pckh50": stat([own(r) for r in runs]),
             "mixture_minus_baseline": stat([r["scores"]["mixture"]["pckh50"] - base[r["seed"]]["scores"]["mixture"]["pckh50"] for r in paired]),

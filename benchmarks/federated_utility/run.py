@@ -45,6 +45,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -520,11 +521,16 @@ def main() -> int:
 HOW_RUN = frozenset({"threads", "chunk_size"})
 
 
-def same_runs(theirs: dict[str, Any], ours: Settings) -> bool:
-    """Whether settings another session saved (a dump, perhaps from before a setting existed: its
-    default) describe the same runs as ``ours``."""
+def settings_differ(theirs: dict[str, Any], ours: Settings, ignore: frozenset[str] = frozenset()) -> list[str]:
+    """The settings, beyond ``HOW_RUN`` and ``ignore``, in which a dump another session saved (perhaps
+    from before a setting existed: its default) differs from ``ours``."""
     saved = Settings.model_validate(theirs).model_dump()
-    return all(saved[k] == v for k, v in ours.model_dump().items() if k not in HOW_RUN)
+    return sorted(k for k, v in ours.model_dump().items() if k not in HOW_RUN | ignore and saved[k] != v)
+
+
+def devices_of(parts: Iterable[dict[str, Any]]) -> list[str]:
+    """The devices that ran ``parts``: runs saved before they recorded their device ran on the CPU."""
+    return sorted({p.get("device", CPU_HOST) for p in parts})
 
 
 #: settings that shape only the private arms (site_config's ``privacy`` block, the private step sizes
@@ -542,9 +548,8 @@ def seed_parts_from(results_path: Path, settings: Settings, work: Path) -> int:
     results = json.loads(results_path.read_text())
     # which mechanisms, ε and seeds only choose the arms (each part's key names its own); the rest is what a run means
     # (and the per-arm step sizes are checked run by run, below)
-    arm_lists = {"mechanisms", "epsilons", "seeds", "nonprivate", "site_lr_at"}
-    theirs, ours = Settings.model_validate(results["settings"]).model_dump(), settings.model_dump()
-    differ = sorted(k for k in ours if k not in arm_lists | HOW_RUN and theirs[k] != ours[k])
+    arm_lists = frozenset({"mechanisms", "epsilons", "seeds", "nonprivate", "site_lr_at"})
+    differ = settings_differ(results["settings"], settings, ignore=arm_lists)
     if differ and not set(differ) <= PRIVATE_RECIPE:
         raise SystemExit(f"{results_path}: its settings differ from this sweep's in {', '.join(differ)}; not resuming from it")
     if differ:
@@ -701,8 +706,7 @@ def write_results(settings: Settings, arms: list[Arm], work: Path, out: Path) ->
     parts = load_parts(arms, work)
     rows = arm_table(settings, parts)
     goal_rows = goals(settings, rows)
-    # runs saved before they recorded their device all ran on the CPU
-    devices = sorted({p.get("device", CPU_HOST) for p in parts.values() if p["kind"] != "public-only"}) or [this_device()]
+    devices = devices_of(p for p in parts.values() if p["kind"] != "public-only") or [this_device()]
 
     def versions(name: str) -> str:  # of the machines that ran the parts (a report may be written elsewhere)
         return "; ".join(sorted({p.get(name, "not recorded") for p in parts.values()})) or "none"
