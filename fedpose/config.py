@@ -165,8 +165,8 @@ class StepConfig(Strict):
     chunk_size: int | None = Field(
         None, ge=1,
         description="samples per chunk of per-sample gradients (memory ≈ chunk × trainable parameters × 4 bytes, a few "
-        "times over, plus the chunk's activations); None: 16 on the CPU, on CUDA sized from free device memory by the "
-        "gradients alone — set it when runs share a GPU or the trainable set is small (docs/deployment.md)",
+        "times over, plus the chunk's activations); None: 16 on the CPU, on CUDA measured on the model when training "
+        "starts against the device memory free then — set it when several sites or runs share a GPU (docs/deployment.md)",
     )
 
 

@@ -21,6 +21,7 @@ from scipy import stats
 
 from fedpose.config import ConfigError, ModelConfig, PrivacyConfig, RunConfig, load_config
 from fedpose.federation.config import CoordinatorConfig
+from fedpose.joints import NUM_JOINTS
 from fedpose.model import build_model
 from fedpose.privacy import per_sample
 from fedpose.privacy.chacha20 import keystream_words
@@ -29,10 +30,13 @@ from fedpose.privacy.noise import SECURE_TAIL_BOUND_SIGMAS, SecureNoise, chacha2
 from fedpose.privacy.per_sample import (
     DEFAULT_CHUNK_SIZE,
     auto_chunk_size,
+    chunk_size_from_probe,
     clip_factors,
     clipped_gradient_sum,
+    clipped_unit_gradient_sum,
     flatten,
     frozen_features,
+    measured_chunk_size,
     per_sample_gradients,
     per_sample_norms,
 )
@@ -145,6 +149,19 @@ def test_chunk_size_is_fixed_on_cpu_and_sized_from_free_memory_on_cuda(monkeypat
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     assert auto_chunk_size(torch.device("cuda", 0), 4_740_000) == 1  # never 0: the step then fails with the clear error
+
+
+def test_a_measured_chunk_pays_for_what_a_sample_costs_beyond_its_gradient() -> None:
+    gib = 2**30
+    # the probe peaked at 1 GiB with 2 samples and 1.5 GiB with 4: 0.25 GiB a sample over a fixed 0.5 GiB;
+    # half of 40 GiB, less 2 GiB of the step's own inputs and the fixed part, holds 70 samples
+    assert chunk_size_from_probe(40 * gib, [gib, 3 * gib // 2], 1000, rows=1000, inputs_bytes=2 * gib) == 70
+    assert chunk_size_from_probe(40 * gib, [gib, 3 * gib // 2], 1000, rows=16, inputs_bytes=2 * gib) == 16  # a step's rows
+    assert chunk_size_from_probe(gib, [gib, 2 * gib], 1000, rows=16, inputs_bytes=0) == 1  # never 0
+    # peaks that barely differ (allocator rounding) still cost a sample two float32 copies of p
+    p = 4_740_000
+    fixed = gib - 2 * 8 * p
+    assert chunk_size_from_probe(40 * gib, [gib, gib], p, rows=1000, inputs_bytes=0) == int((20 * gib - fixed) // (8 * p)) == 540
 
 
 def test_out_of_memory_names_the_settings_to_lower(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -408,6 +425,45 @@ def test_per_sample_chunks_are_sized_from_cuda_memory() -> None:
     chunk = auto_chunk_size(torch.device("cuda", 0), 4_740_000)
     free, _ = torch.cuda.mem_get_info(0)
     assert 1 <= chunk <= per_sample._MAX_AUTO_CHUNK and chunk * 4 * 4 * 4_740_000 <= free + torch.cuda.memory_reserved(0)
+
+
+@requires_cuda
+def test_a_chunk_measured_on_the_model_fits_what_it_was_sized_for() -> None:
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(backbone="tiny_vit_test", scenario="biases_norms"), (128, 96)).cuda()
+    device = torch.device("cuda", 0)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    chunk = measured_chunk_size(model, device, rows=4096)
+    assert {k: v for k, v in model.state_dict().items()}.keys() == state.keys()
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # the probe changed nothing
+    available = per_sample.available_device_memory(device)
+    samples = min(chunk, 256)  # enough to check the slope, not the whole device
+    images = torch.zeros(samples, 3, 128, 96, device=device)
+    features = frozen_features(model, images)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    clipped_unit_gradient_sum(model, features, torch.zeros(samples, NUM_JOINTS, 2, device=device), torch.ones(samples, NUM_JOINTS, device=device),
+                              torch.arange(samples, device=device), 1.0, samples)
+    torch.cuda.synchronize(device)
+    used = torch.cuda.max_memory_allocated(device) - before
+    assert 1 <= chunk <= per_sample._MAX_AUTO_CHUNK
+    assert used / samples * chunk <= per_sample._DEVICE_MEMORY_SHARE * available * 1.1  # a full chunk fits its share
+    num_params = sum(p.numel() for p in model.trainable_parameters().values())
+    assert used / samples > 2 * 4 * num_params  # the activations, which the gradients-only sizing leaves out
+
+
+@requires_cuda
+def test_a_cuda_engine_measures_its_chunk_when_it_is_built() -> None:
+    model = make_model("cuda")
+    engine = build_engine(privacy("fpdp"), model, 8, 4, 10, PUBLIC, seed=3)
+    num_params = sum(p.numel() for p in model.trainable_parameters().values())
+    chunk = engine.chunk_for(torch.device("cuda", 0), num_params)
+    assert engine._chunks[("cuda:0", num_params)] == chunk and 1 <= chunk <= engine.step_rows
+    engine.step(model, batch_of(range(4)))
+    assert engine.chunk_for(torch.device("cuda", 0), num_params) == chunk  # decided once, never per step
+    fixed = build_engine(privacy("fpdp"), model, 8, 4, 10, PUBLIC, seed=3, chunk_size=3)
+    assert fixed.chunk_for(torch.device("cuda", 0), num_params) == 3 and not fixed._chunks
 
 
 # -- the entry points on CUDA --------------------------------------------------------------------------------

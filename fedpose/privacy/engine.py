@@ -53,8 +53,9 @@ DP mechanisms (see :mod:`fedpose.privacy.mechanisms` for the table):
 * **Device** — the engine works where the model's parameters are: each batch is moved there, the
   clipped sum, the noise (generated on that device, :mod:`fedpose.privacy.noise`), V and the
   projection live there. The caller places the model (``train.device``). The per-sample chunk is
-  ``chunk_size``, or decided once when the engine is built, from the fixed step shape and the
-  device's free memory then (:func:`~fedpose.privacy.per_sample.auto_chunk_size`), never per step:
+  ``chunk_size``, or decided once when the engine is built, from the fixed step shape and, on
+  CUDA, what a chunk of this model measurably costs against the device's free memory then
+  (:func:`~fedpose.privacy.per_sample.measured_chunk_size`), never per step:
   every step has the same shapes and chunks, so whether a step runs out of device memory does
   not depend on which units were sampled (an overflowing step, ≤ η per step for N ≤ N_max, runs
   more chunks of the same size and holds a multiple of the batch). Running out raises
@@ -89,6 +90,7 @@ from fedpose.privacy.per_sample import (
     clipped_unit_gradient_sum,
     frozen_features,
     mean_gradient,
+    measured_chunk_size,
     unflatten,
 )
 from fedpose.privacy.report import format_epsilon, guarantee_sentence, protected_unit_text, public_view_statement
@@ -388,15 +390,29 @@ class GradientEngine:
     def chunk_for(self, device: torch.device, num_params: int) -> int:
         """Samples per chunk of per-sample gradients on ``device``: ``chunk_size``, or decided once per
         device from the step's fixed row count and the memory available at that moment
-        (:func:`~fedpose.privacy.per_sample.auto_chunk_size`). :func:`build_engine` decides it for
-        the model's device before any step, so no step's chunk (nor whether it fits) depends on
-        what was sampled."""
+        (:func:`~fedpose.privacy.per_sample.auto_chunk_size`; :meth:`decide_chunk`, which
+        :func:`build_engine` calls for the model's device before any step, measures it on the model
+        instead), so no step's chunk (nor whether it fits) depends on what was sampled."""
         if self.chunk_size is not None:
             return self.chunk_size
         key = (str(device), int(num_params))
         if key not in self._chunks:
             self._chunks[key] = auto_chunk_size(device, num_params, self.step_rows)
         return self._chunks[key]
+
+    def decide_chunk(self, model: TrainableModel) -> int:
+        """Decide the chunk for the model's device before any step (see :meth:`chunk_for`): on CUDA
+        with ``chunk_size`` unset, measured on the model (:func:`~fedpose.privacy.per_sample.measured_chunk_size`:
+        zero images, no record); the step's inputs are its rows, twice over with a public view."""
+        params = model.trainable_parameters()
+        device = next(iter(params.values())).device
+        num_params = sum(p.numel() for p in params.values())
+        key = (str(device), int(num_params))
+        if self.chunk_size is None and device.type == "cuda" and key not in self._chunks:
+            input_rows = self.step_rows * (2 if self.mechanism.public_view is not None else 1)
+            with out_of_memory_hint(f"measuring a per-sample chunk on {device} (p = {num_params:,})", self.memory_settings):
+                self._chunks[key] = measured_chunk_size(model, device, self.step_rows, input_rows)
+        return self.chunk_for(device, num_params)
 
     def refresh_basis(self, model: TrainableModel) -> float:
         """Recompute V from the public set at the model's current weights, on the model's device;
@@ -681,5 +697,5 @@ def build_engine(
     engine = GradientEngine(privacy_cfg, mechanism, dataset_size, batch_size, planned_steps, public_dataset, seed, chunk_size,
                             units, memory_settings)
     if mechanism.noisy:  # the chunk, from the fixed step shape, before any step (see chunk_for)
-        engine.chunk_for(next(iter(params.values())).device, sum(p.numel() for p in params.values()))
+        engine.decide_chunk(model)
     return engine

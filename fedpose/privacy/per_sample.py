@@ -40,8 +40,11 @@ w.r.t. ``model.trainable_parameters()``, in that order; a "flat" gradient is the
 (``flatten`` / ``unflatten``).
 
 The vmap runs in chunks of ``chunk_size`` samples to bound memory (per-sample gradients of a
-chunk are ``chunk_size × p`` floats, ~18 MiB per sample at p = 4.74 M). On the CPU the chunk is
-:data:`DEFAULT_CHUNK_SIZE`; on CUDA :func:`auto_chunk_size` sizes it from free device memory.
+chunk are ``chunk_size × p`` floats, ~18 MiB per sample at p = 4.74 M, plus the activations each
+sample keeps for its backward pass, which dominate when p is small). On the CPU the chunk is
+:data:`DEFAULT_CHUNK_SIZE`; on CUDA :func:`measured_chunk_size` measures what a chunk costs on the
+model itself and sizes it from free device memory (:func:`auto_chunk_size`, by the gradients
+alone, where no model is at hand).
 
 Device: everything here runs on the device of ``features`` (the model's device); sums, norms and
 clipping factors are float32 there, whatever matmul precision the device uses.
@@ -60,6 +63,8 @@ from torch.func import functional_call, grad_and_value, vmap
 
 class TrainableModel(Protocol):
     """What the privacy engine needs from a pose model (the contract in the module docstring)."""
+
+    input_size: tuple[int, int]  # (H, W) of its images: what measured_chunk_size probes with
 
     def forward_frozen(self, images: Tensor) -> Tensor: ...
     def forward_norm_tuned(self, features: Tensor) -> Tensor: ...
@@ -98,13 +103,66 @@ def available_device_memory(device: torch.device) -> int:
 
 def auto_chunk_size(device: torch.device, num_params: int, rows: int | None = None) -> int:
     """Samples per chunk for per-sample gradients of ``num_params`` parameters on ``device``:
-    :data:`DEFAULT_CHUNK_SIZE` on the CPU; on CUDA sized from the memory available now
-    (:func:`chunk_size_for`). Callers decide it once, from a step's fixed shape, before training
+    :data:`DEFAULT_CHUNK_SIZE` on the CPU; on CUDA sized from the memory available now by the
+    gradients alone (:func:`chunk_size_for`; with a model at hand, :func:`measured_chunk_size`
+    counts the activations too). Callers decide it once, from a step's fixed shape, before training
     (:class:`~fedpose.privacy.engine.GradientEngine`): per step, it would depend on what the
     allocator happens to hold."""
     if device.type != "cuda":
         return DEFAULT_CHUNK_SIZE if rows is None else max(1, min(DEFAULT_CHUNK_SIZE, int(rows)))
     return chunk_size_for(available_device_memory(device), num_params, rows)
+
+
+#: samples of the two probe chunks :func:`measured_chunk_size` runs (two sizes: a fixed part and a slope)
+_PROBE_SAMPLES = (2, 4)
+
+
+def measured_chunk_size(model: TrainableModel, device: torch.device, rows: int, input_rows: int | None = None) -> int:
+    """Samples per chunk of per-sample gradients on a CUDA ``device``, from what a chunk costs there:
+    the per-unit path (:func:`clipped_unit_gradient_sum`, every row its own unit: the larger of the
+    two paths) runs on 2 and on 4 zero images of ``model.input_size`` — no record of any dataset —
+    and the allocator's peak above what was allocated before gives a fixed part and a cost per
+    sample (its gradient, its unit's sum *and* the activations it keeps for the backward pass,
+    which :func:`chunk_size_for` does not count and which dominate when p is small). The chunk is
+    then as many samples as fit half the memory available now, after the step's own inputs
+    (``input_rows`` images and their frozen features; default ``rows``), at most ``rows``.
+
+    Resets the device's peak-memory statistics (``torch.cuda.reset_peak_memory_stats``); model
+    weights, buffers and gradients are untouched."""
+    from fedpose.joints import NUM_JOINTS
+
+    height, width = model.input_size  # type: ignore[attr-defined]
+    peaks, row_bytes = [], 0.0
+    for samples in _PROBE_SAMPLES:
+        images = torch.zeros(samples, 3, height, width, device=device)
+        joints = torch.zeros(samples, NUM_JOINTS, 2, device=device)
+        weight = torch.ones(samples, NUM_JOINTS, device=device)
+        features = frozen_features(model, images)
+        row_bytes = (images.numel() * images.element_size() + features.numel() * features.element_size()) / samples
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        clipped_unit_gradient_sum(model, features, joints, weight, torch.arange(samples, device=device), 1.0, samples)
+        torch.cuda.synchronize(device)
+        peaks.append(torch.cuda.max_memory_allocated(device) - before)
+        del images, joints, weight, features
+    num_params = sum(p.numel() for p in model.trainable_parameters().values())
+    return chunk_size_from_probe(available_device_memory(device), peaks, num_params, rows,
+                                 row_bytes * (rows if input_rows is None else input_rows))
+
+
+def chunk_size_from_probe(available_bytes: int, peaks: list[int], num_params: int, rows: int, inputs_bytes: float) -> int:
+    """Samples per chunk from the probe's peaks at :data:`_PROBE_SAMPLES` samples: fixed + n · per
+    sample must fit half of ``available_bytes`` less the step's inputs (``inputs_bytes``); at most
+    ``rows`` and :data:`_MAX_AUTO_CHUNK`, at least 1. The cost per sample is never taken below the
+    two float32 copies of p it certainly holds (its gradient and its unit's sum): allocator rounding
+    can make a small difference of peaks look free."""
+    (small, large), (low, high) = _PROBE_SAMPLES, peaks
+    per_sample = max((high - low) / (large - small), 2 * 4 * max(1, num_params))
+    fixed = max(0.0, low - small * per_sample)
+    budget = _DEVICE_MEMORY_SHARE * available_bytes - inputs_bytes - fixed
+    cap = max(1, min(_MAX_AUTO_CHUNK, int(rows)))
+    return max(1, min(cap, int(budget // per_sample)))
 
 
 def frozen_features(model: TrainableModel, images: Tensor) -> Tensor:
