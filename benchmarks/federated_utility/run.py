@@ -533,10 +533,10 @@ def devices_of(parts: Iterable[dict[str, Any]]) -> list[str]:
     return sorted({p.get("device", CPU_HOST) for p in parts})
 
 
-#: settings that shape only the private arms (site_config's ``privacy`` block, the private step sizes
-#: and trainable set): a sweep that changes only these reuses another's public-only and non-private runs
+#: settings that shape only the private arms (site_config's ``privacy`` block and the trainable set; the
+#: step sizes are compared run by run): a sweep that changes these reuses another's public-only and non-private runs
 PRIVATE_RECIPE = frozenset({
-    "scenario", "site_lr", "site_alone_lr", "max_grad_norm", "k", "public_samples", "refresh_every_rounds",
+    "scenario", "max_grad_norm", "k", "public_samples", "refresh_every_rounds",
     "site_basis_refresh_steps", "basis_public_rotation", "public_view_factor", "public_view_bits",
     "public_gradient_weight", "augmentation_multiplicity", "delta", "unit", "max_records_per_unit",
 })
@@ -546,16 +546,17 @@ def seed_parts_from(results_path: Path, settings: Settings, work: Path) -> int:
     """Continue a sweep another machine or session began: write the runs a committed results.json
     holds as this work dir's parts (only where every setting that shapes a run is the same)."""
     results = json.loads(results_path.read_text())
-    # which mechanisms, ε and seeds only choose the arms (each part's key names its own); the rest is what a run means
-    # (and the per-arm step sizes are checked run by run, below)
-    arm_lists = frozenset({"mechanisms", "epsilons", "seeds", "nonprivate", "site_lr_at"})
-    differ = settings_differ(results["settings"], settings, ignore=arm_lists)
+    # which mechanisms, ε and seeds only choose the arms (each part's key names its own), and the step sizes are
+    # checked run by run (below: a new site_lr reruns the federated and central arms, not the site-alone ones);
+    # the rest is what a run means
+    per_run = frozenset({"mechanisms", "epsilons", "seeds", "nonprivate", "site_lr", "site_alone_lr", "site_lr_at"})
+    differ = settings_differ(results["settings"], settings, ignore=per_run)
     if differ and not set(differ) <= PRIVATE_RECIPE:
         raise SystemExit(f"{results_path}: its settings differ from this sweep's in {', '.join(differ)}; not resuming from it")
     if differ:
         print(f"{results_path}: another private recipe ({', '.join(differ)}): taking its public-only and non-private runs only", flush=True)
-    # runs saved before step sizes were recorded used the rule without per-arm step sizes
-    before_site_lr_at = settings.model_copy(update={"site_lr_at": {}})
+    # runs saved before step sizes were recorded used their sweep's rule, without per-arm step sizes
+    before_site_lr_at = Settings.model_validate(results["settings"]).model_copy(update={"site_lr_at": {}})
     written, rerun = 0, []
     for key, part in results["runs"].items():
         arm = Arm(**{field.name: part[field.name] for field in dataclasses.fields(Arm)})
