@@ -434,7 +434,7 @@ def test_a_chunk_measured_on_the_model_fits_what_it_was_sized_for() -> None:
     device = torch.device("cuda", 0)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     chunk = measured_chunk_size(model, device, rows=4096)
-    assert {k: v for k, v in model.state_dict().items()}.keys() == state.keys()
+    assert model.state_dict().keys() == state.keys()
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # the probe changed nothing
     available = per_sample.available_device_memory(device)
     samples = min(chunk, 256)  # enough to check the slope, not the whole device
