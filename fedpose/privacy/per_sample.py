@@ -60,6 +60,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
 
+from fedpose.joints import NUM_JOINTS
+
 
 class TrainableModel(Protocol):
     """What the privacy engine needs from a pose model (the contract in the module docstring)."""
@@ -129,8 +131,6 @@ def measured_chunk_size(model: TrainableModel, device: torch.device, rows: int, 
 
     Resets the device's peak-memory statistics (``torch.cuda.reset_peak_memory_stats``); model
     weights, buffers and gradients are untouched."""
-    from fedpose.joints import NUM_JOINTS
-
     height, width = model.input_size  # type: ignore[attr-defined]
     peaks, row_bytes = [], 0.0
     for samples in _PROBE_SAMPLES:
