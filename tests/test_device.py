@@ -21,7 +21,6 @@ from scipy import stats
 
 from fedpose.config import ConfigError, ModelConfig, PrivacyConfig, RunConfig, load_config
 from fedpose.federation.config import CoordinatorConfig
-from fedpose.joints import NUM_JOINTS
 from fedpose.model import build_model
 from fedpose.privacy import per_sample
 from fedpose.privacy.chacha20 import keystream_words
@@ -33,7 +32,6 @@ from fedpose.privacy.per_sample import (
     chunk_size_from_probe,
     clip_factors,
     clipped_gradient_sum,
-    clipped_unit_gradient_sum,
     flatten,
     frozen_features,
     measured_chunk_size,
@@ -438,15 +436,7 @@ def test_a_chunk_measured_on_the_model_fits_what_it_was_sized_for() -> None:
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())  # the probe changed nothing
     available = per_sample.available_device_memory(device)
     samples = min(chunk, 256)  # enough to check the slope, not the whole device
-    images = torch.zeros(samples, 3, 128, 96, device=device)
-    features = frozen_features(model, images)
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    clipped_unit_gradient_sum(model, features, torch.zeros(samples, NUM_JOINTS, 2, device=device), torch.ones(samples, NUM_JOINTS, device=device),
-                              torch.arange(samples, device=device), 1.0, samples)
-    torch.cuda.synchronize(device)
-    used = torch.cuda.max_memory_allocated(device) - before
+    used, _ = per_sample.chunk_peak_bytes(model, device, samples)
     assert 1 <= chunk <= per_sample._MAX_AUTO_CHUNK
     assert used / samples * chunk <= per_sample._DEVICE_MEMORY_SHARE * available * 1.1  # a full chunk fits its share
     num_params = sum(p.numel() for p in model.trainable_parameters().values())

@@ -55,6 +55,8 @@ LEVERS: dict[str, tuple[str, dict[str, Any]]] = {
     "clip0.3": ("clipping bound C 0.3 instead of 1", {"max_grad_norm": 0.3}),
     "batch32": ("expected batch 32 patients (q 32/120; σ recalibrated to the same ε)", {"batch_size": 32}),
     "lr0.03": ("site step size 0.03 instead of 0.1", {"site_lr": 0.03}),
+    "lr0.2": ("site step size 0.2 instead of 0.1", {"site_lr": 0.2}),
+    "lr0.3": ("site step size 0.3 instead of 0.1", {"site_lr": 0.3}),
     "records4": ("4 images of a sampled patient per step instead of 1 (the patient still clipped as one)",
                  {"max_records_per_unit": 4}),
     "rounds16": ("16 rounds × 10 steps instead of 8 (160 steps; σ recalibrated to the same ε; 2× compute)",

@@ -745,7 +745,7 @@ def markdown(settings: Settings, rows: list[dict[str, Any]], goal_rows: list[dic
     from fedpose.privacy.mechanisms import get_mechanism
 
     site_ids = [f"site-{k}" for k in range(1, settings.sites + 1)]
-    where = "GPU" if results["conditions"]["device"].startswith("cuda") else "CPU"
+    where = " and ".join(sorted({"GPU" if device.startswith("cuda") else "CPU" for device in results["conditions"]["device"].split("; ")}))
     lines = [f"# Federated utility: why federate (synthetic {settings.sites}-site data, {where})", "",
              f"Runs done: {results['runs_done']} / {results['runs_planned']}. PCKh in %, mean ± std over seeds "
              f"{settings.seeds}; *own* = mean over the sites of each model on the site's own test split "

@@ -19,7 +19,6 @@ import torch
 
 from fedpose.config import ModelConfig
 from fedpose.model import build_model
-from fedpose.joints import NUM_JOINTS
 from fedpose.privacy import per_sample as ps
 
 
@@ -39,22 +38,14 @@ def main() -> int:
         measured = ps.measured_chunk_size(model, device, rows)
         probe_s = time.perf_counter() - started
         n = min(32, measured)
-        images = torch.zeros(n, 3, *size, device=device)
-        feats = ps.frozen_features(model, images)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        ps.clipped_unit_gradient_sum(model, feats, torch.zeros(n, NUM_JOINTS, 2, device=device), torch.ones(n, NUM_JOINTS, device=device),
-                                     torch.arange(n, device=device), 1.0, n)
-        torch.cuda.synchronize()
-        per_sample_mib = (torch.cuda.max_memory_allocated(device) - before) / n / 2**20
+        per_sample_mib = ps.chunk_peak_bytes(model, device, n)[0] / n / 2**20
         row = dict(backbone=backbone, scenario=scenario, size=size, rows=rows, p=p, gradients_only_chunk=gradients_only,
                    measured_chunk=measured, probe_seconds=round(probe_s, 2), chunk_peak_mib_per_sample_at=n,
                    chunk_peak_mib_per_sample=round(per_sample_mib, 2), gradient_mib=round(4 * p / 2**20, 3),
                    available_gib=round(ps.available_device_memory(device) / 2**30, 1))
         print(json.dumps(row), flush=True)
         out.append(row)
-        del model, images, feats
+        del model
         torch.cuda.empty_cache()
     Path(sys.argv[1]).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "rows": out}, indent=1))
     return 0

@@ -131,24 +131,30 @@ def measured_chunk_size(model: TrainableModel, device: torch.device, rows: int, 
 
     Resets the device's peak-memory statistics (``torch.cuda.reset_peak_memory_stats``); model
     weights, buffers and gradients are untouched."""
-    height, width = model.input_size  # type: ignore[attr-defined]
-    peaks, row_bytes = [], 0.0
-    for samples in _PROBE_SAMPLES:
-        images = torch.zeros(samples, 3, height, width, device=device)
-        joints = torch.zeros(samples, NUM_JOINTS, 2, device=device)
-        weight = torch.ones(samples, NUM_JOINTS, device=device)
-        features = frozen_features(model, images)
-        row_bytes = (images.numel() * images.element_size() + features.numel() * features.element_size()) / samples
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        clipped_unit_gradient_sum(model, features, joints, weight, torch.arange(samples, device=device), 1.0, samples)
-        torch.cuda.synchronize(device)
-        peaks.append(torch.cuda.max_memory_allocated(device) - before)
-        del images, joints, weight, features
+    probes = [chunk_peak_bytes(model, device, samples) for samples in _PROBE_SAMPLES]
+    peaks, row_bytes = [peak for peak, _ in probes], probes[-1][1]
     num_params = sum(p.numel() for p in model.trainable_parameters().values())
     return chunk_size_from_probe(available_device_memory(device), peaks, num_params, rows,
                                  row_bytes * (rows if input_rows is None else input_rows))
+
+
+def chunk_peak_bytes(model: TrainableModel, device: torch.device, samples: int) -> tuple[int, float]:
+    """What one chunk of ``samples`` costs on a CUDA ``device``: the allocator's peak above what was
+    allocated before, while the per-unit path (every row its own unit) runs on ``samples`` zero
+    images of ``model.input_size`` (no record of any dataset); and the bytes of one row's image and
+    frozen features, which the step holds outside the chunk. Resets the device's peak statistics."""
+    height, width = model.input_size  # type: ignore[attr-defined]
+    images = torch.zeros(samples, 3, height, width, device=device)
+    features = frozen_features(model, images)
+    row_bytes = (images.numel() * images.element_size() + features.numel() * features.element_size()) / samples
+    joints = torch.zeros(samples, NUM_JOINTS, 2, device=device)
+    weight = torch.ones(samples, NUM_JOINTS, device=device)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    clipped_unit_gradient_sum(model, features, joints, weight, torch.arange(samples, device=device), 1.0, samples)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before, row_bytes
 
 
 def chunk_size_from_probe(available_bytes: int, peaks: list[int], num_params: int, rows: int, inputs_bytes: float) -> int:
