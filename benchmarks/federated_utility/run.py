@@ -89,7 +89,10 @@ class Settings(BaseModel):
     batch_size: int = 16
     rounds: int = 8
     local_steps: int = 10
-    #: private arms (federated, central); site-alone private arms carry a single site's noise: ``site_alone_lr``
+    #: private arms (federated, central); site-alone private arms carry a single site's noise: ``site_alone_lr``.
+    #: 0.2 pays where more sites average the noise (10 sites, four images: +1.7, tuning_probes_sites10.json;
+    #: sites10_site_lr/) and little at 3 (ablation lr0.2 +1.0 ± 0.9 one image, none with four;
+    #: tuning_probes_site_lr.json; sites3_site_lr/): those tables set it, the default stays 0.1
     site_lr: float = 0.1
     site_alone_lr: float = 0.03
     #: "mechanism@ε" → the federated and central arms' step size where ``site_lr`` is wrong for that
