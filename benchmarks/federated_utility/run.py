@@ -807,9 +807,9 @@ def plot(settings: Settings, rows: list[dict[str, Any]], parts: dict[str, dict[s
         ax.set(title=title, ylabel="PCKh@0.5, own test splits (%)")
         ax.title.set_fontsize(9)
         ax = axes[1][col]
-        for kind, label in (("site-alone", "site-alone (site-1)"), ("federated", "federated"), ("central", "central")):
-            if mechanism == "none":
-                break
+        private_arms = () if mechanism == "none" else (("site-alone", "site-alone (site-1)"), ("federated", "federated"),
+                                                      ("central", "central"))
+        for kind, label in private_arms:
             curves = [parts[k]["curve_mixture_pckh50"] for k in parts
                       if k.endswith(f"{mechanism}-eps{epsilon:g}/{kind}" + ("/site-1" if kind == "site-alone" else ""))]
             _curve(ax, curves, label, colours[kind])
