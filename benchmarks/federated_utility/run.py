@@ -792,8 +792,9 @@ def plot(settings: Settings, rows: list[dict[str, Any]], parts: dict[str, dict[s
     colours = {"public-only": "gray", "site-alone": "tab:orange", "federated": "tab:blue", "central": "tab:green",
                "federated (non-private)": "tab:cyan", "central (non-private)": "tab:olive"}
     for col, (mechanism, epsilon) in enumerate(configs):
+        private = mechanism != "none"
         ax = axes[0][col]
-        chosen = [r for r in rows if r["mechanism"] == mechanism != "none" and r["epsilon"] == epsilon]
+        chosen = [r for r in rows if private and r["mechanism"] == mechanism and r["epsilon"] == epsilon]
         chosen += [dict(r, arm=f"{r['arm']} (non-private)") for r in rows if r["mechanism"] == "none" and r["arm"] != "public-only"]
         chosen = [r for r in rows if r["mechanism"] == "none" and r["arm"] == "public-only"] + chosen
         names = [r["arm"] for r in chosen]
@@ -801,15 +802,14 @@ def plot(settings: Settings, rows: list[dict[str, Any]], parts: dict[str, dict[s
                color=[colours.get(n, "k") for n in names])
         ax.set_xticks(range(len(chosen)), [n.replace(" (", "\n(") for n in names], rotation=45, ha="right", fontsize=7)
         guarantee, adjacency = ("FDP", "replace") if mechanism == "fpdp" else ("DP", "add/remove")
-        title = (f"non-private arms, {settings.rounds} rounds × {settings.local_steps} steps" if mechanism == "none" else
-                 f"{mechanism}: each site ({guarantee}) ε = {epsilon:g} per {settings.unit},\nδ = {settings.delta:g}, "
-                 f"{adjacency} one {settings.unit}, PLD")
+        title = (f"{mechanism}: each site ({guarantee}) ε = {epsilon:g} per {settings.unit},\nδ = {settings.delta:g}, "
+                 f"{adjacency} one {settings.unit}, PLD" if private else
+                 f"non-private arms, {settings.rounds} rounds × {settings.local_steps} steps")
         ax.set(title=title, ylabel="PCKh@0.5, own test splits (%)")
         ax.title.set_fontsize(9)
         ax = axes[1][col]
-        private_arms = () if mechanism == "none" else (("site-alone", "site-alone (site-1)"), ("federated", "federated"),
-                                                      ("central", "central"))
-        for kind, label in private_arms:
+        private_arms = (("site-alone", "site-alone (site-1)"), ("federated", "federated"), ("central", "central"))
+        for kind, label in private_arms if private else ():
             curves = [parts[k]["curve_mixture_pckh50"] for k in parts
                       if k.endswith(f"{mechanism}-eps{epsilon:g}/{kind}" + ("/site-1" if kind == "site-alone" else ""))]
             _curve(ax, curves, label, colours[kind])
