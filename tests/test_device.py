@@ -276,8 +276,12 @@ def float32_matmuls():
 
 
 def batch_of(ids, dataset: TensorPoseSet | None = None) -> dict:
+    """The records ``ids``, with a public sample of other records (what engine.batches draws for the
+    public-view mechanisms; the others ignore it)."""
     dataset = dataset or TensorPoseSet(8)
-    return collate([dataset[i] for i in ids])
+    batch = collate([dataset[i] for i in ids])
+    batch["public_sample"] = collate([dataset[(i + 3) % len(dataset)] for i in ids])
+    return batch
 
 
 def privacy(mechanism: str, noise_multiplier: float = 0.05, clip: float = 1.0) -> PrivacyConfig:

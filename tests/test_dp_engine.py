@@ -318,28 +318,58 @@ class RecordingPrefix:
 
 def test_fdp_public_path_sees_only_the_dataset_public_view(model) -> None:
     dataset = TensorPoseSet(10)
-    batch = batch_of(dataset, range(3))
+    sample = batch_of(dataset, range(5, 9))  # the public sample: other records, another size
+    batch = dict(batch_of(dataset, range(3)), public_sample=sample)
     cfg = dp_config(mechanism="fdp", noise_multiplier=0.0, max_grad_norm=1e-9)
     engine = build_engine(cfg, model, len(dataset), 3, 10)
     with RecordingPrefix(model) as rec:
         engine.step(model, batch)
-    (inputs,) = rec.inputs  # one frozen forward for x and ψ(x) together
-    public = batch["public_image"]  # ψ(x) as the dataset computed it (before augmentation)
+    (inputs,) = rec.inputs  # one frozen forward for x and the public sample's ψ(x) together
+    public = sample["public_image"]  # ψ(x) as the dataset computed it (before augmentation)
     assert torch.equal(inputs[:3], batch["image"]) and torch.equal(inputs[3:], public)
     # With C → 0 and σ = 0 the private part vanishes: what is left is the public gradient, which
-    # must be the plain mean gradient on ψ(x) — not on x.
+    # must be the plain mean gradient on the public sample's ψ(x) — not on x, nor on the private rows.
     gradient = flatten([p.grad for p in model.trainable_parameters().values()])
-    on_view, _ = mean_gradient(model, frozen_features(model, public), batch["joints"], batch["weight"])
-    on_raw, _ = mean_gradient(model, frozen_features(model, batch["image"]), batch["joints"], batch["weight"])
+    on_view, _ = mean_gradient(model, frozen_features(model, public), sample["joints"], sample["weight"])
+    on_raw, _ = mean_gradient(model, frozen_features(model, sample["image"]), sample["joints"], sample["weight"])
+    on_private, _ = mean_gradient(model, frozen_features(model, batch["public_image"]), batch["joints"], batch["weight"])
     assert (gradient - on_view).norm() <= 1e-4 * on_view.norm()
     assert (gradient - on_raw).norm() > 1e-2 * on_raw.norm()
+    assert (gradient - on_private).norm() > 1e-2 * on_private.norm()
     report = engine.privacy_report()
     assert report["guarantee"] == "FDP" and report["public_view"]["map"] == "downsample_quantize"
     assert report["public_view"]["many_to_one"] and "facial identity" in report["unit_protected"]
-    # a batch without ψ(x) is refused, naming the key (the engine never computes ψ of an augmented crop)
-    without_view = {k: v for k, v in batch.items() if k != "public_image"}
+    assert report["neighbouring_relation"] == "replace_one" and "membership hidden" in report["adjacency"]
+    # a public sample without ψ(x) is refused, naming the key (the engine never computes ψ of an augmented crop)
+    without_view = dict(batch, public_sample={k: v for k, v in sample.items() if k != "public_image"})
     with pytest.raises(KeyError, match="public_image"):
         engine.step(model, without_view)
+    # so is a batch without its public sample: the engine never falls back to the private rows
+    with pytest.raises(ValueError, match="public_sample"):
+        engine.step(model, {k: v for k, v in batch.items() if k != "public_sample"})
+
+
+@pytest.mark.parametrize("mechanism", ["fdp", "maskdp"])
+def test_the_public_sample_shows_nothing_about_who_is_in_the_private_one(model, mechanism: str) -> None:
+    """The noise-free public gradient is taken on its own Poisson sample: which records it holds is
+    independent of the private sample (the attacker reading it learns nothing about who was sampled,
+    relation replace_one). Over 150 steps at q = 0.2 of 60 records, a record in the private sample is
+    in the public one with probability q, as any record: the overlap is 60·q² = 2.4 per step, not
+    the 12 of a public gradient taken on the private rows. Fresh CSPRNG coins: 6 standard deviations."""
+    dataset = TensorPoseSet(60, size=(8, 8))  # only the batches are drawn here: small images load fast
+    engine = build_engine(dp_config(mechanism=mechanism), model, len(dataset), 12, 150)
+    overlap, public_rows, steps = 0, 0, 150
+    for _, batch in zip(range(steps), engine.batches(dataset)):
+        private = set(batch["index"][batch["row_mask"]].tolist())
+        sample = batch["public_sample"]
+        public = sample["index"][sample["row_mask"]].tolist()
+        overlap += len(private & set(public))
+        public_rows += len(public)
+    q, n = 12 / 60, 60
+    expected, std = steps * n * q * q, math.sqrt(steps * n * q * q * (1 - q * q))
+    assert abs(overlap - expected) < 6 * std, (overlap, expected)
+    expected_rows, rows_std = steps * n * q, math.sqrt(steps * n * q * (1 - q))
+    assert abs(public_rows - expected_rows) < 6 * rows_std  # the same rate q as the private sample
 
 
 @pytest.mark.parametrize("mechanism", ["fdp", "fpdp"])
@@ -347,8 +377,9 @@ def test_the_public_view_gradient_is_added_with_the_sites_weight(model, mechanis
     """privacy.public_gradient_weight λ scales the noise-free ψ(x) gradient and nothing else: the
     noisy private part (same noise, seeded) is the same at every λ, and λ = 0 leaves only it."""
     dataset = TensorPoseSet(10)
-    batch = batch_of(dataset, range(3))
-    on_view, _ = mean_gradient(model, frozen_features(model, batch["public_image"]), batch["joints"], batch["weight"])
+    sample = batch_of(dataset, range(4, 8))
+    batch = dict(batch_of(dataset, range(3)), public_sample=sample)
+    on_view, _ = mean_gradient(model, frozen_features(model, sample["public_image"]), sample["joints"], sample["weight"])
     basis = torch.linalg.qr(torch.randn(on_view.numel(), 3, generator=torch.Generator().manual_seed(0)))[0]
     released = {}
     for weight in (1.0, 0.25, 0.0):
@@ -378,6 +409,7 @@ def test_maskdp_public_input_has_no_private_region_pixels_real_mpii(model) -> No
     records, root = load_records(SHARED_DATA / "mpii-real")
     dataset = PoseDataset(records, root, input_size=SIZE, train=False, reduced_decode=False)
     batch = engine_module.collate([dataset[i] for i in range(len(dataset))])
+    batch["public_sample"] = dict(batch)  # here the public sample holds the same records: the test is about the mask
     cfg = dp_config(mechanism="maskdp", mask={"region": "head", "margin": 0.1, "fill": "mean"})
     engine = build_engine(cfg, model, len(dataset), 2, 10)
     with RecordingPrefix(model) as rec:
@@ -394,7 +426,8 @@ def test_maskdp_public_input_has_no_private_region_pixels_real_mpii(model) -> No
             inside = public[i, :, max(0, math.ceil(y1)): max(0, math.floor(y2) + 1), max(0, math.ceil(x1)): max(0, math.floor(x2) + 1)]
             assert torch.all(inside == 0)
     # Changing pixels inside the record's own head box cannot change the public input.
-    altered = dict(batch, image=batch["image"].clone())
+    altered = {k: v for k, v in batch.items() if k != "public_sample"}
+    altered["image"] = batch["image"].clone()
     x1, y1, x2, y2 = batch["face_box"][0].tolist()
     altered["image"][0, :, math.ceil(y1): math.floor(y2) + 1, math.ceil(x1): math.floor(x2) + 1] += 5.0
     assert torch.equal(mask_boxes(altered["image"], batch["head_boxes"], 0.1, "mean", batch["head_count"],

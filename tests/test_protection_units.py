@@ -127,13 +127,14 @@ def test_engine_step_clips_per_unit_and_normalises_by_expected_units(model) -> N
 
 @pytest.mark.parametrize("mechanism", ["fdp", "maskdp"])
 def test_public_view_mechanisms_clip_the_private_part_per_unit(model, mechanism: str) -> None:
-    """The noisy private part of FDP / MaskDP is per unit too; the public part is the plain batch mean."""
+    """The noisy private part of FDP / MaskDP is per unit too; the public part is the plain mean over its own sample."""
     dataset = TensorPoseSet(8)
     units = UnitIndex("image", ((0, 1, 2, 3), (4, 5, 6, 7)))
     privacy = PrivacyConfig(mechanism=mechanism, noise_multiplier=0.0, max_grad_norm=1e-3, unit="image")
     engine = build_engine(privacy, model, len(dataset), 1, 5, seed=0, units=units)
     batch = engine_module.collate([dataset[i] for i in range(4)])
     batch["unit_index"] = torch.zeros(4, dtype=torch.long)
+    batch["public_sample"] = engine_module.collate([dataset[i] for i in range(4, 8)])
     private_only = {}
 
     def capture(*args, **kwargs):

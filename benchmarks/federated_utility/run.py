@@ -568,13 +568,18 @@ def seed_parts_from(results_path: Path, settings: Settings, work: Path) -> int:
         if part.get("lr", arm_lr(before_site_lr_at, arm)) != arm_lr(settings, arm):
             rerun.append(key)  # another step size: a different run, done again
             continue
+        if arm.mechanism != "none" and not math.isclose(
+                part["noise_multiplier"], noise_multiplier(settings, arm.mechanism, float(arm.epsilon),
+                                                           settings.batch_size / units_per_site(settings)), rel_tol=1e-6):
+            rerun.append(key)  # the same ε accounted otherwise today (FDP's relation, 2026-11-27): another σ
+            continue
         path = part_path(work, key)
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(part))
             written += 1
     if rerun:
-        print(f"not taken (another step size than this sweep's): {', '.join(rerun)}", flush=True)
+        print(f"not taken (another step size or σ than this sweep's): {', '.join(rerun)}", flush=True)
     return written
 
 

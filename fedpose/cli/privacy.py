@@ -46,8 +46,8 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object only")
     parser.add_argument(
         "--guarantee", choices=("DP", "FDP", "MaskDP"), default="DP",
-        help="DP: add/remove-one unit (dpsgd, pdp); FDP / MaskDP: replace-one with public membership "
-        "(fdp, fpdp, maskdp) — a different, larger privacy loss (default: DP)",
+        help="DP: add/remove-one unit (dpsgd, pdp); FDP / MaskDP: replace-one unit's private part, membership "
+        "hidden (fdp, fpdp, maskdp) — a different, larger privacy loss (default: DP)",
     )
     parser.add_argument(
         "--accountant", choices=ACCOUNTANT_NAMES, default=None,

@@ -132,7 +132,7 @@ def privacy_report(site: SiteConfig, budget: SiteBudget | None, next_round_affor
     epsilon = float(state["epsilon"])
     return PrivacyReport(
         guarantee=guarantee.name, unit=protected_unit_text(guarantee, budget.unit), protection_unit=budget.unit,
-        adjacency=guarantee.relation, accountant=state["accountant"],
+        adjacency=state["relation"], accountant=state["accountant"],
         epsilon=epsilon if math.isfinite(epsilon) else None, delta=budget.delta, eps_max=budget.eps_max,
         steps=int(state["steps"]), rounds_spent=int(state["rounds_spent"]),
         orders=[float(x) for x in state["orders"]], rdp=[float(x) for x in state["rdp"]],

@@ -82,6 +82,7 @@ import numpy as np
 
 from fedpose.io import atomic_write_text
 from fedpose.privacy.accountant import PrivacyLedger, default_accountant
+from fedpose.privacy.accountants import bounds
 from fedpose.privacy.accountants import get_accountant
 from fedpose.privacy.report import relation_of
 
@@ -475,6 +476,7 @@ class SiteBudget:
             "guarantee": self.guarantee,
             "unit": self.unit,
             "accountant": acc.accountant,
+            "relation": acc.relation,
             "epsilon": acc.get_epsilon(self.delta)[0],
             "delta": self.delta,
             "eps_max": self.eps_max,
@@ -575,7 +577,9 @@ def _parse_state(payload: dict[str, Any], path: Path) -> _State:
         recomputations = list(payload.get("recomputations", []))
     except (ValueError, TypeError, KeyError) as exc:
         raise BudgetStateError(f"{where}: malformed content ({exc})") from None
-    if accountant.relation != relation_of(guarantee):
+    # A budget keeps the relation it was written under where that bounds the mechanism's own (FDP's
+    # visible-membership budgets from before its public sample was independent: looser, still true).
+    if not bounds(accountant.relation, relation_of(guarantee)):
         raise BudgetStateError(
             f"{where}: accounted under the '{accountant.relation}' relation, but {guarantee} needs "
             f"'{relation_of(guarantee)}'"

@@ -12,10 +12,12 @@ Neighbouring relations (:data:`RELATIONS`, see DESIGN.md):
 
 * ``add_remove`` (DP-SGD, PDP-SGD): neighbours differ by one record, membership hidden by the
   Poisson sampling;
-* ``replace_public_membership`` (FDP, FP-DP, MaskDP): neighbours replace the private part of one
-  record while its public part ψ(x) and label stay; the public gradient is released without noise,
-  so whether a record was sampled may be visible and the usual amplification argument does not
-  apply: sensitivity 2C, sampling only as a visible mixture. Never the add/remove analysis.
+* ``replace_one`` (FDP, FP-DP, MaskDP): neighbours replace the private part of one record while
+  its public part ψ(x) and label stay (sensitivity 2C); the noise-free public gradient comes from a
+  sample drawn independently of the private one, so the Poisson sampling still hides membership.
+  Never the add/remove analysis.
+* ``replace_public_membership``: the same neighbours with membership visible — FDP budgets written
+  while the public gradient came from the private sample keep it (sampling only as a visible mixture).
 
 The RDP curve (:meth:`PrivacyLedger.rdp`) is available whatever the accountant: sites send it to
 the coordinator as a function of public parameters.
@@ -32,6 +34,7 @@ import numpy as np
 from fedpose.privacy.accountants import ACCOUNTANTS, default_accountant, get_accountant
 from fedpose.privacy.accountants.base import (
     ADD_REMOVE,
+    REPLACE_ONE,
     REPLACE_PUBLIC_MEMBERSHIP,
     RELATIONS,
     Event,
@@ -50,7 +53,7 @@ from fedpose.privacy.accountants.rdp import (
 )
 
 __all__ = [
-    "ADD_REMOVE", "REPLACE_PUBLIC_MEMBERSHIP", "RELATIONS", "DEFAULT_ORDERS", "MAX_NOISE_MULTIPLIER", "PrivacyLedger",
+    "ADD_REMOVE", "REPLACE_ONE", "REPLACE_PUBLIC_MEMBERSHIP", "RELATIONS", "DEFAULT_ORDERS", "MAX_NOISE_MULTIPLIER", "PrivacyLedger",
     "RDPAccountant", "add_remove_rdp", "replace_public_membership_rdp", "rdp_to_epsilon", "epsilon_for",
     "noise_multiplier_for", "default_accountant",
 ]

@@ -23,9 +23,10 @@ Directions (:class:`BlockDirections`, :class:`BasisDirections`):
 What "excluded" means follows the guarantee's neighbouring relation (:data:`EXCLUDED_COEFFICIENT`):
 
 * ``add_remove`` (DP): an excluded canary is absent (contributes 0 when its coin says "sampled");
-* ``replace_public_membership`` (FDP, MaskDP): neighbours replace a record's private part while its
-  membership stays visible, so an excluded canary is present with the opposite private gradient
-  −C·d_i — the worst case of that relation (sensitivity 2C).
+* ``replace_one`` (FDP, MaskDP) and ``replace_public_membership``: neighbours replace a record's
+  private part while the record stays, so an excluded canary is present with the opposite private
+  gradient −C·d_i — the worst case of both relations (sensitivity 2C). Its coin is its own either
+  way; the relations differ in what else the release shows about the coin, not in the canary.
 """
 
 from __future__ import annotations
@@ -38,10 +39,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedpose.privacy.accountants.base import ADD_REMOVE, REPLACE_PUBLIC_MEMBERSHIP
+from fedpose.privacy.accountants.base import ADD_REMOVE, REPLACE_ONE, REPLACE_PUBLIC_MEMBERSHIP
 
 #: neighbouring relation → the coefficient of C·d_i for a sampled, excluded canary (included: +1)
-EXCLUDED_COEFFICIENT: dict[str, float] = {ADD_REMOVE: 0.0, REPLACE_PUBLIC_MEMBERSHIP: -1.0}
+EXCLUDED_COEFFICIENT: dict[str, float] = {ADD_REMOVE: 0.0, REPLACE_ONE: -1.0, REPLACE_PUBLIC_MEMBERSHIP: -1.0}
 
 
 class Directions(Protocol):

@@ -42,10 +42,14 @@ DP mechanisms (see :mod:`fedpose.privacy.mechanisms` for the table):
 * **Projection** (pdp, fpdp) — the noisy private gradient is replaced by V Vᵀ g with V from
   public data only (:mod:`fedpose.privacy.projection`), refreshed every
   ``privacy.basis.refresh_every`` steps or supplied by the coordinator (``set_basis``).
-* **Public view** (fdp, fpdp, maskdp) — ψ(x) goes through the frozen prefix in the same forward
-  as x (one concatenated batch); the plain mean gradient of l(ψ(x), y) is added without noise.
-  FDP/FP-DP read ψ(x) from ``batch["public_image"]``, which the dataset computed once per record
-  from the original image before augmentation and then augmented exactly like ``image``.
+* **Public view** (fdp, fpdp, maskdp) — the plain mean gradient of l(ψ(x), y) is added without
+  noise, over a public sample (``batch["public_sample"]``) that :meth:`GradientEngine.batches`
+  draws with its own coins, independently of the private one — same rate, same fixed shape — so
+  that noise-free gradient shows nothing about who is in the private sample (relation
+  ``replace_one``). Its ψ(x) go through the frozen prefix in the same forward as the private x
+  (one concatenated batch). FDP/FP-DP read ψ(x) from ``public_image``, which the dataset computed
+  once per record from the original image before augmentation and then augmented exactly like
+  ``image``.
 * **Accounting** — every DP step records (σ, q) in a :class:`PrivacyLedger`, whose ε comes from
   ``privacy.accountant`` (default: the tightest accountant exact for the mechanism's relation).
 * **σ** — ``privacy.noise_multiplier``, or calibrated so that ``planned_steps`` steps reach at
@@ -104,7 +108,9 @@ STEP_MEMORY_SETTINGS = ("train.batch_size, privacy.max_batch_units, privacy.max_
 log = logging.getLogger(__name__)
 
 #: keys separating the seeded (test-only) random streams, with the step index; see InsecureSeededNoise.reseed
-_SAMPLING_STREAM, _NOISE_STREAM = 1, 2
+_SAMPLING_STREAM, _NOISE_STREAM, _PUBLIC_SAMPLING_STREAM = 1, 2, 3
+#: the batch key of a public-view mechanism's public sample (a batch of its own, see _poisson_batches)
+PUBLIC_SAMPLE_KEY = "public_sample"
 
 
 def collate(samples: Sequence[dict], template: dict | None = None) -> dict:
@@ -113,12 +119,14 @@ def collate(samples: Sequence[dict], template: dict | None = None) -> dict:
         return default_collate(list(samples))
     if template is None:
         raise ValueError("cannot build an empty batch without a template")
-    return {key: value[:0] if isinstance(value, Tensor) else [] for key, value in template.items()}
+    return {key: value[:0] if isinstance(value, Tensor) else collate([], value) if isinstance(value, dict) else []
+            for key, value in template.items()}
 
 
 def batch_to_device(batch: dict, device: torch.device) -> dict:
-    """The batch with every tensor on ``device`` (the same tensors when they are already there)."""
-    return {key: value.to(device) if isinstance(value, Tensor) else value for key, value in batch.items()}
+    """The batch (and its public sample) with every tensor on ``device`` (the same tensors when they are already there)."""
+    return {key: value.to(device) if isinstance(value, Tensor) else batch_to_device(value, device)
+            if key == PUBLIC_SAMPLE_KEY else value for key, value in batch.items()}
 
 
 def resolve_accountant(privacy: PrivacyConfig) -> str:
@@ -277,6 +285,15 @@ class GradientEngine:
             batch = collate([dataset[i] for i in records])  # never empty: the fixed shape has rows
             batch["unit_index"] = torch.as_tensor(slots, dtype=torch.long)
             batch["row_mask"] = torch.as_tensor(real, dtype=torch.bool)
+            if self.mechanism.public_view is not None:
+                # The public gradient is released without noise: were it taken on the private sample,
+                # it would show who was sampled. Its own draw (own stream, same q and shape) shows
+                # only itself; the records' public parts are shared by both neighbours anyway.
+                self.noise.reseed(_PUBLIC_SAMPLING_STREAM, draw)
+                records, _, real = self.fixed_shape_rows(*self.sample_units())
+                public = collate([dataset[i] for i in records])
+                public["row_mask"] = torch.as_tensor(real, dtype=torch.bool)
+                batch[PUBLIC_SAMPLE_KEY] = public
             yield batch
 
     def sample_units(self) -> tuple[list[int], list[int]]:
@@ -489,8 +506,14 @@ class GradientEngine:
         if mechanism.projects and self._basis_due():
             metrics["basis_seconds"] = self.refresh_basis(model)
 
-        public_images = (PUBLIC_VIEW_FUNCTIONS[mechanism.public_view](batch, self.privacy)
-                         if mechanism.public_view is not None and size else None)
+        public_sample = None
+        if mechanism.public_view is not None and size:
+            public_sample = batch.get(PUBLIC_SAMPLE_KEY)
+            if public_sample is None:  # never the private batch's own rows: that would show who was sampled
+                raise ValueError(f"a '{mechanism.name}' step needs batch['{PUBLIC_SAMPLE_KEY}'], its public sample "
+                                 "drawn independently of the private one (engine.batches draws both)")
+        public_images = (PUBLIC_VIEW_FUNCTIONS[mechanism.public_view](public_sample, self.privacy)
+                         if public_sample is not None else None)
         device = batch["image"].device
         chunk = self.chunk_for(device, num_params)
         clipped_sum = torch.zeros(num_params, device=device)
@@ -534,10 +557,14 @@ class GradientEngine:
             metrics["loss"] = float(losses[sample_finite].mean()) if bool(sample_finite.any()) else float("nan")
             metrics["grad_norm_median"] = float(norms[finite].median()) if bool(finite.any()) else float("nan")
             metrics["clipped_fraction"] = float((norms > clip).float().mean()) if norms.numel() else 0.0  # over units
-            if public_images is not None:
-                public_gradient, public_losses = mean_gradient(model, features[size:], batch["joints"], batch["weight"],
-                                                               row_mask=None if row_mask is None else real)
-                metrics["public_loss"] = float(public_losses[real].mean()) if bool(real.any()) else float("nan")
+            if public_sample is not None:
+                public_mask = public_sample.get("row_mask")
+                public_real = (torch.ones(len(public_images), dtype=torch.bool, device=device) if public_mask is None
+                               else public_mask.to(device, torch.bool))
+                public_gradient, public_losses = mean_gradient(model, features[size:], public_sample["joints"],
+                                                               public_sample["weight"], row_mask=public_real)
+                metrics["public_loss"] = (float(public_losses[public_real].mean()) if bool(public_real.any())
+                                          else float("nan"))
 
         if self.canary_gradients is not None:
             self.audit_data_release = self._release(clipped_sum, public_gradient)
@@ -662,6 +689,8 @@ def _adjacency_text(relation: str, dataset_size_public: bool, unit: str) -> str:
     if relation == "add_remove":
         base = f"add/remove one {unit}"
         return base + (f" (number of {unit}s N treated as public: q = B/N)" if dataset_size_public else " (N secret: q declared)")
+    if relation == "replace_one":
+        return f"replace one {unit}'s protected part (public parts shared; batch membership hidden)"
     return f"replace one {unit}'s protected part (public parts and batch membership shared)"
 
 

@@ -19,7 +19,9 @@ mechanism         noisy      projection   public view ψ (noise-free)    guarant
 Gradient of one step (DESIGN.md): g = g_pub(ψ(x)) + P( (Σ_u clip(Σ_{i∈u} ∇l(x_i), C) + N(0, σ²C²I)) / B ),
 over the sampled protection units u (records, images or patients: :mod:`fedpose.data.units`), with
 P = V Vᵀ when projecting (else identity), B the expected number of units per batch and g_pub the
-plain mean gradient over the batch's records.
+plain mean gradient over a public sample of records drawn independently of the private one (same
+rate and shape, its own coins: DESIGN.md takes it over the batch itself, which would show who was
+sampled; the independent sample keeps the amplification by subsampling, relation ``replace_one``).
 FDP's ψ(x) is not computed here: the dataset computes it once per record before augmentation
 (``batch["public_image"]``, :mod:`fedpose.privacy.public_views`); MaskDP's mask is applied to
 the augmented crop, with the annotated head boxes mapped through the same augmentation.

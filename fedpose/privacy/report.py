@@ -53,16 +53,19 @@ FEATURE_DP = Guarantee(
               "view ψ(x) and keypoints stay the same",
     unit="what the public view ψ discards of one record (one person crop)",
     public="ψ(x) of each record (computed once from the original image, before augmentation) and the keypoints; "
-           "the public-loss gradient carries no noise",
-    relation="replace_public_membership",
+           "the public-loss gradient carries no noise and is taken on a sample of records drawn independently of "
+           "the private one",
+    relation="replace_one",
 )
 FEATURE_PROJECTED_DP = Guarantee(
     name="FDP",
     statement="(ε, δ)-feature-level differential privacy (FP-DP): FDP with public-subspace projection; neighbouring "
               "datasets differ in one record whose public view ψ(x) and keypoints stay the same",
     unit="what the public view ψ discards of one record (one person crop)",
-    public="ψ(x) of each record (computed once from the original image, before augmentation), the keypoints, and S_pub",
-    relation="replace_public_membership",
+    public="ψ(x) of each record (computed once from the original image, before augmentation), the keypoints, and S_pub; "
+           "the public-loss gradient carries no noise and is taken on a sample of records drawn independently of "
+           "the private one",
+    relation="replace_one",
 )
 
 
@@ -93,8 +96,9 @@ MASK_DP = Guarantee(
     unit="the masked region of one record: every annotated head in its crop (all people of the image, not only the "
          "record's own); a person with no head annotation has their whole person box masked",
     public="the crop outside all masked heads, and the keypoints; the mask comes from the annotations only (people "
-           "nobody annotated are not masked)",
-    relation="replace_public_membership",
+           "nobody annotated are not masked); the public-loss gradient is taken on a sample of records drawn "
+           "independently of the private one",
+    relation="replace_one",
 )
 
 

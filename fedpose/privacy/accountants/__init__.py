@@ -9,9 +9,11 @@ mechanism's neighbouring relation, preferring PLD —
 * ``add_remove`` (dpsgd, pdp): ``pld`` (dp-accounting). PRV is exact there too and agrees to
   ~0.01 ε, but needs Opacus' package init (torch) in every process that accounts; RDP is 5–15 %
   looser in ε (~4–7 % more σ at the same ε).
-* ``replace_public_membership`` (fdp, fpdp, maskdp): ``pld`` with the closed-form privacy profile
-  derived in :mod:`.pld` (with probability 1 − q nothing, with probability q a Gaussian of
-  sensitivity 2C; membership visible). PRV (Opacus) does not handle this relation.
+* ``replace_one`` (fdp, fpdp, maskdp): ``pld`` (dp-accounting's subsampled Gaussian under
+  substitution). RDP bounds it by the visible-membership curve (loose); PRV (Opacus) does not handle it.
+* ``replace_public_membership`` (FDP budgets written before the public sample was independent):
+  ``pld`` with the closed-form privacy profile derived in :mod:`.pld` (with probability 1 − q
+  nothing, with probability q a Gaussian of sensitivity 2C; membership visible).
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from typing import Literal
 from fedpose.privacy.accountants.base import (
     ADD_REMOVE,
     RELATIONS,
+    REPLACE_ONE,
     REPLACE_PUBLIC_MEMBERSHIP,
     Accountant,
     Event,
+    bounds,
     check_relation,
 )
 from fedpose.privacy.accountants.pld import PldAccountant
@@ -53,6 +57,6 @@ def default_accountant(relation: str) -> str:
 
 
 __all__ = [
-    "ACCOUNTANTS", "ADD_REMOVE", "REPLACE_PUBLIC_MEMBERSHIP", "RELATIONS", "Accountant", "AccountantName", "Event",
-    "default_accountant", "get_accountant",
+    "ACCOUNTANTS", "ADD_REMOVE", "REPLACE_ONE", "REPLACE_PUBLIC_MEMBERSHIP", "RELATIONS", "Accountant", "AccountantName", "Event",
+    "bounds", "default_accountant", "get_accountant",
 ]

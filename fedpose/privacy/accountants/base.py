@@ -15,9 +15,15 @@ from typing import Protocol, Sequence
 #: DP-SGD, PDP-SGD: neighbours differ by one record; sampling hides membership.
 ADD_REMOVE = "add_remove"
 #: FDP, FP-DP, MaskDP: neighbours replace one record's private part; its public part (ψ(x), label)
-#: stays and the noise-free public gradient may reveal whether it was sampled.
+#: stays. The noise-free public gradient is taken on a sample drawn independently of the private
+#: one, so it shows nothing about whether the record was sampled: the substitution relation of the
+#: Poisson-subsampled Gaussian (Balle et al. 2018; dp-accounting's REPLACE_ONE).
+REPLACE_ONE = "replace_one"
+#: The same neighbours when the public gradient came from the private sample itself, so that it may
+#: show whether the record was sampled: how FDP ran until 2026-11-27. Budgets written then keep it.
+#: Every mechanism analysed under ``replace_one`` is also bounded by it (:func:`bounds`).
 REPLACE_PUBLIC_MEMBERSHIP = "replace_public_membership"
-RELATIONS: tuple[str, ...] = (ADD_REMOVE, REPLACE_PUBLIC_MEMBERSHIP)
+RELATIONS: tuple[str, ...] = (ADD_REMOVE, REPLACE_ONE, REPLACE_PUBLIC_MEMBERSHIP)
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,14 @@ def check_delta(delta: float) -> None:
 def check_relation(relation: str) -> None:
     if relation not in RELATIONS:
         raise ValueError(f"unknown neighbouring relation {relation!r}; known: {sorted(RELATIONS)}")
+
+
+def bounds(ledger_relation: str, mechanism_relation: str) -> bool:
+    """Whether ε composed under ``ledger_relation`` is a valid bound for a mechanism whose own relation
+    is ``mechanism_relation``: the same relation, or visible membership for ``replace_one`` (it grants
+    the adversary the batch membership that ``replace_one`` keeps hidden, so its ε is never smaller)."""
+    return ledger_relation == mechanism_relation or (
+        ledger_relation == REPLACE_PUBLIC_MEMBERSHIP and mechanism_relation == REPLACE_ONE)
 
 
 def effective(events: Sequence[Event]) -> list[Event]:

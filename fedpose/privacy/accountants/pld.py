@@ -3,7 +3,15 @@
 * ``add_remove`` (DP-SGD, PDP-SGD): Google's dp-accounting ``PLDAccountant`` on
   ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))`` (Koskela et al. 2020, Doroshenko et al. 2022),
   with its pessimistic discretization, so the ε is an upper bound that is tight to ~1e-3.
-* ``replace_public_membership`` (FDP, FP-DP, MaskDP): derived here in closed form. Membership of
+* ``replace_one`` (FDP, FP-DP, MaskDP): dp-accounting's PLD of the Poisson-subsampled Gaussian
+  under substitution (``from_gaussian_mechanism(..., neighboring_relation=REPLACE_ONE)``): one
+  step is the pair (1 − q)·N(0, σ²) + q·N(−1, σ²) against (1 − q)·N(0, σ²) + q·N(1, σ²) — the
+  replaced record's clipped gradient, in units of C, is −1 in one world and +1 in the other, and
+  whether it was sampled is hidden. That this 1-D pair bounds every pair of clipped gradients u, u'
+  (‖u‖, ‖u'‖ ≤ C, any angle) is dp-accounting's analysis, checked numerically in the plane of u and
+  u' by ``tests/test_accountant_relations.py``. Pessimistic discretization: an upper bound.
+* ``replace_public_membership`` (budgets written before FDP's public sample became independent):
+  derived here in closed form. Membership of
   the replaced record in a step's batch is visible (the noise-free public gradient may show it) and
   identically distributed in both worlds, so the hockey-stick divergence is the membership-weighted
   average of the conditional ones. Not sampled: the two outputs are identical. Sampled: a Gaussian
@@ -26,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from fedpose.privacy.accountants.base import ADD_REMOVE, REPLACE_PUBLIC_MEMBERSHIP, Event, check_delta, check_relation, effective
+from fedpose.privacy.accountants.base import ADD_REMOVE, REPLACE_ONE, REPLACE_PUBLIC_MEMBERSHIP, Event, check_delta, check_relation, effective
 
 #: dp-accounting's PLD grid step in privacy-loss units (its default) at ε ≤ 1; scaled by ε above
 VALUE_DISCRETIZATION = 1e-4
@@ -101,6 +109,28 @@ def replace_public_membership_epsilon(events: Sequence[Event], delta: float) -> 
     return float(root) * (1 + 1e-9)
 
 
+def replace_one_epsilon(events: Sequence[Event], delta: float) -> float:
+    import dp_accounting
+    from dp_accounting.pld import privacy_loss_distribution
+
+    from fedpose.privacy.accountants.rdp import RdpAccountant
+
+    # Grid scaled as in add_remove_epsilon; the RDP bound of this relation is the visible-membership
+    # curve (several times the ε computed here), so the grid is coarser than it needs to be, never finer.
+    scale = max(1.0, RdpAccountant().epsilon(events, REPLACE_ONE, delta))
+    total = None
+    for event in effective(events):
+        one_step = privacy_loss_distribution.from_gaussian_mechanism(
+            event.noise_multiplier, sensitivity=1.0, sampling_prob=event.sample_rate,
+            value_discretization_interval=VALUE_DISCRETIZATION * scale,
+            neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE,
+        )
+        composed = one_step.self_compose(event.steps)
+        total = composed if total is None else total.compose(composed)
+    assert total is not None  # PldAccountant.epsilon returns 0 before calling with no events
+    return float(total.get_epsilon_for_delta(delta))
+
+
 def add_remove_epsilon(events: Sequence[Event], delta: float) -> float:
     import dp_accounting
     from dp_accounting.pld import pld_privacy_accountant
@@ -122,12 +152,14 @@ def add_remove_epsilon(events: Sequence[Event], delta: float) -> float:
     return float(accountant.get_epsilon(delta))
 
 
-_EPSILON = {ADD_REMOVE: add_remove_epsilon, REPLACE_PUBLIC_MEMBERSHIP: replace_public_membership_epsilon}
+_EPSILON = {ADD_REMOVE: add_remove_epsilon, REPLACE_ONE: replace_one_epsilon,
+            REPLACE_PUBLIC_MEMBERSHIP: replace_public_membership_epsilon}
 
 
 class PldAccountant:
     name = "pld"
-    title = "privacy-loss distribution (dp-accounting for add/remove; closed form for replace-one with visible membership)"
+    title = ("privacy-loss distribution (dp-accounting for add/remove and replace-one; closed form for replace-one "
+             "with visible membership)")
     exact_for: frozenset[str] = frozenset(_EPSILON)
 
     def supports(self, relation: str) -> bool:
