@@ -128,6 +128,7 @@ def test_coordinator_basis_is_used_as_given() -> None:
     v, _ = basis_from_gradients(torch.randn(8, p), k=8)
     engine.set_basis({"basis.v": v.numpy().astype(np.float32)}, version=7)
     batch = engine_module.collate([private[i] for i in range(2)])
+    batch["public_sample"] = engine_module.collate([private[i] for i in range(2, 4)])
     engine.step(model, batch)
     assert engine.basis.version == 7 and engine.privacy_report()["basis"]["source"] == "coordinator"
     with pytest.raises(ValueError, match="does not project"):

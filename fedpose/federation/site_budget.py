@@ -82,8 +82,7 @@ import numpy as np
 
 from fedpose.io import atomic_write_text
 from fedpose.privacy.accountant import PrivacyLedger, default_accountant
-from fedpose.privacy.accountants import bounds
-from fedpose.privacy.accountants import get_accountant
+from fedpose.privacy.accountants import bounds, get_accountant
 from fedpose.privacy.report import relation_of
 
 STATE_FILE = "budget.json"
