@@ -305,6 +305,19 @@ def test_pdp_audit_stays_below_a_correct_claim(projection_data_root) -> None:
     assert result["epsilon"] <= 2.0 and result["epsilon_lower"] <= result["epsilon"] and not result["violation"]
 
 
+@pytest.mark.parametrize("mechanism", ["fdp", "maskdp"])
+def test_feature_dp_audit_fires_without_noise_and_stays_below_a_correct_claim(data_root, mechanism) -> None:
+    """Under replace_one (public gradient on its own sample) the white-box audit still sees an
+    unprotected run, and a run at a correct FDP / MaskDP claim stays below it."""
+    from fedpose.audit import audit_central
+
+    blind = audit_central(central_config(data_root, mechanism=mechanism, noise_multiplier=0.0)).to_dict()
+    assert blind["epsilon_lower"] >= 2.0 and not blind["violation"]
+    result = audit_central(central_config(data_root, mechanism=mechanism, target_epsilon=2.0)).to_dict()
+    assert result["epsilon"] <= 2.0 and result["epsilon_lower"] <= result["epsilon"] and not result["violation"]
+    assert result["guarantee"] == ("FDP" if mechanism == "fdp" else "MaskDP")
+
+
 # -- black-box: canary images scored by loss -------------------------------------------------------------
 #: no augmentation and a larger step: the few steps a CI case can afford must be able to memorise a canary
 BLACK_BOX_DATA = {"flip": False, "scale_jitter": 0.0, "rotation": 0.0}
