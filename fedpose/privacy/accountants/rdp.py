@@ -8,8 +8,9 @@ init; dp-accounting's RDP needs numpy and scipy only, never torch, and its curve
 Opacus' — equal at integer orders, up to 13 % higher at fractional orders near 1 — so no recorded
 ε goes down by the switch.)
 
-RDP is an upper bound for both relations but not a tight one: 5–15 % looser in ε than the PLD
-accountant at DP-SGD settings (FACTS.md).
+RDP is an upper bound for every relation but not a tight one: 5–15 % looser in ε than the PLD
+accountant at DP-SGD settings (FACTS.md); for ``replace_one`` it is the visible-membership curve,
+far looser (:data:`CURVES`).
 """
 
 from __future__ import annotations
