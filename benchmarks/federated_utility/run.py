@@ -261,6 +261,11 @@ def units_per_site(settings: Settings) -> int:
     return math.ceil(settings.per_site / IMAGES_PER_PATIENT) if settings.unit == "patient" else settings.per_site
 
 
+def sample_rate_of(settings: Settings) -> float:
+    """The declared q of every private arm: B/N (central: 3B/3N)."""
+    return settings.batch_size / units_per_site(settings)
+
+
 def noise_multiplier(settings: Settings, mechanism: str, epsilon: float, sample_rate: float) -> float:
     """σ that spends exactly ``epsilon`` over all rounds × local steps (the site's accountant: PLD)."""
     from fedpose.config import PrivacyConfig
@@ -352,7 +357,7 @@ def run_arm(settings: Settings, arm: Arm, data: Path, work: Path) -> dict[str, A
         else:
             trains = [(str(arm.site), data / str(arm.site))]
             batch = settings.batch_size
-        sample_rate = settings.batch_size / units_per_site(settings)  # declared q: B/N (central: 3B/3N)
+        sample_rate = sample_rate_of(settings)
         sigma = noise_multiplier(settings, arm.mechanism, float(arm.epsilon), sample_rate) if arm.mechanism != "none" else 0.0
         sites = [site_config(settings, arm, site_id, train, data / "public", arm_dir / "sites" / site_id, batch, sample_rate, sigma)
                  for site_id, train in trains]
@@ -569,8 +574,8 @@ def seed_parts_from(results_path: Path, settings: Settings, work: Path) -> int:
             rerun.append(key)  # another step size: a different run, done again
             continue
         if arm.mechanism != "none" and not math.isclose(
-                part["noise_multiplier"], noise_multiplier(settings, arm.mechanism, float(arm.epsilon),
-                                                           settings.batch_size / units_per_site(settings)), rel_tol=1e-6):
+                part["noise_multiplier"], noise_multiplier(settings, arm.mechanism, float(arm.epsilon), sample_rate_of(settings)),
+                rel_tol=1e-6):
             rerun.append(key)  # the same ε accounted otherwise today (FDP's relation, 2026-11-27): another σ
             continue
         path = part_path(work, key)
