@@ -147,6 +147,50 @@ def test_dp_resume_continues_the_privacy_ledger(synth: Path, tmp_path: Path) -> 
     assert resumed["epsilon"] == pytest.approx(straight["epsilon"])
 
 
+def _rewrite_ledger(checkpoint_path: Path, **changes) -> None:
+    """The checkpoint as an older fedpose would have written it: its ledger state changed."""
+    checkpoint = torch.load(checkpoint_path, weights_only=False)
+    checkpoint["extra"]["accountant"].update(changes)
+    torch.save(checkpoint, checkpoint_path)
+
+
+@pytest.mark.slow
+def test_an_fdp_run_from_before_replace_one_resumes_under_its_own_relation_within_its_target(synth: Path, tmp_path: Path) -> None:
+    """An FDP checkpoint whose ledger is visible-membership (written before ``replace_one``) goes on
+    under that relation, with σ calibrated there — σ calibrated under ``replace_one`` but composed
+    under visible membership would end above the target. A ledger whose relation does not bound
+    FDP (add/remove) is refused, naming it, and the checkpoint is left as it was."""
+    from fedpose.privacy.accountant import noise_multiplier_for
+
+    quiet = dict(progress=False, log=lambda _: None)
+    target, steps = 4.0, 3
+    fdp = ('privacy.mechanism="fdp"', f"privacy.target_epsilon={target}", f"train.steps={steps}", "train.checkpoint_every=1")
+    cfg = run_config(synth, tmp_path / "old", *fdp, val=False)
+    run_training(cfg, stop_after=1, **quiet)
+    last = tmp_path / "old/checkpoints/last.pt"
+    ledger = torch.load(last, weights_only=False)["extra"]["accountant"]
+    (event,) = ledger["history"]
+    visible_sigma = noise_multiplier_for(target, event["sample_rate"], steps, 1e-5, relation="replace_public_membership",
+                                         accountant=ledger["accountant"])
+    assert visible_sigma > 1.2 * event["noise_multiplier"]  # replace_one needs much less noise at this q
+    # what the old code recorded for the first step: visible membership, σ calibrated under it
+    _rewrite_ledger(last, relation="replace_public_membership", history=[{**event, "noise_multiplier": visible_sigma}])
+    run_training(cfg, resume=tmp_path / "old", **quiet)
+    report = json.loads((tmp_path / "old/privacy.json").read_text())
+    assert report["steps"] == steps and report["neighbouring_relation"] == "replace_public_membership"
+    assert report["noise_multiplier"] == pytest.approx(visible_sigma)
+    assert report["epsilon"] <= target
+
+    cfg = run_config(synth, tmp_path / "add_remove", *fdp, val=False)
+    run_training(cfg, stop_after=1, **quiet)
+    last = tmp_path / "add_remove/checkpoints/last.pt"
+    _rewrite_ledger(last, relation="add_remove")
+    before = last.read_bytes()
+    with pytest.raises(ValueError, match="'add_remove' relation, which does not bound mechanism 'fdp'"):
+        run_training(cfg, resume=tmp_path / "add_remove", **quiet)
+    assert last.read_bytes() == before
+
+
 @pytest.mark.slow
 def test_dp_runs_draw_fresh_noise_unless_seeded_test_noise_voids_the_guarantee(synth: Path, tmp_path: Path) -> None:
     """Identical config and seed: DP-SGD runs differ (CSPRNG noise); with insecure_seeded_noise they

@@ -82,6 +82,7 @@ from fedpose.config import PrivacyConfig
 from fedpose.data.units import UnitIndex
 from fedpose.privacy import projection
 from fedpose.privacy.accountant import PrivacyLedger, default_accountant, noise_multiplier_for
+from fedpose.privacy.accountants import bounds
 from fedpose.privacy.mechanisms import Mechanism, get_mechanism
 from fedpose.privacy.public_views import PUBLIC_VIEW_FUNCTIONS, public_view_kind, public_view_report
 from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
@@ -135,15 +136,16 @@ def resolve_accountant(privacy: PrivacyConfig) -> str:
     return privacy.accountant if privacy.accountant is not None else default_accountant(relation)
 
 
-def resolve_noise_multiplier(privacy: PrivacyConfig, sample_rate: float, planned_steps: int) -> float:
+def resolve_noise_multiplier(privacy: PrivacyConfig, sample_rate: float, planned_steps: int,
+                             relation: str | None = None) -> float:
     """σ: ``privacy.noise_multiplier``, or the smallest σ whose ``planned_steps`` steps at rate q
-    stay within ``privacy.target_epsilon`` (the mechanism's relation, at ``privacy.delta``, by the
-    resolved accountant)."""
+    stay within ``privacy.target_epsilon`` (under ``relation``, by default the mechanism's, at
+    ``privacy.delta``, by the resolved accountant)."""
     if privacy.noise_multiplier is not None:
         return float(privacy.noise_multiplier)
     if privacy.target_epsilon is None:  # PrivacyConfig's validator already forbids this
         raise ValueError(f"privacy: mechanism '{privacy.mechanism}' needs privacy.noise_multiplier or privacy.target_epsilon")
-    relation = get_mechanism(privacy.mechanism).guarantee.relation
+    relation = relation if relation is not None else get_mechanism(privacy.mechanism).guarantee.relation
     return noise_multiplier_for(privacy.target_epsilon, sample_rate, planned_steps, privacy.delta, relation=relation,
                                 accountant=resolve_accountant(privacy))
 
@@ -163,6 +165,7 @@ class GradientEngine:
         chunk_size: int | None = None,
         units: UnitIndex | None = None,
         memory_settings: str = STEP_MEMORY_SETTINGS,
+        ledger: PrivacyLedger | None = None,
     ) -> None:
         if dataset_size < 1:
             raise ValueError(f"the training set is empty (dataset_size = {dataset_size})")
@@ -245,12 +248,26 @@ class GradientEngine:
         self.capacity_warning = capacity_warning(self.shape, self.dataset_size, self.units.unit, "the training set")
         if self.capacity_warning is not None:
             log.warning(self.capacity_warning)
-        self.accountant = PrivacyLedger(relation=mechanism.guarantee.relation, accountant=resolve_accountant(privacy))
-        self.noise_multiplier = resolve_noise_multiplier(privacy, self.sample_rate, self.planned_steps)
+        self.accountant = self._continued_ledger(ledger) if ledger is not None else PrivacyLedger(
+            relation=mechanism.guarantee.relation, accountant=resolve_accountant(privacy))
+        # σ for a target ε is calibrated under the ledger's relation: a ledger that continues an older,
+        # looser relation composes this run's steps under it, so σ must hold the target there.
+        self.noise_multiplier = resolve_noise_multiplier(privacy, self.sample_rate, self.planned_steps,
+                                                         self.accountant.relation)
         # The CSPRNG unless a test asks for seeded noise, which voids the guarantee (see privacy_report).
         self.noise = make_noise(self.seed if privacy.insecure_seeded_noise else None)
         if mechanism.projects and privacy.basis.k < 1:
             raise ValueError("privacy.basis.k must be >= 1")
+
+    def _continued_ledger(self, ledger: PrivacyLedger) -> PrivacyLedger:
+        """``ledger`` (a resumed run's events), accounted by the resolved accountant — refused when its
+        relation does not bound this mechanism's (its ε would not be a guarantee for these steps)."""
+        if not bounds(ledger.relation, self.mechanism.guarantee.relation):
+            raise ValueError(
+                f"the privacy ledger being continued was accounted under the '{ledger.relation}' relation, which does "
+                f"not bound mechanism '{self.mechanism.name}' ('{self.mechanism.guarantee.relation}'); start a new run"
+            )
+        return ledger.with_accountant(resolve_accountant(self.privacy))
 
     # -- sampling -------------------------------------------------------------------------------
     @property
@@ -532,8 +549,7 @@ class GradientEngine:
             if self.augmentations != 1 and bool((torch.unique(unit_index, return_counts=True)[1] % self.augmentations).any()):
                 raise ValueError(f"privacy.augmentation_multiplicity = {self.augmentations}: every unit of the batch must "
                                  "hold a whole multiple of that many rows (each record once per augmentation)")
-            row_mask = batch.get("row_mask")  # padding rows of a fixed-shape step: computed, weighted 0
-            real = torch.ones(size, dtype=torch.bool, device=device) if row_mask is None else row_mask.to(device, torch.bool)
+            real = _real_rows(batch, size, device)
             metrics["batch_size"] = float(real.sum())
             if int(torch.unique(unit_index).numel()) == size:  # one record per unit: the per-sample path
                 clipped_sum, norms, losses = clipped_gradient_sum(
@@ -558,9 +574,7 @@ class GradientEngine:
             metrics["grad_norm_median"] = float(norms[finite].median()) if bool(finite.any()) else float("nan")
             metrics["clipped_fraction"] = float((norms > clip).float().mean()) if norms.numel() else 0.0  # over units
             if public_sample is not None:
-                public_mask = public_sample.get("row_mask")
-                public_real = (torch.ones(len(public_images), dtype=torch.bool, device=device) if public_mask is None
-                               else public_mask.to(device, torch.bool))
+                public_real = _real_rows(public_sample, len(public_images), device)
                 public_gradient, public_losses = mean_gradient(model, features[size:], public_sample["joints"],
                                                                public_sample["weight"], row_mask=public_real)
                 metrics["public_loss"] = (float(public_losses[public_real].mean()) if bool(public_real.any())
@@ -684,6 +698,13 @@ class GradientEngine:
         return report
 
 
+def _real_rows(batch: dict, rows: int, device: torch.device) -> Tensor:
+    """Which of the batch's ``rows`` are real: its ``row_mask`` (the padding rows of a fixed-shape step
+    are computed, weighted 0), or all of them in a batch built without one."""
+    row_mask = batch.get("row_mask")
+    return torch.ones(rows, dtype=torch.bool, device=device) if row_mask is None else row_mask.to(device, torch.bool)
+
+
 def _adjacency_text(relation: str, dataset_size_public: bool, unit: str) -> str:
     """The neighbouring relation in words, and whether N (counted in units) is part of what is released."""
     if relation == "add_remove":
@@ -709,6 +730,7 @@ def build_engine(
     chunk_size: int | None = None,
     units: UnitIndex | None = None,
     memory_settings: str = STEP_MEMORY_SETTINGS,
+    ledger: PrivacyLedger | None = None,
 ) -> GradientEngine:
     """The engine for ``privacy_cfg.mechanism`` (see the module docstring).
 
@@ -718,13 +740,15 @@ def build_engine(
     ``dataset_size`` records into protection units (None: every record is one unit).
     ``chunk_size``: samples per chunk of per-sample gradients (None: 16 on the CPU, from free memory
     on CUDA); ``memory_settings``: what the out-of-memory error tells the user to lower.
+    ``ledger``: the privacy ledger a resumed run continues — its relation governs the accounting and
+    σ's calibration (it must bound the mechanism's relation).
     """
     mechanism = get_mechanism(privacy_cfg.mechanism)
     params = model.trainable_parameters()
     if not params:
         raise ValueError("the model has no trainable parameters (check model.scenario)")
     engine = GradientEngine(privacy_cfg, mechanism, dataset_size, batch_size, planned_steps, public_dataset, seed, chunk_size,
-                            units, memory_settings)
+                            units, memory_settings, ledger)
     if mechanism.noisy:  # the chunk, from the fixed step shape, before any step (see chunk_for)
         engine.decide_chunk(model)
     return engine

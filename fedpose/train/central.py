@@ -201,17 +201,26 @@ def build_training_engine(
     decides the protection unit, q, σ and the accountant — `fedpose train` and `fedpose audit` both
     build their engine here, so an audit audits exactly the guarantee training would run.
 
-    A resumed run (``checkpoint``) keeps the accountant and unit its ledger started with (a
-    checkpoint from before accountants were selectable: RDP), so neither σ nor ε changes silently."""
+    A resumed run (``checkpoint``) continues its ledger: the accountant, unit and neighbouring relation
+    it started with (a checkpoint from before accountants were selectable: RDP; an FDP run from before
+    ``replace_one``: visible membership, σ calibrated under it), so neither σ nor ε changes silently."""
     from fedpose.privacy.engine import build_engine
+
+    from fedpose.privacy.accountant import PrivacyLedger
 
     privacy_cfg = cfg.privacy
     saved_ledger = (checkpoint.get("extra") or {}).get("accountant") if checkpoint is not None else None
     if saved_ledger is not None and privacy_cfg.accountant is None:
         privacy_cfg = privacy_cfg.model_copy(update={"accountant": saved_ledger.get("accountant", "rdp")})
     unit_choice, units = resolve_protection_unit(cfg, train_set.records, train_dir, checkpoint)
+    ledger = None
+    if saved_ledger is not None and get_mechanism(privacy_cfg.mechanism).noisy:
+        try:
+            ledger = PrivacyLedger.from_dict(saved_ledger)
+        except ValueError as exc:
+            raise ConfigError(f"the checkpoint's privacy ledger: {exc}") from None
     engine = build_engine(privacy_cfg, model, len(train_set), cfg.train.batch_size, cfg.train.steps, public_set, seed,
-                          chunk_size=cfg.train.chunk_size, units=units)
+                          chunk_size=cfg.train.chunk_size, units=units, ledger=ledger)
     return engine, unit_choice
 
 
@@ -306,12 +315,6 @@ def run_training(
         state = RunState(start_step, list(saved.get("train", [])), list(saved.get("val", [])),
                          saved.get("best_val_mean") if saved.get("best_val_mean") is not None else -math.inf,
                          list(saved.get("divergence", [])))
-        extra = checkpoint.get("extra") or {}
-        if engine.accountant is not None and extra.get("accountant") is not None:
-            from fedpose.privacy.accountant import PrivacyLedger
-
-            # the checkpoint's events, accounted by the engine's accountant (the same one unless the config names another)
-            engine.accountant = PrivacyLedger.from_dict(extra["accountant"]).with_accountant(engine.accountant.accountant)
         engine.steps_done = start_step
         if not noisy:  # exact replay of the shuffled order and augmentation draws
             stream.replaying = True
