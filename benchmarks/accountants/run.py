@@ -7,7 +7,8 @@ replace-one with visible membership: FDP-family budgets written before 2026-11-2
 ε ∈ {0.8, 2, 8}: the smallest σ (to 0.5 %,
 ``noise_multiplier_for``) under each accountant, the ε each accountant gives at the PLD σ, and the
 noise saved (for replace-one, RDP has only the visible-membership curve, a valid but loose bound,
-so its "saving" is the gain of hiding the batch membership too). Settings are read from the configs they describe, so the numbers follow them.
+so its "saving" is the gain of hiding the batch membership too). Settings are read from the configs
+they describe, so the numbers follow them.
 """
 
 from __future__ import annotations

@@ -204,9 +204,8 @@ def build_training_engine(
     A resumed run (``checkpoint``) continues its ledger: the accountant, unit and neighbouring relation
     it started with (a checkpoint from before accountants were selectable: RDP; an FDP run from before
     ``replace_one``: visible membership, σ calibrated under it), so neither σ nor ε changes silently."""
-    from fedpose.privacy.engine import build_engine
-
     from fedpose.privacy.accountant import PrivacyLedger
+    from fedpose.privacy.engine import build_engine
 
     privacy_cfg = cfg.privacy
     saved_ledger = (checkpoint.get("extra") or {}).get("accountant") if checkpoint is not None else None
