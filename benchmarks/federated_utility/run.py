@@ -147,6 +147,13 @@ class Settings(BaseModel):
     #: gradients. None sizes it from free GPU memory when the run starts, which counts neither the
     #: activations nor the runs beside it: 15 runs side by side on one H100 ran out of memory
     chunk_size: int | None = None
+    #: unit slots U of every DP step (site ``privacy.max_batch_units``, fedpose.privacy.fixed_shape). None: the
+    #: product's default (P(Poisson(B) > U) ≤ 1e-15: U 57 at B 16, so with 4 images a patient 228 rows of which
+    #: ~64 are real), whose zero-weight padding makes a step's time independent of the data. 1: a step computes
+    #: only its sampled units (an overflowing batch keeps every unit either way), so the released update has the
+    #: same distribution — padded rows add exact zeros — and only the step's timing differs, which nothing in this
+    #: in-process sweep releases: the same results in a third of the compute
+    max_batch_units: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,7 +301,8 @@ def site_config(settings: Settings, arm: Arm, site_id: str, train: Path, public:
                        delta=settings.delta, unit=settings.unit, max_records_per_unit=settings.max_records_per_unit,
                        public_view={"kind": "downsample_quantize", "factor": settings.public_view_factor, "bits": settings.public_view_bits},
                        public_gradient_weight=settings.public_gradient_weight,
-                       augmentation_multiplicity=settings.augmentation_multiplicity)
+                       augmentation_multiplicity=settings.augmentation_multiplicity,
+                       max_batch_units=settings.max_batch_units)
         if settings.site_basis_refresh_steps is not None:
             privacy["basis"] = {"k": settings.k, "public_samples": settings.public_samples,
                                 "refresh_every": settings.site_basis_refresh_steps, "public_rotation": settings.basis_public_rotation}
@@ -526,7 +534,7 @@ def main() -> int:
 
 # -- results -------------------------------------------------------------------------------------------
 #: settings that say how fast and in how much memory a run goes, not what it computes
-HOW_RUN = frozenset({"threads", "chunk_size"})
+HOW_RUN = frozenset({"threads", "chunk_size", "max_batch_units"})
 
 
 def settings_differ(theirs: dict[str, Any], ours: Settings, ignore: frozenset[str] = frozenset()) -> list[str]:
