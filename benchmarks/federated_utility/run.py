@@ -152,7 +152,8 @@ class Settings(BaseModel):
     #: ~64 are real), whose zero-weight padding makes a step's time independent of the data. 1: a step computes
     #: only its sampled units (an overflowing batch keeps every unit either way), so the released update has the
     #: same distribution — padded rows add exact zeros — and only the step's timing differs, which nothing in this
-    #: in-process sweep releases: the same results in a third of the compute
+    #: in-process sweep releases: the same results in about a third of the compute (a 10-site federated run with
+    #: four images a patient: 17–19 min on one thread instead of 42–59)
     max_batch_units: int | None = None
 
 
