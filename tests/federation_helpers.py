@@ -118,6 +118,14 @@ def deploy_output(proc: subprocess.Popen) -> str:
     return proc.log_path.read_text()  # type: ignore[attr-defined]
 
 
+def deploy_logs_tail(run_dir: Path, chars: int = 2500) -> str:
+    """The end of each log deploy local wrote: a failure in CI, where the run dir is gone afterwards,
+    then shows the coordinator's and Flower's own account, not only the CLI's one line."""
+    tails = [f"\n--- {log.name} (end) ---\n{log.read_text(errors='replace')[-chars:]}"
+             for log in sorted((run_dir / "logs").glob("*.log"))]
+    return "".join(tails)
+
+
 def wait_for(predicate, timeout: float, what: str, proc: subprocess.Popen | None = None, poll: float = 1.0) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -215,23 +215,32 @@ class SuperLinkLost(Exception):
     """The deployment's SuperLink exited, or has not answered (or not known the run) for too long."""
 
 
-def run_status(group: ProcessGroup, run_id: str, timeout: float) -> tuple[str, str]:
-    """(the run's status, '') from ``flwr ls``; ('', why) when the SuperLink did not answer or does not
-    know the run (``flwr ls --format json`` reports a failure as ``"success": false`` with exit code 0)."""
+class RunStatus(NamedTuple):
+    """A run's status as ``flwr ls`` reports it, and Flower's details of it ("No heartbeat received
+    from the task"): for a run Flower ended, the details are the only place that says why."""
+
+    status: str
+    details: str = ""
+
+
+def run_status(group: ProcessGroup, run_id: str, timeout: float) -> tuple[RunStatus, str]:
+    """(the run's status, '') from ``flwr ls``; (empty, why) when the SuperLink did not answer or does
+    not know the run (``flwr ls --format json`` reports a failure as ``"success": false`` with exit code 0)."""
     try:
         result = group.run("flwr-ls", [_bin("flwr"), "ls", CONNECTION, "--run-id", run_id, "--format", "json"], timeout=timeout,
                            record=False)
         answer = json.loads(result.stdout[result.stdout.index("{"):])
     except subprocess.TimeoutExpired:
-        return "", f"`flwr ls` got no answer within {timeout:.0f} s"
+        return RunStatus(""), f"`flwr ls` got no answer within {timeout:.0f} s"
     except (RuntimeError, ValueError) as exc:
-        return "", f"`flwr ls` failed: {' '.join(str(exc).split())[-300:]}"
+        return RunStatus(""), f"`flwr ls` failed: {' '.join(str(exc).split())[-300:]}"
     if not answer.get("success", True):
-        return "", f"`flwr ls` failed: {' '.join(str(answer.get('error-message') or '').split())[-300:]}"
+        return RunStatus(""), f"`flwr ls` failed: {' '.join(str(answer.get('error-message') or '').split())[-300:]}"
     runs = answer.get("runs") or []
     if not runs:  # restarted (it keeps runs in memory), or another deployment's SuperLink on its address
-        return "", f"it does not know run {run_id}"
-    return str(runs[0]["status"]), ""
+        return RunStatus(""), f"it does not know run {run_id}"
+    details = " ".join(str(runs[0].get("status-details") or "").split())
+    return RunStatus(str(runs[0]["status"]), "" if details == "N/A" else details[:300]), ""
 
 
 def _bin(name: str) -> str:
@@ -330,7 +339,7 @@ def _deploy(args: argparse.Namespace, repo: Path, run_dir: Path, lock_fd: int) -
         print(f"run {run_id} submitted: {args.sites} sites, logs in {run_dir / 'logs'}", flush=True)
         (run_dir / "run_id").write_text(run_id)
         try:
-            status = _follow(group, run_id, checkpoint_dir, started, args.timeout, superlink, args.superlink_timeout)
+            status, details = _follow(group, run_id, checkpoint_dir, started, args.timeout, superlink, args.superlink_timeout)
         except SuperLinkLost as exc:  # `flwr log` needs the SuperLink too: the coordinator's log is gone with it
             group.stop_all()  # before saying so
             print(f"fedpose: error: lost the SuperLink (127.0.0.1:{fleet}, control API :{control}): {exc}; everything "
@@ -343,7 +352,7 @@ def _deploy(args: argparse.Namespace, repo: Path, run_dir: Path, lock_fd: int) -
             if line.startswith(("stopping", "resuming", "--resume")) or "rejected update" in line:
                 print(line, flush=True)
         if status != "finished:completed" or not (checkpoint_dir / REPORT_FILE).exists():
-            return report_failed_run(status, coordinator_log, run_dir / "logs")
+            return report_failed_run(status, coordinator_log, run_dir / "logs", details)
         return conclude_run(checkpoint_dir, args.allow_site_failures)
     except (RuntimeError, subprocess.TimeoutExpired) as exc:  # a process that would not start (its log is named)
         group.stop_all()
@@ -359,14 +368,14 @@ def _deploy(args: argparse.Namespace, repo: Path, run_dir: Path, lock_fd: int) -
 
 
 def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float, timeout: float | None,
-            superlink: subprocess.Popen, superlink_timeout: float) -> str:
+            superlink: subprocess.Popen, superlink_timeout: float) -> RunStatus:
     """Print each finished round (from the coordinator's history.json) until the run finishes.
     Raises :class:`SuperLinkLost` when the SuperLink exits, or has not answered or not known the run
     for ``superlink_timeout`` seconds (without this, a lost SuperLink was polled for ever)."""
     from fedpose.federation.report import load_history, round_line
 
     printed = 0
-    status, lost_since = "", None
+    status, lost_since = RunStatus(""), None
     while True:
         time.sleep(STATUS_POLL_S)
         try:
@@ -386,22 +395,25 @@ def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float,
                 raise SuperLinkLost(f"{problem} — for {time.monotonic() - lost_since:.0f} s (--superlink-timeout {superlink_timeout:g})")
         else:
             status, lost_since = current, None
-        if status.startswith(FINISHED):
+        if status.status.startswith(FINISHED):
             for entry in load_history(history_dir)[printed:]:
                 print(round_line(entry), flush=True)
             return status
         if timeout is not None and time.monotonic() - started > timeout:
-            return f"timeout after {timeout:.0f} s (last status {status or 'unknown'})"
+            return RunStatus(f"timeout after {timeout:.0f} s (last status {status.status or 'unknown'})")
 
 
-def report_failed_run(status: str, coordinator_log: str, log_dir: Path) -> int:
+def report_failed_run(status: str, coordinator_log: str, log_dir: Path, details: str = "") -> int:
     """The coordinator's own error lines, then where to look: "the run failed" alone sends the
-    operator digging through logs for the one line that says why. The exit code: 2 when the
-    coordinator refused to start (its state is another's, or would be overwritten), else 1."""
+    operator digging through logs for the one line that says why. Where the coordinator said nothing
+    (Flower ended the run: its ServerApp's heartbeats stopped reaching the SuperLink), Flower's
+    ``details`` say why. The exit code: 2 when the coordinator refused to start (its state is
+    another's, or would be overwritten), else 1."""
     errors = [line for line in coordinator_log.splitlines() if line.startswith(COORDINATOR_ERROR_PREFIX)]
     for line in errors:
         print(line, file=sys.stderr, flush=True)
-    print(f"fedpose: error: the run did not complete ({status}); see {log_dir}", file=sys.stderr, flush=True)
+    why = f"{status}: {details}" if details and not errors else status
+    print(f"fedpose: error: the run did not complete ({why}); see {log_dir}", file=sys.stderr, flush=True)
     return 2 if any(REFUSED in line for line in errors) else 1
 
 

@@ -27,6 +27,7 @@ from fedpose.federation.report import SITE_FAILURE_EXIT
 from federation_helpers import (
     assert_budget_ledger_and_true_spend_agree,
     corrupt_image,
+    deploy_logs_tail,
     deploy_output,
     epsilon_after_rounds,
     free_base_port,
@@ -121,7 +122,7 @@ def test_deployment_grpc_tls_auth_results_ledgers_and_budget_stop(tmp_path: Path
         assert 'fedpose_site_epsilon_spent{accountant="pld",guarantee="DP",site="site-1"}' in site_text
     finally:
         output = _finish(proc)
-    assert proc.returncode == 0, output
+    assert proc.returncode == 0, output + deploy_logs_tail(run_dir)
     assert "round   2" in output and "(DP, δ = 1e-05, PLD)" in output
 
     rounds = history(run_dir)
@@ -264,7 +265,7 @@ def test_a_site_killed_while_its_clientapp_runs_goes_missing_then_killed_coordin
 
     proc = start_deploy(config, run_dir, base, 2, "--resume", "--allow-site-failures")
     output = _finish(proc)
-    assert proc.returncode == 0, output  # site-2 missed rounds: allowed, and summarised
+    assert proc.returncode == 0, output + deploy_logs_tail(run_dir)  # site-2 missed rounds: allowed, and summarised
     # the resumed deployment prints every round of the run, round 2 with why site-2 is missing
     (line,) = [l for l in output.splitlines() if l.startswith("round   2 |")]
     assert "site-2: missing (the site disconnected: Flower declared its node gone" in line, line
@@ -316,7 +317,7 @@ def test_a_corrupt_image_fails_its_site_visibly_and_resume_says_the_run_is_finis
     # --resume on the finished run: how to continue, nothing started
     proc = start_deploy(config, run_dir, base, 2, "--resume")
     output = _finish(proc, timeout=120)
-    assert proc.returncode == 0, output
+    assert proc.returncode == 0, output + deploy_logs_tail(run_dir)
     assert "run 'itest' already finished after 1 rounds (coordinator.rounds = 1); to continue, raise coordinator.rounds: " \
            "--resume --rounds 2" in output, output
     assert "submitted" not in output

@@ -21,6 +21,7 @@ import pytest
 
 from federation_helpers import (
     assert_budget_ledger_and_true_spend_agree,
+    deploy_logs_tail,
     deploy_output,
     free_base_port,
     history,
@@ -103,7 +104,7 @@ def test_one_deploy_per_run_dir_a_lost_superlink_stops_everything_and_resume_spe
     # send that update again) and every spend counted once, in the site's budget and the ledger
     resumed = start_deploy(config, run_dir, base, 2, "--resume")
     output = _finish(resumed, timeout=900)
-    assert resumed.returncode == 0, output
+    assert resumed.returncode == 0, output + deploy_logs_tail(run_dir)
     assert output.strip().splitlines()[-1].startswith("run 'itest': 2 rounds completed in total; report:"), output
     assert [r["round"] for r in history(run_dir)] == [1, 2]
     after = {(e.site_id, e.round): e for e in ledger_rows(run_dir)}

@@ -119,3 +119,16 @@ def test_a_failed_deployment_shows_the_coordinators_error_lines(tmp_path: Path, 
     assert err == [f"{COORDINATOR_ERROR_PREFIX}LedgerError: the budget ledger /x/ledger.sqlite is missing or empty; "
                    "restore it from a backup",
                    f"fedpose: error: the run did not complete (finished:failed); see {tmp_path / 'logs'}"]
+
+
+def test_a_run_flower_ended_says_flowers_reason(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The coordinator said nothing (its ServerApp's heartbeats stopped reaching the SuperLink): Flower's
+    status details are the reason; where the coordinator did say why, its line is enough."""
+    from fedpose.cli.deploy import report_failed_run
+
+    assert report_failed_run("finished:failed", "round 1 ...\n", tmp_path / "logs", "No heartbeat received from the task") == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"fedpose: error: the run did not complete (finished:failed: No heartbeat received from the task); see {tmp_path / 'logs'}"]
+    report_failed_run("finished:failed", f"{COORDINATOR_ERROR_PREFIX}LedgerError: x\n", tmp_path / "logs",
+                      "ServerApp failed with exception: x")
+    assert capsys.readouterr().err.splitlines()[-1] == f"fedpose: error: the run did not complete (finished:failed); see {tmp_path / 'logs'}"
