@@ -104,10 +104,10 @@ class ScriptedSites:
         return answers
 
 
-def _one_round(tmp_path: Path, secure: bool, nodes: list[int], lost: dict[str, set[int]] | None = None,
+def _one_round(tmp_path: Path, secure: bool, nodes: list[int], lost: dict[str, set[int]] | None = None, **coordinator: object,
                ) -> tuple[RoundRunner, dict[str, np.ndarray], ScriptedSites, list[str]]:
     lines: list[str] = []
-    runner = RoundRunner(_run(tmp_path / ("secure" if secure else "plain"), secure), echo=lines.append)
+    runner = RoundRunner(_run(tmp_path / ("secure" if secure else "plain"), secure, **coordinator), echo=lines.append)
     # as after earlier rounds: the coordinator knows which site each node is (so a lost one is named)
     runner.state.node_sites = {str(node): SITE_OF[node] for node in nodes}
     before = {k: v.copy() for k, v in runner.global_state.items()}
@@ -152,6 +152,22 @@ def test_the_secure_aggregate_is_plain_fedavg_within_the_stated_bound(tmp_path: 
     norm = np.sqrt(sum(float((expected[k] ** 2).sum()) for k in trainable))
     assert entry.secure_aggregation.mean_update_norm == pytest.approx(norm, rel=1e-3)
     assert "secure aggregation: sum of 3 of 3 sites (t = 2" in lines[-1] == round_line(entry)
+
+
+def test_a_sampled_subset_of_the_sites_is_masked_among_itself_and_sums_to_its_fedavg(tmp_path: Path) -> None:
+    """fraction_train 0.6 of five connected sites: only the three selected take part in any stage
+    (the others get no setup, no key directory, no train request), and the aggregate is FedAvg of
+    exactly those three."""
+    runner, before, sites, lines = _one_round(tmp_path, True, [1, 2, 3, 4, 5], fraction_train=0.6)
+    selected = sorted(sites.trained)
+    assert len(selected) == 3 and selected == sorted(sites.sessions)  # the rest were never set up
+    trainable = sites.trainable
+    expected = _fedavg(selected, {k: before[k] for k in trainable})
+    applied = _applied(runner, before, trainable)
+    assert max(float(np.abs(applied[k] - expected[k]).max()) for k in trainable) < _bound(selected)
+    (entry,) = load_history(tmp_path / "secure" / "coordinator")
+    assert sorted(entry.sites) == [SITE_OF[n] for n in selected] and entry.secure_aggregation.survivors == 3
+    assert "secure aggregation: sum of 3 of 3 sites (t = 2" in lines[-1]
 
 
 def test_a_site_dropping_after_masking_is_recovered(tmp_path: Path) -> None:
