@@ -275,6 +275,20 @@ def test_the_public_view_gradient_averages_real_rows_only(model) -> None:
     assert not bool(none.any())
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 6, 64])
+def test_the_public_view_gradient_in_chunks_is_the_one_pass_gradient(model, chunk) -> None:
+    """Chunks bound the memory of the ψ gradient (the engine passes its per-sample chunk); the
+    gradient and the per-row losses are those of one pass, padding rows still weighted 0."""
+    batch = batch_of(TensorPoseSet(6), range(6))
+    features = frozen_features(model, batch["image"])
+    real = torch.tensor([True, False, True, True, False, True])
+    one_pass, one_pass_losses = mean_gradient(model, features, batch["joints"], batch["weight"], row_mask=real)
+    chunked, losses = mean_gradient(model, features, batch["joints"], batch["weight"], row_mask=real, chunk_size=chunk)
+    torch.testing.assert_close(chunked, one_pass, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(losses, one_pass_losses, rtol=1e-6, atol=1e-7)
+    assert bool(one_pass.any())
+
+
 # -- the per-sample chunk: decided once, from the fixed shape, before any step (item 8) --------------------
 def test_the_chunk_fits_the_memory_and_never_exceeds_the_steps_rows() -> None:
     gib = 2**30

@@ -576,7 +576,7 @@ class GradientEngine:
             if public_sample is not None:
                 public_real = _real_rows(public_sample, len(public_images), device)
                 public_gradient, public_losses = mean_gradient(model, features[size:], public_sample["joints"],
-                                                               public_sample["weight"], row_mask=public_real)
+                                                               public_sample["weight"], row_mask=public_real, chunk_size=chunk)
                 metrics["public_loss"] = (float(public_losses[public_real].mean()) if bool(public_real.any())
                                           else float("nan"))
 
