@@ -534,18 +534,15 @@ def mean_gradient(model: TrainableModel, features: Tensor, joints: Tensor, weigh
     rows = int(features.shape[0])
     mask = _row_mask(row_mask, rows, features.device)
     count = mask.sum().clamp(min=1)
-    step = rows if chunk_size is None else max(1, int(chunk_size))
-    total: list[Tensor] | None = None
-    losses = []
+    step = max(1, rows if chunk_size is None else int(chunk_size))
+    total = torch.zeros(sum(p.numel() for p in params.values()), device=features.device)
+    losses = [features.new_zeros(0)]
     for start in range(0, rows, step):
         part = slice(start, start + step)
         logits_x, logits_y = model.forward_trainable(features[part])
         chunk_losses = model.loss(logits_x, logits_y, joints[part], weight[part])
         objective = torch.where(mask[part], chunk_losses, torch.zeros_like(chunk_losses)).sum() / count
         grads = torch.autograd.grad(objective, list(params.values()), allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params.values(), grads)]
-        total = grads if total is None else [t + g for t, g in zip(total, grads)]
+        total += flatten([torch.zeros_like(p) if g is None else g for p, g in zip(params.values(), grads)])
         losses.append(chunk_losses.detach())
-    if total is None:  # no rows: nothing to average
-        return torch.zeros(sum(p.numel() for p in params.values()), device=features.device), features.new_zeros(0)
-    return flatten(total).detach(), torch.cat(losses)
+    return total, torch.cat(losses)
