@@ -8,7 +8,9 @@
 Writes benchmarks/step_cost/results.json (earlier runs worth keeping are moved to history/); with
 ``--device cuda``, results_cuda_batch<B>.json (and noise_cost_cuda.json). Method:
 * one model (random weights: speed does not depend on them), one fixed batch of exactly B
-  samples, so every mechanism does the same work; Poisson batch-size variation is not timed;
+  samples, so every mechanism does the same work (fdp, fpdp and maskdp also take their public
+  view's gradient on a public sample of B other rows, as in training); Poisson batch-size
+  variation is not timed;
 * mechanisms are timed round-robin (none, dpsgd, pdp, ... then again) and the median per
   mechanism is reported, so slow phases of a shared machine hit all of them alike; the ratio
   uses the non-private median of the same run;
@@ -56,7 +58,7 @@ import torch
 from fedpose.config import ModelConfig, PrivacyConfig
 from fedpose.io import atomic_write_json
 from fedpose.model import build_model
-from fedpose.privacy.engine import build_engine, collate
+from fedpose.privacy.engine import PUBLIC_SAMPLE_KEY, build_engine, collate
 from fedpose.privacy.mechanisms import MECHANISM_NAMES
 from fedpose.privacy.noise import InsecureSeededNoise, SecureNoise
 from fedpose.runtime import configure_device, describe_device, resolve_device, synchronize
@@ -95,6 +97,16 @@ class RandomPoseSet(torch.utils.data.Dataset):
             "head_count": torch.tensor(1),
             "private_reach": torch.tensor([1.5, 1.5]),  # the crop is its own source: bilinear support + half a pixel
         }
+
+
+def fixed_batch(engine, rows: RandomPoseSet, batch_size: int) -> dict:
+    """Exactly B private rows; a mechanism with a public view also gets its own public sample of B
+    other rows (the engine takes ψ's noise-free gradient on a sample drawn apart from the private
+    one, as :meth:`GradientEngine.batches` does), so its step does that work too."""
+    batch = collate([rows[i] for i in range(batch_size)])
+    if engine.mechanism.public_view is not None:
+        batch[PUBLIC_SAMPLE_KEY] = collate([rows[i] for i in range(batch_size, 2 * batch_size)])
+    return batch
 
 
 def privacy_config(mechanism: str, k: int, m: int) -> PrivacyConfig:
@@ -236,7 +248,7 @@ def memory_probe(args: argparse.Namespace) -> int:
     size = tuple(args.size)
     private, public = RandomPoseSet(4 * args.batch, size), RandomPoseSet(args.public_samples, size, 10_000)
     engine = build_engine(privacy_config(args.memory_probe, args.k, args.public_samples), model, len(private), args.batch, 10, public, 0)
-    batch = collate([private[i] for i in range(args.batch)])
+    batch = fixed_batch(engine, private, args.batch)
     for _ in range(2):
         engine.step(model, batch)
     peaks = {"peak_rss_mib": peak_rss_mib()}
@@ -283,9 +295,9 @@ def main() -> int:
     p = model.num_trainable()
     private = RandomPoseSet(4 * args.batch, size)
     public = RandomPoseSet(args.public_samples, size, 10_000)
-    batch = collate([private[i] for i in range(args.batch)])
     engines = {name: build_engine(privacy_config(name, args.k, args.public_samples), model, len(private), args.batch, 10, public, 0)
                for name in args.mechanisms}
+    batches = {name: fixed_batch(engine, private, args.batch) for name, engine in engines.items()}
 
     print(f"p = {p} trainable parameters, input {size}, batch {args.batch}, device {describe_device(args.device)}, "
           f"torch threads {torch.get_num_threads()}, load {started_load}")
@@ -295,7 +307,7 @@ def main() -> int:
             for kind in ("cold", "warm"):
                 refresh_seconds[kind].append(engine.refresh_basis(model))
                 print(f"basis refresh ({name}, {kind}): {refresh_seconds[kind][-1]:.2f} s (m = {args.public_samples}, k = {args.k})")
-        timed_step(engine, model, batch, args.device)
+        timed_step(engine, model, batches[name], args.device)
 
     times: dict[str, list[float]] = {name: [] for name in engines}
     cpu_times: dict[str, list[float]] = {name: [] for name in engines}
@@ -303,7 +315,7 @@ def main() -> int:
     steal_start, total_start = cpu_jiffies()
     for rep in range(args.repeats):
         for name, engine in engines.items():
-            metrics, seconds, cpu_seconds = timed_step(engine, model, batch, args.device)
+            metrics, seconds, cpu_seconds = timed_step(engine, model, batches[name], args.device)
             times[name].append(seconds)
             cpu_times[name].append(cpu_seconds)
             if "projection_seconds" in metrics:
