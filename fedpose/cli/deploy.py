@@ -119,6 +119,7 @@ def write_deployment_configs(args: argparse.Namespace, run_dir: Path) -> Deploym
     if args.rounds is not None:
         coordinator["rounds"] = args.rounds
     coordinator["min_sites"] = min(int(coordinator.get("min_sites", 1)), args.sites)
+    coordinator["expected_sites"] = args.sites  # round 1 waits for every site this command starts
     federation = validate(FederationConfig, {**raw, "sites": sites, "coordinator": coordinator}, str(args.config))
 
     config_dir = run_dir / "configs"

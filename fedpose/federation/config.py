@@ -268,6 +268,10 @@ class CoordinatorConfig(Strict):
 
     rounds: int = Field(10, ge=1, description="federated rounds")
     min_sites: int = Field(1, ge=1, description="minimum sites that must reply for a round to count")
+    expected_sites: int | None = Field(
+        None, ge=1,
+        description="sites a fresh run waits for before its first round (at most round_timeout_s); None: until the "
+        "number of connected sites has been stable for 5 s (a resumed run waits for the sites it knows)")
     fraction_train: float = Field(1.0, gt=0, le=1, description="fraction of non-exhausted sites asked per round")
     round_timeout_s: float = Field(600.0, gt=0, description="round timeout; also the message TTL")
     local_steps: int = Field(50, ge=1, description="local steps each site is asked to run per round")

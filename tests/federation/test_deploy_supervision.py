@@ -122,3 +122,21 @@ def test_a_superlink_that_cannot_start_is_named_with_exit_1_and_no_traceback(tmp
     assert err.strip().splitlines()[-1] == (f"fedpose: error: SuperLink Fleet API exited with code 1; see {run_dir / 'logs' / 'superlink.log'}; "
                                             "everything this run started is stopped"), err
     assert "Traceback" not in err and not no_leftover_processes(run_dir)
+
+
+def test_the_deployed_coordinator_waits_for_every_site_it_starts(tmp_path: Path) -> None:
+    """Round 1 of a fresh deployment waits for all ``--sites`` SuperNodes (a slow machine used to
+    start it with the first one alone); min_sites stays the config's."""
+    import tomllib
+
+    from federation_helpers import tiny_federation
+
+    from fedpose.cli import build_parser
+
+    config = tiny_federation(tmp_path, tmp_path / "data", sites=3)
+    args = build_parser().parse_args(["deploy", "local", "--config", str(config), "--sites", "2"])
+    written = deploy.write_deployment_configs(args, tmp_path / "run")
+    coordinator = tomllib.loads(written.coordinator_toml.read_text())["coordinator"]
+    assert coordinator["expected_sites"] == 2 and coordinator["min_sites"] == 1
+    assert written.federation.coordinator.expected_sites == 2
+

@@ -271,7 +271,8 @@ class RoundRunner:
     def wait_for_nodes(self, transport: Transport) -> list[int]:
         """Connected nodes. Before the first round of this process: once ≥ min_sites are connected
         and as many nodes as known, non-exhausted sites are back (after a restart nodes reconnect
-        one by one) or, on a fresh run, the count has been stable for a few seconds; never longer
+        one by one) or, on a fresh run, ``expected_sites`` are connected (without it: the count has
+        been stable for a few seconds — on a slow machine a late site misses round 1); never longer
         than the round timeout. Later rounds: as soon as ≥ min_sites are connected."""
         if self._nodes_settled:  # steady state: a site that dropped out is reported missing, not waited for
             nodes = sorted(transport.node_ids())
@@ -281,7 +282,7 @@ class RoundRunner:
         exhausted = self.exhausted_sites()
         # Count sites, not node ids: a restarted SuperLink or a new simulation hands out new ids, so
         # waiting for the checkpoint's ids would sit out the whole round timeout.
-        expected = len({site for site in self.state.node_sites.values() if site not in exhausted})
+        expected = len({site for site in self.state.node_sites.values() if site not in exhausted}) or self.cfg.expected_sites
         deadline = time.monotonic() + self.cfg.round_timeout_s
         stable_since, last = time.monotonic(), -1
         while True:

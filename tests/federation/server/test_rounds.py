@@ -237,3 +237,31 @@ def test_the_server_step_follows_its_cosine_schedule_over_the_rounds(tmp_path: P
     ends = [starts[2], starts[3], float(runner.global_state[name].flat[0])]
     moves = np.diff([starts[1], *ends])
     np.testing.assert_allclose(moves, [1e-2, 0.55e-2, 0.1e-2], rtol=1e-3)
+
+
+class LateNodesTransport(ScriptedTransport):
+    """site-2's node connects only at the third look: a machine slower to start than site-1's."""
+
+    def __init__(self, answer: Callable[[TrainRequest], NodeReply]):
+        super().__init__([11, 12], answer)
+        self.looks = 0
+
+    def node_ids(self) -> list[int]:
+        self.looks += 1
+        return [11] if self.looks < 3 else [11, 12]
+
+
+@pytest.mark.parametrize("expected_sites", [None, 2, 3])
+def test_a_fresh_run_waits_for_its_expected_sites_before_round_1(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   expected_sites: int | None) -> None:
+    """Without ``expected_sites`` round 1 starts once the node count is stable (settle time 0
+    here), so a late site misses it; with it, round 1 waits until that many sites are connected —
+    and never past the round timeout for one that does not come."""
+    monkeypatch.setattr(rounds_module, "NODE_WAIT_POLL_S", 0.01)
+    runner = RoundRunner(_run(tmp_path, 1, expected_sites=expected_sites, round_timeout_s=1.0), echo=lambda _: None)
+    trainable = list(runner.global_model().trainable_parameters())
+    transport = LateNodesTransport(lambda r: ok_reply(r, trainable, 1.0))
+    runner.run_rounds(transport)
+
+    asked = sorted(r.node for r in transport.sent)
+    assert asked == ([11] if expected_sites is None else [11, 12])
