@@ -100,6 +100,7 @@ def site_entry(tmp: Path, data_dir: Path, k: int, private: bool, **extra: Any) -
 
 def coordinator_toml(tmp: Path, name: str, rounds: int = 1, timeout: float = 150.0, secure: dict | None = None,
                      **extra: Any) -> Path:
+    """``expected_sites`` (in ``extra``): round 1 waits for them — SuperNodes connect one by one."""
     coordinator = {"rounds": rounds, "min_sites": 1, "round_timeout_s": timeout, "local_steps": LOCAL_STEPS,
                    "checkpoint_dir": str(tmp / name), "data": {"input_size": INPUT_SIZE},
                    "model": {"backbone": "tiny_vit_test", "scenario": "scratch"}, "update_norm_bound": 1e6,
@@ -375,8 +376,8 @@ def test_five_sites_equal_plain_fedavg_and_a_coordinator_asking_for_both_shares_
         path = tmp_path / f"site-{k}.toml"
         path.write_text(tomli_w.dumps(site_entry(tmp_path, data_dir, k, private=False)))
         site_tomls.append(path)
-    five = coordinator_toml(tmp_path, "five", secure=SECURE)
-    evil = coordinator_toml(tmp_path, "evil", secure=SECURE, fraction_train=0.6)  # 3 of the 5 connected sites
+    five = coordinator_toml(tmp_path, "five", secure=SECURE, expected_sites=5)
+    evil = coordinator_toml(tmp_path, "evil", secure=SECURE, fraction_train=0.6, expected_sites=5)  # 3 of the 5 connected sites
     initial, trainable, updates = expected_updates(tmp_path, site_tomls, five)
     egress_log = tmp_path / "egress.jsonl"
     deployment = Deployment(tmp_path / "deploy", site_tomls, FEDPOSE_EGRESS_LOG=str(egress_log))
@@ -428,8 +429,8 @@ def test_a_dropout_after_masking_is_recovered_and_a_site_requiring_secagg_refuse
         path = tmp_path / f"site-{k}.toml"
         path.write_text(tomli_w.dumps(site_entry(tmp_path, data_dir, k, private=True, require_secure_aggregation=k == 1)))
         site_tomls.append(path)
-    secure = coordinator_toml(tmp_path, "secure", secure=SECURE)
-    plain = coordinator_toml(tmp_path, "plain")
+    secure = coordinator_toml(tmp_path, "secure", secure=SECURE, expected_sites=4)
+    plain = coordinator_toml(tmp_path, "plain", expected_sites=3)  # site-4 is dead by then
     deployment = Deployment(tmp_path / "deploy", site_tomls)
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:  # the run goes on while this thread kills a site
