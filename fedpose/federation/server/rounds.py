@@ -282,7 +282,8 @@ class RoundRunner:
         exhausted = self.exhausted_sites()
         # Count sites, not node ids: a restarted SuperLink or a new simulation hands out new ids, so
         # waiting for the checkpoint's ids would sit out the whole round timeout.
-        expected = len({site for site in self.state.node_sites.values() if site not in exhausted}) or self.cfg.expected_sites
+        known = set(self.state.node_sites.values())
+        expected = len(known - exhausted) if known else self.cfg.expected_sites
         deadline = time.monotonic() + self.cfg.round_timeout_s
         stable_since, last = time.monotonic(), -1
         while True:
