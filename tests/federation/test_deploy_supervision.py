@@ -139,4 +139,3 @@ def test_the_deployed_coordinator_waits_for_every_site_it_starts(tmp_path: Path)
     coordinator = tomllib.loads(written.coordinator_toml.read_text())["coordinator"]
     assert coordinator["expected_sites"] == 2 and coordinator["min_sites"] == 1
     assert written.federation.coordinator.expected_sites == 2
-
