@@ -141,7 +141,7 @@ def _dataset(records: list[Any], root: Path, cfg: RunConfig, train: bool) -> Any
 
     data = cfg.data
     return PoseDataset(records, root, input_size=data.input_size, train=train, flip=data.flip,
-                       scale_jitter=data.scale_jitter, rotation=data.rotation, seed=cfg.train.seed,
+                       scale_jitter=data.scale_jitter, rotation=data.rotation, rotation_range=data.rotation_range, seed=cfg.train.seed,
                        **(dataset_view_options(cfg.privacy) if train else {}))
 
 

@@ -50,7 +50,17 @@ class AugmentationConfig(Strict):
 
     flip: bool = Field(True, description="horizontal-flip augmentation (left/right joints swapped)")
     scale_jitter: float = Field(0.25, ge=0, lt=1, description="random scale factor range ±")
-    rotation: float = Field(30.0, ge=0, le=180, description="random rotation range ± degrees")
+    rotation: float = Field(30.0, ge=0, le=180, description="random rotation: an angle ~ N(0, rotation²) degrees on 60 % of loads")
+    rotation_clip: float = Field(
+        1.0, ge=1, le=6,
+        description="the rotation's hard range, in units of data.rotation: angles are clipped to ± rotation_clip × rotation "
+        "(at most 180°). 1 keeps data.rotation the range; HRNet's recipe is 2 (MPII: rotation 30, so up to ±60°)",
+    )
+
+    @property
+    def rotation_range(self) -> float:
+        """The largest |angle| the augmentation draws (degrees)."""
+        return min(180.0, self.rotation * self.rotation_clip)
 
     @property
     def is_random(self) -> bool:

@@ -279,6 +279,20 @@ def test_context_window_holds_every_augmented_crop() -> None:
         assert (in_window[:, 1] <= window[0] - 0.5 + 1e-6).all()
 
 
+def test_the_context_window_covers_the_rotation_range_not_one_std() -> None:
+    """With HRNet's clip (data.rotation_clip = 2) a crop may turn by up to 2 × data.rotation: ψ's window
+    must hold those crops too, or their public view would be cut off."""
+    records, root = load_records(SHARED_DATA / "coco-real")
+    view = ImagePublicView(PublicViewConfig(factor=8, bits=3))
+    size = (256, 192)
+    narrow = PoseDataset(records, root, input_size=size, train=True, rotation=30.0, public_view=view)
+    wide = PoseDataset(records, root, input_size=size, train=True, rotation=30.0, rotation_range=60.0, public_view=view)
+    assert narrow.context_size == context_window(size, 8, augmentation_extent(size, 0.25, 30.0))
+    assert wide.context_size == context_window(size, 8, augmentation_extent(size, 0.25, 60.0))
+    # a portrait crop turned 60° is wider than any turned ≤ 30° (its height peaks near 37° either way)
+    assert wide.context_size[1] > narrow.context_size[1] and wide.context_size[0] >= narrow.context_size[0]
+
+
 # -- MaskDP: every annotated head in the crop ------------------------------------------------------
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

@@ -270,6 +270,33 @@ def test_augmentation_ranges():
     assert all(not d.flip for d in (sample_augmentation(rng, 0.25, 30.0, False) for _ in range(100)))
 
 
+def test_hrnets_rotation_clip_draws_angles_past_one_std_up_to_two():
+    """data.rotation_clip = 2 is HRNet's recipe: N(0, 30²) degrees clipped to ±60 (on 60 % of loads)."""
+    rng = np.random.default_rng(0)
+    angles = np.array([sample_augmentation(rng, 0.25, 30.0, False, rotation_range=60.0).rotation for _ in range(20000)])
+    rotated = angles[angles != 0.0]
+    assert np.abs(angles).max() <= 60.0 and np.abs(angles).max() > 55.0
+    # P(|N(0, 1)| > 1) = 0.317 of the rotated draws lie beyond one std; P(|N| > 2) = 0.046 sit on the clip
+    assert abs(np.mean(np.abs(rotated) > 30.0) - 0.317) < 0.015
+    assert abs(np.mean(np.abs(rotated) == 60.0) - 0.046) < 0.006
+    assert 0.38 < np.mean(angles == 0.0) < 0.42
+
+
+def test_the_rotation_range_is_the_configs_and_the_datasets_hard_clip(mpii):
+    from fedpose.config import AugmentationConfig
+
+    assert AugmentationConfig().rotation_range == 30.0  # default: data.rotation is the range
+    assert AugmentationConfig(rotation=30.0, rotation_clip=2.0).rotation_range == 60.0
+    assert AugmentationConfig(rotation=120.0, rotation_clip=2.0).rotation_range == 180.0
+    records, root = mpii
+    narrow = PoseDataset(records, root, INPUT, train=True, seed=3)
+    wide = PoseDataset(records, root, INPUT, train=True, seed=3, rotation_range=60.0)
+    assert narrow.rotation_range == 30.0 and wide.rotation_range == 60.0
+    narrow_angles = np.array([narrow.augmentation().rotation for _ in range(3000)])
+    wide_angles = np.array([wide.augmentation().rotation for _ in range(3000)])
+    assert np.abs(narrow_angles).max() <= 30.0 < np.abs(wide_angles).max() <= 60.0
+
+
 def test_train_augmentation_is_seeded(mpii):
     records, root = mpii
     a = PoseDataset(records, root, INPUT, train=True, seed=7)

@@ -23,7 +23,7 @@ this sample's augmentation.
 **ψ before augmentation.** ψ (FDP's public view) must be a property of the record, not of an
 augmented crop. The dataset takes the record's un-augmented crop frame (same centre and pixel
 size as the eval crop) enlarged to a *context window* that contains every crop the augmentation
-can draw (scale ×(1 + scale_jitter), rotation up to ``rotation``), a whole number of ψ's blocks
+can draw (scale ×(1 + scale_jitter), rotation up to ``rotation_range``), a whole number of ψ's blocks
 on each side, with the eval crop aligned to the block grid. ψ of that window is computed once
 and cached (its compact form: for downsample_quantize the (H/f)·(W/f) block levels); each sample
 warps it with the same matrix (crop ∘ augmentation, relative to the window) as the private crop.
@@ -234,6 +234,7 @@ class PoseDataset(Dataset):
         public_view: PublicImageView | None = None,
         reduced_decode: bool = True,
         fixed_rotations: Sequence[float] | None = None,
+        rotation_range: float | None = None,
     ) -> None:
         if len(input_size) != 2 or min(input_size) <= 0:
             raise ValueError(f"input_size must be (H, W) with positive sides, got {input_size}")
@@ -252,6 +253,8 @@ class PoseDataset(Dataset):
         self.flip = flip
         self.scale_jitter = scale_jitter
         self.rotation = rotation
+        #: the hard clip of a drawn angle (data.rotation_range: rotation × data.rotation_clip)
+        self.rotation_range = rotation if rotation_range is None else rotation_range
         self.seed = seed
         self.padding = padding
         self.cache_images = cache_images
@@ -265,7 +268,7 @@ class PoseDataset(Dataset):
         self._public_cache: dict[int, np.ndarray] = {}  # record index → compact ψ of its context window
         self._public_cache_bytes = 0
         if public_view is not None:
-            extent = augmentation_extent(self.input_size, scale_jitter, rotation) if train else (0.0, 0.0)
+            extent = augmentation_extent(self.input_size, scale_jitter, self.rotation_range) if train else (0.0, 0.0)
             self.context_size = context_window(self.input_size, public_view.block, extent)
         self._build_private_boxes()
 
@@ -367,7 +370,7 @@ class PoseDataset(Dataset):
         run replays these draws to restore the stream (fedpose.train.central)."""
         if not self.train:
             return Augmentation()
-        return sample_augmentation(self._generator(), self.scale_jitter, self.rotation, self.flip)
+        return sample_augmentation(self._generator(), self.scale_jitter, self.rotation, self.flip, self.rotation_range)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         if not 0 <= index < len(self.records):

@@ -173,14 +173,16 @@ class Augmentation:
 
 
 def sample_augmentation(
-    rng: np.random.Generator, scale_jitter: float, rotation: float, flip: bool
+    rng: np.random.Generator, scale_jitter: float, rotation: float, flip: bool, rotation_range: float | None = None
 ) -> Augmentation:
     """HRNet's recipe: scale ×clip(1 + N(0, sf), 1−sf, 1+sf); rotation clip(N(0, rf), ±2rf) with
-    probability 0.6, else 0 (then clipped to ±rf so ``rotation`` is the hard range); flip p = 0.5."""
+    probability 0.6, else 0; flip p = 0.5. The rotation's clip is ``rotation_range`` (default ``rotation``:
+    one rf, fedpose's default, so ``rotation`` is the hard range; HRNet's 2rf is ``data.rotation_clip = 2``)."""
+    bound = rotation if rotation_range is None else rotation_range
     factor = float(np.clip(1.0 + rng.normal() * scale_jitter, 1.0 - scale_jitter, 1.0 + scale_jitter))
     angle = 0.0
     if rotation > 0 and rng.random() <= 0.6:
-        angle = float(np.clip(rng.normal() * rotation, -rotation, rotation))
+        angle = float(np.clip(rng.normal() * rotation, -bound, bound))
     flipped = bool(flip and rng.random() < 0.5)
     return Augmentation(factor, angle, flipped)
 

@@ -201,7 +201,7 @@ def load_site_dataset(site: SiteConfig, input_size: tuple[int, int]) -> Any:
     check_images(records, root, Path(site.state_dir) / IMAGE_CHECK_CACHE)
     return PoseDataset(
         records, root, input_size=input_size, train=True, flip=site.data.flip,
-        scale_jitter=site.data.scale_jitter, rotation=site.data.rotation, seed=site.train.seed,
+        scale_jitter=site.data.scale_jitter, rotation=site.data.rotation, rotation_range=site.data.rotation_range, seed=site.train.seed,
         # FDP / FP-DP: ψ(x) once per record, before augmentation; MaskDP: full-size decodes
         **dataset_view_options(site.privacy),
     )

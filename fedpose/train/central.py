@@ -164,7 +164,7 @@ def _load_dataset(path: Path, cfg: RunConfig, train: bool, seed: int, with_publi
         raise ConfigError(f"{path}: the dataset has no records")
     data = cfg.data
     return PoseDataset(records, root, input_size=data.input_size, train=train, flip=data.flip,
-                       scale_jitter=data.scale_jitter, rotation=data.rotation, seed=seed,
+                       scale_jitter=data.scale_jitter, rotation=data.rotation, rotation_range=data.rotation_range, seed=seed,
                        **(dataset_view_options(cfg.privacy) if with_public_view else {}))
 
 

@@ -21,6 +21,8 @@ from fedpose.federation.ledger import BudgetLedger
 from fedpose.federation.report import load_history
 from fedpose.federation.server.rounds import NodeReply, RoundRunner, TrainRequest
 
+SHIPPED_SETTLE_S = rounds_module.NODE_SETTLE_S  # read before the autouse fixture sets it to 0
+
 #: node id → site id of the scripted sites
 SITE_OF = {11: "site-1", 12: "site-2", 13: "site-3"}
 
@@ -265,3 +267,11 @@ def test_a_fresh_run_waits_for_its_expected_sites_before_round_1(tmp_path: Path,
 
     asked = sorted(r.node for r in transport.sent)
     assert asked == ([11] if expected_sites is None else [11, 12])
+
+
+def test_the_expected_sites_setting_states_the_settle_time_the_runner_uses() -> None:
+    """The config's description names the fresh-run settle time; it lives in the round runner."""
+    from fedpose.federation.config import CoordinatorConfig
+
+    description = CoordinatorConfig.model_fields["expected_sites"].description
+    assert f"stable for {SHIPPED_SETTLE_S:g} s" in description, description
