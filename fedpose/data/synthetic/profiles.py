@@ -11,8 +11,9 @@ pose family and background with equal weight, neutral camera, wider lighting and
 
 What only the sites have (the clinic, which public photo collections lack): patients in bed with
 the head end raised, seen by a bedside camera, so the body is tilted 40–60° from upright in the
-frame (the public split's camera roll stays within ±30°, and pre-training rotates by at most ±30°
-more), and night-time images from infrared cameras (grey, flat, noisy: the public split is in
+frame (the public split's camera roll stays within ±30°, and the shipped bases' pre-training rotates
+by at most ±30° more; HRNet's clip, ``data.rotation_clip = 2``, would reach ±60°: docs/benchmarks.md,
+public_base), and night-time images from infrared cameras (grey, flat, noisy: the public split is in
 colour). Every site has both, each in its own proportion and
 with its own side of the bed, so a federation shares what a public model has never seen while each
 site still differs from the others. A public pre-trained model must learn these from site data:
