@@ -82,7 +82,6 @@ class DataConfig(AugmentationConfig):
     train: Path | None = Field(None, description="dataset directory with annotations.json (training split)")
     val: Path | None = Field(None, description="dataset directory used for periodic validation")
     input_size: tuple[int, int] = Field((256, 192), description="model input (height, width)")
-    workers: int = Field(0, ge=0, description="DataLoader worker processes")
 
     @model_validator(mode="after")
     def _sizes(self) -> "DataConfig":
