@@ -116,6 +116,9 @@ class Settings(BaseModel):
     #: global weights); N: coordinator basis.source = "sites", each site recomputes V from its own
     #: copy of the public split every N local steps, at its current local weights (PDP-SGD's schedule)
     site_basis_refresh_steps: int | None = 5
+    #: the sites' data.rotation_clip: their augmentation's rotation N(0, 30°²) clipped at ± this × 30°
+    #: (1: ±30°, the default; 2: HRNet's ±60°, the recipe of the ±60° public base)
+    site_rotation_clip: float = 1.0
     #: privacy.basis.public_rotation of a site-computed basis (degrees; 0: upright public images)
     basis_public_rotation: float = 60.0
     public_view_factor: int = 8
@@ -308,7 +311,7 @@ def site_config(settings: Settings, arm: Arm, site_id: str, train: Path, public:
             privacy["basis"] = {"k": settings.k, "public_samples": settings.public_samples,
                                 "refresh_every": settings.site_basis_refresh_steps, "public_rotation": settings.basis_public_rotation}
     return SiteConfig.model_validate({
-        "site_id": site_id, "data": {"train": str(train)}, "public_data": str(public),
+        "site_id": site_id, "data": {"train": str(train), "rotation_clip": settings.site_rotation_clip}, "public_data": str(public),
         "state_dir": str(state), "eps_max": (arm.epsilon or 1.0) * (1 + 1e-6), "local_steps": settings.local_steps,
         "optim": {"name": settings.site_optimizer, "lr": arm_lr(settings, arm),
                   "momentum": settings.site_momentum, "weight_decay": 0.0},

@@ -18,6 +18,10 @@ no optimizer state, config, metrics or RNG state) and `results.json` records the
 
     python benchmarks/public_base/build.py --budget-s 330 --export runs/public-bases
 
+With `--steps BACKBONE=STEPS,...` the timed runs are skipped and each base gets exactly those
+steps: how the shipped bases are rebuilt after a recipe change (the steps stay those of
+checkpoints/public/README.md, so only the recipe differs).
+
 Nothing is selected on any split: the last step's weights are the base. The validation PCKh (the
 synthetic sites' mixture of the seed-1 dataset) is for watching only.
 """
@@ -71,7 +75,7 @@ def run_all(jobs: dict[str, list[str]], log_dir: Path) -> dict[str, float]:
 
 def step_seconds(run_dir: Path) -> float:
     train = json.loads((run_dir / "metrics.json").read_text())["train"]
-    return statistics.median(r["seconds"] for r in train[SMOKE_SKIP:])
+    return statistics.median(r["seconds"] for r in train[SMOKE_SKIP:] or train)
 
 
 def weights_only(run_dir: Path, target: Path) -> dict:
@@ -94,8 +98,10 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("runs/public-base"))
     parser.add_argument("--export", type=Path, default=Path("runs/public-bases"))
     parser.add_argument("--set", action="append", default=[], help="extra config overrides for every run")
+    parser.add_argument("--steps", default="", help="BACKBONE=STEPS,...: fixed steps, no timed runs")
     args = parser.parse_args()
-    backbones = args.backbones.split(",")
+    fixed_steps = {b: int(n) for b, n in (item.split("=") for item in args.steps.split(",") if item)}
+    backbones = list(fixed_steps) or args.backbones.split(",")
     args.work.mkdir(parents=True, exist_ok=True)
     conditions = {
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
@@ -112,12 +118,15 @@ def main() -> None:
     conditions["synth_seconds"] = round(time.perf_counter() - t0, 1)
     print(f"data: {conditions['synth_seconds']} s", flush=True)
 
-    smoke = {b: train_args(b, SMOKE_STEPS, args.work / f"smoke-{b}", args.set) for b in backbones}
-    run_all(smoke, args.work)
-    per_step = {b: step_seconds(REPO / args.work / f"smoke-{b}") for b in backbones}
-    # 0.85: the full runs also evaluate 4 times and save; keep the schedule whole inside the budget
-    steps = {b: max(100, int(args.budget_s * 0.85 / s) // 100 * 100) for b, s in per_step.items()}
-    print(f"smoke: seconds/step {per_step} → steps {steps}", flush=True)
+    if fixed_steps:
+        steps, per_step = fixed_steps, {}
+    else:
+        smoke = {b: train_args(b, SMOKE_STEPS, args.work / f"smoke-{b}", args.set) for b in backbones}
+        run_all(smoke, args.work)
+        per_step = {b: step_seconds(REPO / args.work / f"smoke-{b}") for b in backbones}
+        # 0.85: the full runs also evaluate 4 times and save; keep the schedule whole inside the budget
+        steps = {b: max(100, int(args.budget_s * 0.85 / s) // 100 * 100) for b, s in per_step.items()}
+        print(f"smoke: seconds/step {per_step} → steps {steps}", flush=True)
 
     full = {b: train_args(b, steps[b], args.work / f"full-{b}", args.set) for b in backbones}
     walls = run_all(full, args.work)
@@ -127,7 +136,8 @@ def main() -> None:
         metrics = json.loads((run_dir / "metrics.json").read_text())
         spec = weights_only(run_dir, args.export / f"public-base-{b}-128x96.pt")
         results["bases"][b] = {
-            "steps": steps[b], "smoke_seconds_per_step": round(per_step[b], 4), "wall_seconds": walls[b],
+            "steps": steps[b], "smoke_seconds_per_step": round(per_step[b], 4) if b in per_step else None,
+            "seconds_per_step": round(step_seconds(run_dir), 4), "wall_seconds": walls[b],
             "final_loss": metrics["train"][-1].get("loss"),
             "val_curve": [{"step": v["step"], "PCKh@0.5": round(v["Mean"], 2)} for v in metrics.get("val", [])],
             "model_spec": spec, "file": f"public-base-{b}-128x96.pt",
