@@ -140,8 +140,7 @@ def _dataset(records: list[Any], root: Path, cfg: RunConfig, train: bool) -> Any
     from fedpose.privacy.public_views import dataset_view_options
 
     data = cfg.data
-    return PoseDataset(records, root, input_size=data.input_size, train=train, flip=data.flip,
-                       scale_jitter=data.scale_jitter, rotation=data.rotation, rotation_range=data.rotation_range, seed=cfg.train.seed,
+    return PoseDataset(records, root, input_size=data.input_size, train=train, seed=cfg.train.seed, **data.augmentation_options(),
                        **(dataset_view_options(cfg.privacy) if train else {}))
 
 

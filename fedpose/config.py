@@ -62,6 +62,11 @@ class AugmentationConfig(Strict):
         """The largest |angle| the augmentation draws (degrees)."""
         return min(180.0, self.rotation * self.rotation_clip)
 
+    def augmentation_options(self) -> dict[str, Any]:
+        """PoseDataset's augmentation keywords: every training set built from a config passes these."""
+        return {"flip": self.flip, "scale_jitter": self.scale_jitter, "rotation": self.rotation,
+                "rotation_range": self.rotation_range}
+
     @property
     def is_random(self) -> bool:
         """Whether two loads of one record can differ (any augmentation on)."""

@@ -200,8 +200,7 @@ def load_site_dataset(site: SiteConfig, input_size: tuple[int, int]) -> Any:
     # every file decoded once (cached by size and mtime): a corrupt image is named before any spend
     check_images(records, root, Path(site.state_dir) / IMAGE_CHECK_CACHE)
     return PoseDataset(
-        records, root, input_size=input_size, train=True, flip=site.data.flip,
-        scale_jitter=site.data.scale_jitter, rotation=site.data.rotation, rotation_range=site.data.rotation_range, seed=site.train.seed,
+        records, root, input_size=input_size, train=True, seed=site.train.seed, **site.data.augmentation_options(),
         # FDP / FP-DP: ψ(x) once per record, before augmentation; MaskDP: full-size decodes
         **dataset_view_options(site.privacy),
     )

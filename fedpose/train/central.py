@@ -163,8 +163,7 @@ def _load_dataset(path: Path, cfg: RunConfig, train: bool, seed: int, with_publi
     if not records:
         raise ConfigError(f"{path}: the dataset has no records")
     data = cfg.data
-    return PoseDataset(records, root, input_size=data.input_size, train=train, flip=data.flip,
-                       scale_jitter=data.scale_jitter, rotation=data.rotation, rotation_range=data.rotation_range, seed=seed,
+    return PoseDataset(records, root, input_size=data.input_size, train=train, seed=seed, **data.augmentation_options(),
                        **(dataset_view_options(cfg.privacy) if with_public_view else {}))
 
 
