@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -17,6 +19,7 @@ import torch
 from fedpose.privacy.engine import build_engine
 
 STEP_COST = Path(__file__).resolve().parents[1] / "benchmarks" / "step_cost" / "run.py"
+PUBLIC_BASE_BUILD = Path(__file__).resolve().parents[1] / "benchmarks" / "public_base" / "build.py"
 
 
 def _load_step_cost():
@@ -48,3 +51,13 @@ def test_step_cost_times_one_step_of_every_mechanism():
         assert seconds > 0, name
         assert metrics["batch_size"] == batch_size, name
     assert with_public_sample == {"fdp", "fpdp", "maskdp"}
+
+
+def test_public_base_build_refuses_a_name_that_several_backbones_would_overwrite(tmp_path):
+    """`build.py --name` names the exported base (the shipped ±60° files are not the default name);
+    with several backbones a name without {backbone} would leave one file: refused before any work."""
+    done = subprocess.run([sys.executable, str(PUBLIC_BASE_BUILD), "--steps", "tiny_vit_test=1,tiny_vit_mid=1", "--name", "base.pt",
+                           "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--name 'base.pt'" in done.stderr and "{backbone}" in done.stderr
+    assert not (tmp_path / "work").exists()

@@ -46,6 +46,8 @@ DATA = Path("data/synthetic-pretrain")
 SMOKE_STEPS = 40
 #: the smoke run's first steps include one-off costs (allocator warm-up, kernel selection)
 SMOKE_SKIP = 10
+#: the exported base's file name ({backbone} replaced); checkpoints/public/README.md names the shipped ones
+EXPORT_NAME = "public-base-{backbone}-128x96.pt"
 
 
 def fedpose(*args: str, log: Path) -> subprocess.Popen:
@@ -99,9 +101,14 @@ def main() -> None:
     parser.add_argument("--export", type=Path, default=Path("runs/public-bases"))
     parser.add_argument("--set", action="append", default=[], help="extra config overrides for every run")
     parser.add_argument("--steps", default="", help="BACKBONE=STEPS,...: fixed steps, no timed runs")
+    parser.add_argument("--name", default=EXPORT_NAME,
+                        help="file name of each exported base; {backbone} is replaced (the shipped ±60° tiny base: "
+                        "'public-base-{backbone}-128x96-rotation60-steps4000.pt')")
     args = parser.parse_args()
     fixed_steps = {b: int(n) for b, n in (item.split("=") for item in args.steps.split(",") if item)}
     backbones = list(fixed_steps) or args.backbones.split(",")
+    if len(backbones) > 1 and "{backbone}" not in args.name:
+        parser.error(f"--name {args.name!r}: several backbones would overwrite one file; put {{backbone}} in it")
     args.work.mkdir(parents=True, exist_ok=True)
     conditions = {
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
@@ -134,13 +141,14 @@ def main() -> None:
     for b in backbones:
         run_dir = REPO / args.work / f"full-{b}"
         metrics = json.loads((run_dir / "metrics.json").read_text())
-        spec = weights_only(run_dir, args.export / f"public-base-{b}-128x96.pt")
+        file_name = args.name.format(backbone=b)
+        spec = weights_only(run_dir, args.export / file_name)
         results["bases"][b] = {
             "steps": steps[b], "smoke_seconds_per_step": round(per_step[b], 4) if b in per_step else None,
             "seconds_per_step": round(step_seconds(run_dir), 4), "wall_seconds": walls[b],
             "final_loss": metrics["train"][-1].get("loss"),
             "val_curve": [{"step": v["step"], "PCKh@0.5": round(v["Mean"], 2)} for v in metrics.get("val", [])],
-            "model_spec": spec, "file": f"public-base-{b}-128x96.pt",
+            "model_spec": spec, "file": file_name,
         }
         print(f"{b}: {steps[b]} steps in {walls[b]} s, val {results['bases'][b]['val_curve'][-1:]}", flush=True)
     (args.export / "results.json").write_text(json.dumps(results, indent=2) + "\n")
