@@ -18,8 +18,9 @@ import torch
 
 from fedpose.privacy.engine import build_engine
 
-STEP_COST = Path(__file__).resolve().parents[1] / "benchmarks" / "step_cost" / "run.py"
-PUBLIC_BASE_BUILD = Path(__file__).resolve().parents[1] / "benchmarks" / "public_base" / "build.py"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+STEP_COST = BENCHMARKS / "step_cost" / "run.py"
+PUBLIC_BASE_BUILD = BENCHMARKS / "public_base" / "build.py"
 
 
 def _load_step_cost():
@@ -60,4 +61,13 @@ def test_public_base_build_refuses_a_name_that_several_backbones_would_overwrite
                            "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert "--name 'base.pt'" in done.stderr and "{backbone}" in done.stderr
+    assert not (tmp_path / "work").exists()
+
+
+def test_public_base_build_refuses_an_unknown_placeholder_in_the_name_before_any_work(tmp_path):
+    """A --name the export could not format would otherwise fail only after the training."""
+    done = subprocess.run([sys.executable, str(PUBLIC_BASE_BUILD), "--steps", "tiny_vit_test=1", "--name", "base-{steps}.pt",
+                           "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "--name 'base-{steps}.pt'" in done.stderr and "only {backbone}" in done.stderr
     assert not (tmp_path / "work").exists()

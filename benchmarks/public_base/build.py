@@ -107,7 +107,12 @@ def main() -> None:
     args = parser.parse_args()
     fixed_steps = {b: int(n) for b, n in (item.split("=") for item in args.steps.split(",") if item)}
     backbones = list(fixed_steps) or args.backbones.split(",")
-    if len(backbones) > 1 and "{backbone}" not in args.name:
+    # named before any work: a bad --name must not surface only at export, hours of training later
+    try:
+        file_names = {b: args.name.format(backbone=b) for b in backbones}
+    except (KeyError, IndexError, ValueError) as err:
+        parser.error(f"--name {args.name!r}: only {{backbone}} can be filled in ({err!r})")
+    if len(set(file_names.values())) < len(backbones):
         parser.error(f"--name {args.name!r}: several backbones would overwrite one file; put {{backbone}} in it")
     args.work.mkdir(parents=True, exist_ok=True)
     conditions = {
@@ -141,14 +146,13 @@ def main() -> None:
     for b in backbones:
         run_dir = REPO / args.work / f"full-{b}"
         metrics = json.loads((run_dir / "metrics.json").read_text())
-        file_name = args.name.format(backbone=b)
-        spec = weights_only(run_dir, args.export / file_name)
+        spec = weights_only(run_dir, args.export / file_names[b])
         results["bases"][b] = {
             "steps": steps[b], "smoke_seconds_per_step": round(per_step[b], 4) if b in per_step else None,
             "seconds_per_step": round(step_seconds(run_dir), 4), "wall_seconds": walls[b],
             "final_loss": metrics["train"][-1].get("loss"),
             "val_curve": [{"step": v["step"], "PCKh@0.5": round(v["Mean"], 2)} for v in metrics.get("val", [])],
-            "model_spec": spec, "file": file_name,
+            "model_spec": spec, "file": file_names[b],
         }
         print(f"{b}: {steps[b]} steps in {walls[b]} s, val {results['bases'][b]['val_curve'][-1:]}", flush=True)
     (args.export / "results.json").write_text(json.dumps(results, indent=2) + "\n")
