@@ -54,11 +54,16 @@ def test_step_cost_times_one_step_of_every_mechanism():
     assert with_public_sample == {"fdp", "fpdp", "maskdp"}
 
 
+def _build_public_base(tmp_path: Path, steps: str, name: str) -> subprocess.CompletedProcess:
+    """Run build.py as a user does, with its work directory under tmp_path."""
+    return subprocess.run([sys.executable, str(PUBLIC_BASE_BUILD), "--steps", steps, "--name", name,
+                           "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=120)
+
+
 def test_public_base_build_refuses_a_name_that_several_backbones_would_overwrite(tmp_path):
     """`build.py --name` names the exported base (the shipped ±60° files are not the default name);
     with several backbones a name without {backbone} would leave one file: refused before any work."""
-    done = subprocess.run([sys.executable, str(PUBLIC_BASE_BUILD), "--steps", "tiny_vit_test=1,tiny_vit_mid=1", "--name", "base.pt",
-                           "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=120)
+    done = _build_public_base(tmp_path, "tiny_vit_test=1,tiny_vit_mid=1", "base.pt")
     assert done.returncode == 2
     assert "--name 'base.pt'" in done.stderr and "{backbone}" in done.stderr
     assert not (tmp_path / "work").exists()
@@ -66,8 +71,7 @@ def test_public_base_build_refuses_a_name_that_several_backbones_would_overwrite
 
 def test_public_base_build_refuses_an_unknown_placeholder_in_the_name_before_any_work(tmp_path):
     """A --name the export could not format would otherwise fail only after the training."""
-    done = subprocess.run([sys.executable, str(PUBLIC_BASE_BUILD), "--steps", "tiny_vit_test=1", "--name", "base-{steps}.pt",
-                           "--work", str(tmp_path / "work")], capture_output=True, text=True, timeout=120)
+    done = _build_public_base(tmp_path, "tiny_vit_test=1", "base-{steps}.pt")
     assert done.returncode == 2
     assert "--name 'base-{steps}.pt'" in done.stderr and "only {backbone}" in done.stderr
     assert not (tmp_path / "work").exists()
