@@ -322,7 +322,7 @@ def test_the_demo_config_spends_what_the_readme_says(tmp_path):
             except BudgetExhausted:
                 outcomes[site.site_id].append("refused")
                 break
-        assert site.privacy.mechanism == "pdp" and budget.unit == "patient" and budget.guarantee == "DP"
+        assert site.privacy.mechanism == "dpsgd" and budget.unit == "patient" and budget.guarantee == "DP"
         assert budget.epsilon <= min(site.eps_max, 8.0)
     assert outcomes["site-1"] == outcomes["site-2"] == ["spent"] * 8
     assert outcomes["site-3"] == ["spent"] * 4 + ["refused"]
