@@ -11,7 +11,7 @@ scores bases on datasets' test splits — whole, and split by the generator's ``
     python benchmarks/public_base/rotation_probe.py \\
         --base shipped=checkpoints/public/public-base-tiny_vit_test-128x96.pt \\
         --base rotation_clip_2=runs/public-bases/public-base-tiny_vit_test-128x96-rot2.pt \\
-        --data main_job=data/synthetic-demo --data sweep_reported=DIR --data sweep_tuning=DIR \\
+        --data main_job=data/synthetic-hospitals --data sweep_reported=DIR --data sweep_tuning=DIR \\
         --report rotation_clip_2:0=PATH --report rotation_clip_2:1=PATH ... \\
         --out benchmarks/public_base/rotation_probe.json
 
