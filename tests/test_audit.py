@@ -122,12 +122,13 @@ def tradeoff_least_fpr(epsilons: np.ndarray, deltas: np.ndarray, tpr: np.ndarray
     return np.maximum(0.0, np.maximum(first.max(axis=1), second.max(axis=1)))
 
 
-@pytest.mark.parametrize("relation", ["add_remove", "replace_public_membership"])
+@pytest.mark.parametrize("relation", ["add_remove", "replace_one", "replace_public_membership"])
 @pytest.mark.parametrize("target", [2.0, 8.0])
 def test_dp_sgd_lies_above_the_gaussian_curve_through_its_claim(relation, target) -> None:
     # The audit reports max(Steinke, f-DP) against the accountant's ε. The f-DP bound rejects the Gaussian
     # curve through the claimed (ε, δ), so that is a check of the claim only if the mechanism's own curve
     # lies above it — which holds for the DP-SGD steps these tests audit (q = 1/4, 10 steps).
+    import dp_accounting
     from dp_accounting.pld import privacy_loss_distribution
 
     from fedpose.privacy.accountant import epsilon_for, noise_multiplier_for
@@ -139,8 +140,11 @@ def test_dp_sgd_lies_above_the_gaussian_curve_through_its_claim(relation, target
     sigma = noise_multiplier_for(target, q, steps, delta, relation=relation, accountant="pld")
     claimed, _ = epsilon_for(sigma, q, steps, delta, relation=relation, accountant="pld")
     epsilons = np.linspace(0.0, 30.0, 301)
-    if relation == "add_remove":
-        pld = privacy_loss_distribution.from_gaussian_mechanism(sigma, sampling_prob=q, value_discretization_interval=1e-3)
+    if relation in ("add_remove", "replace_one"):  # FDP / MaskDP: ±C·d_i under hidden membership (sensitivity 2C)
+        pld = privacy_loss_distribution.from_gaussian_mechanism(
+            sigma, sampling_prob=q, value_discretization_interval=1e-3,
+            neighboring_relation=getattr(dp_accounting.NeighboringRelation,
+                                         "ADD_OR_REMOVE_ONE" if relation == "add_remove" else "REPLACE_ONE"))
         deltas = np.asarray(pld.self_compose(steps).get_delta_for_epsilon(epsilons))
     else:
         deltas = np.array([replace_public_membership_delta([Event(sigma, q, steps)], e) for e in epsilons])
