@@ -140,11 +140,12 @@ def test_dp_sgd_lies_above_the_gaussian_curve_through_its_claim(relation, target
     sigma = noise_multiplier_for(target, q, steps, delta, relation=relation, accountant="pld")
     claimed, _ = epsilon_for(sigma, q, steps, delta, relation=relation, accountant="pld")
     epsilons = np.linspace(0.0, 30.0, 301)
-    if relation in ("add_remove", "replace_one"):  # FDP / MaskDP: ±C·d_i under hidden membership (sensitivity 2C)
-        pld = privacy_loss_distribution.from_gaussian_mechanism(
-            sigma, sampling_prob=q, value_discretization_interval=1e-3,
-            neighboring_relation=getattr(dp_accounting.NeighboringRelation,
-                                         "ADD_OR_REMOVE_ONE" if relation == "add_remove" else "REPLACE_ONE"))
+    # dp-accounting's own curves; replace_one (FDP, MaskDP): ±C under hidden membership, sensitivity 2C
+    dp_accounting_relation = {"add_remove": dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,
+                              "replace_one": dp_accounting.NeighboringRelation.REPLACE_ONE}.get(relation)
+    if dp_accounting_relation is not None:
+        pld = privacy_loss_distribution.from_gaussian_mechanism(sigma, sampling_prob=q, value_discretization_interval=1e-3,
+                                                                neighboring_relation=dp_accounting_relation)
         deltas = np.asarray(pld.self_compose(steps).get_delta_for_epsilon(epsilons))
     else:
         deltas = np.array([replace_public_membership_delta([Event(sigma, q, steps)], e) for e in epsilons])

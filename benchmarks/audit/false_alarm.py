@@ -29,16 +29,23 @@ from pathlib import Path
 
 import numpy as np
 
-from fedpose.privacy.accountant import noise_multiplier_for
-from fedpose.privacy.accountants.base import REPLACE_ONE
-from fedpose.privacy.audit_bound import best_lower_bound
-from fedpose.privacy.canaries import CanarySet
-from fedpose.privacy.noise import SecureNoise
-
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
-#: the CI test's setting (tests/test_audit.py, tests/site_round_helpers.py)
-TARGET_EPSILON, DELTA, SAMPLE_RATE, STEPS, CANARIES, CANARY_SEED, CONFIDENCE = 2.0, 1e-5, 4 / 16, 10, 1000, 0, 0.95
+sys.path.insert(0, str(HERE.parents[1] / "tests"))  # the CI test's setting and config builder, never copied
+
+from site_round_helpers import BATCH_SIZE, PER_SITE, make_site_data  # noqa: E402
+from test_audit import STEPS, central_config  # noqa: E402
+
+from fedpose.audit import DEFAULT_CANARIES as CANARIES, DEFAULT_CONFIDENCE as CONFIDENCE, audit_central  # noqa: E402
+from fedpose.io import atomic_write_json  # noqa: E402
+from fedpose.privacy.accountant import epsilon_for, noise_multiplier_for  # noqa: E402
+from fedpose.privacy.accountants.base import REPLACE_ONE  # noqa: E402
+from fedpose.privacy.audit_bound import best_lower_bound  # noqa: E402
+from fedpose.privacy.canaries import CanarySet  # noqa: E402
+from fedpose.privacy.noise import SecureNoise  # noqa: E402
+
+#: the rest of the test's setting: its claim and δ, q of the test's site (records per step / records),
+#: and audit_central's default canary seed, which the test keeps (the same coins in every CI run)
+TARGET_EPSILON, DELTA, SAMPLE_RATE, CANARY_SEED = 2.0, 1e-5, BATCH_SIZE / PER_SITE, 0
 #: coordinates per canary block: any block size gives the same scores (isotropic noise, orthonormal directions)
 BLOCK = 4
 
@@ -53,12 +60,6 @@ def simulated_lower_bound(sigma: float, noise: SecureNoise) -> float:
 
 
 def real_lower_bounds(runs: int, mechanism: str) -> list[float]:
-    sys.path.insert(0, str(REPO / "tests"))
-    from site_round_helpers import make_site_data
-    from test_audit import central_config
-
-    from fedpose.audit import audit_central
-
     root = make_site_data(Path(tempfile.mkdtemp(prefix="fedpose-false-alarm-")))
     config = central_config(root, mechanism=mechanism, target_epsilon=TARGET_EPSILON)
     return [float(audit_central(config).to_dict()["epsilon_lower"]) for _ in range(runs)]
@@ -81,8 +82,6 @@ def main() -> None:
     args = parser.parse_args()
 
     sigma = noise_multiplier_for(TARGET_EPSILON, SAMPLE_RATE, STEPS, DELTA, relation=REPLACE_ONE, accountant="pld")
-    from fedpose.privacy.accountant import epsilon_for
-
     claimed, _ = epsilon_for(sigma, SAMPLE_RATE, STEPS, DELTA, relation=REPLACE_ONE, accountant="pld")
     started = time.time()
     noise = SecureNoise()
@@ -107,7 +106,7 @@ def main() -> None:
         started = time.time()
         real = real_lower_bounds(args.real, args.mechanism)
         result["real"] = {**summary(real, claimed), "mechanism": args.mechanism, "seconds": round(time.time() - started, 1)}
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    atomic_write_json(args.out, result)
     print(json.dumps({key: result[key] for key in ("simulated", "real") if key in result}, indent=1))
 
 
