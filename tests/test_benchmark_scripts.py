@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fedpose.privacy.engine import build_engine
@@ -21,12 +22,18 @@ from fedpose.privacy.engine import build_engine
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 STEP_COST = BENCHMARKS / "step_cost" / "run.py"
 PUBLIC_BASE_BUILD = BENCHMARKS / "public_base" / "build.py"
+FEDERATED_UTILITY = BENCHMARKS / "federated_utility" / "run.py"
 
 
 def _load_step_cost():
-    spec = importlib.util.spec_from_file_location("step_cost_run", STEP_COST)
+    return _load(STEP_COST, "step_cost_run")
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve their annotations through the module's entry
     spec.loader.exec_module(module)
     return module
 
@@ -75,3 +82,42 @@ def test_public_base_build_refuses_an_unknown_placeholder_in_the_name_before_any
     assert done.returncode == 2
     assert "--name 'base-{steps}.pt'" in done.stderr and "only {backbone}" in done.stderr
     assert not (tmp_path / "work").exists()
+
+
+def test_federated_utility_scores_each_sites_own_model_from_what_it_was_sent_and_released(tmp_path):
+    """The sweep's ``score_local_models``: a site's own model at the end of a federated run is the global
+    model it was sent plus the Δ it released (post-processing of released values). One real round of
+    two sites through the coordinator's round loop: each own model is the site's saved release on top
+    of what it was sent, FedAvg's global model is their mean, and α 0 is the global model."""
+    from fedpose.federation.aggregation import load_array_checkpoint
+    from fedpose.federation.deployment import CoordinatorRunConfig
+    from fedpose.federation.global_model import load_global_model
+    from fedpose.federation.server.in_process import InProcessTransport
+    from fedpose.federation.server.rounds import RoundRunner
+    from site_round_helpers import INPUT_SIZE, make_site_data, site_config
+
+    sweep = _load(FEDERATED_UTILITY, "federated_utility_run")
+    data = make_site_data(tmp_path / "data")
+    one = site_config(data, tmp_path / "site-1")
+    two = one.model_copy(update={"site_id": "site-2", "state_dir": str(tmp_path / "site-2"),
+                                 "train": one.train.model_copy(update={"seed": 2})})
+    run = CoordinatorRunConfig.model_validate({"run_id": "r", "coordinator": {
+        "checkpoint_dir": str(tmp_path / "coordinator"), "data": {"input_size": list(INPUT_SIZE)}, "rounds": 1,
+        "min_sites": 2, "local_steps": 2, "model": {"backbone": "tiny_vit_test", "scenario": "biases_norms"}}})
+    recorder = sweep.LastRoundRecorder(InProcessTransport([one, two]))
+    RoundRunner(run, echo=lambda _: None).run_rounds(recorder)
+
+    final = load_global_model(tmp_path / "coordinator").model.state_dict()
+    assert sorted(recorder.last) == ["site-1", "site-2"]
+    own = {}
+    for site_id, (received, delta) in recorder.last.items():
+        released, meta = load_array_checkpoint(tmp_path / site_id / "released_update.npz")
+        assert meta["round"] == 1 and sorted(released) == sorted(delta)
+        own[site_id] = sweep.site_model_state(final, received, delta, 1.0)
+        for name in delta:
+            np.testing.assert_allclose(own[site_id][name].numpy() - received[name], released[name], atol=1e-6)
+        assert all(torch.equal(sweep.site_model_state(final, received, delta, 0.0)[name], final[name]) for name in final)
+    names = sorted(recorder.last["site-1"][1])
+    for name in names:  # two equally weighted sites under FedAvg (server step 1)
+        torch.testing.assert_close(final[name], (own["site-1"][name] + own["site-2"][name]) / 2, atol=1e-6, rtol=0)
+    assert any(not torch.allclose(own["site-1"][name], final[name]) for name in names)  # each site's own noise

@@ -26,6 +26,11 @@ the union):
   per unit, so the same σ over the same steps, with a 3× larger expected batch (one noise draw per
   step for all the data — what a trusted curator could do).
 * non-private ``federated`` and ``central``: the same with mechanism "none".
+* ``score_local_models`` (a probe, no run of its own): each private federated run also scores each
+  site's own model at the end of its last round — the global model it was sent plus the Δ it
+  released, what the site held when it replied — on the site's own test split, and the blends
+  (1 − α)·global + α·own of ``LOCAL_BLENDS`` (under FedAvg: w_R + α(Δ_i − Δ̄)). Both are released
+  values, so these models are post-processing: no privacy beyond the federated run's ε.
 
 Every run is saved when it finishes (``parts/<key>.json`` in the work dir), so an interrupted
 sweep resumes where it stopped (a run in which a site failed a round — out of GPU memory, say — is
@@ -158,6 +163,9 @@ class Settings(BaseModel):
     #: in-process sweep releases: the same results in about a third of the compute (a 10-site federated run with
     #: four images a patient: 17–19 min on one thread instead of 42–59)
     max_batch_units: int | None = None
+    #: also score each site's own model at the end of a private federated run (``local_model_scores``:
+    #: post-processing, no privacy cost; evaluation only — each federated run scores 2 × sites more models)
+    score_local_models: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +245,64 @@ def evaluate_splits(model: Any, splits: dict[str, Any], size: tuple[int, int]) -
     for name, (records, root) in splits.items():
         scores = evaluate(model, PoseDataset(records, root, input_size=size, train=False), batch_size=32)
         out[name] = {"pckh50": round(scores["Mean"], 2), "pckh10": round(scores["Mean@0.1"], 2), "samples": scores["samples"]}
+    return out
+
+
+#: α of the sites' own-model scores (``score_local_models``): (1 − α)·w_R + α·(the site's own model)
+LOCAL_BLENDS = (0.5, 1.0)
+
+
+class LastRoundRecorder:
+    """A transport that keeps, per site, the global arrays it was sent in its last round and the Δ it
+    released: the site's own model at the end of that round is their sum (``run_site_round``'s Δ is
+    its trained weights minus the weights it received)."""
+
+    def __init__(self, transport: Any):
+        self.transport = transport
+        self.last: dict[str, tuple[dict[str, np.ndarray], dict[str, np.ndarray]]] = {}
+
+    def node_ids(self) -> list[int]:
+        return self.transport.node_ids()
+
+    def secagg_exchange(self, messages: Any, timeout: float) -> Any:
+        return self.transport.secagg_exchange(messages, timeout)
+
+    def send_and_receive(self, requests: list[Any], timeout: float) -> list[Any]:
+        replies = self.transport.send_and_receive(requests, timeout)
+        sent = {request.node: request.global_arrays for request in requests}
+        for reply in replies:
+            if reply.reply is not None and reply.reply.status == "ok" and reply.update is not None:
+                received = {name: np.array(array, copy=True) for name, array in sent[reply.node].items()}
+                self.last[reply.reply.site_id] = (received, reply.update())
+        return replies
+
+
+def site_model_state(final: dict[str, Any], received: dict[str, np.ndarray], delta: dict[str, np.ndarray],
+                     alpha: float) -> dict[str, Any]:
+    """The state dict (1 − α)·w_R + α·(received + Δ) on the Δ's tensors, w_R (``final``) elsewhere: α 0 is
+    the final global model, α 1 the site's own model at the end of its last round."""
+    import torch
+
+    state = dict(final)
+    for name, step in delta.items():
+        own = torch.from_numpy(np.asarray(received[name] + step, dtype=np.float32))
+        state[name] = (1 - alpha) * final[name] + alpha * own
+    return state
+
+
+def local_model_scores(model: Any, last: dict[str, tuple[dict[str, np.ndarray], dict[str, np.ndarray]]],
+                       splits: dict[str, Any], size: tuple[int, int]) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
+    """α → site → scores of :func:`site_model_state` (each of ``LOCAL_BLENDS``) on the site's own test split
+    and the mixture. Under FedAvg with every site in the last round, the blend is w_R + α(Δ_i − Δ̄)."""
+    final = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    out: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    for alpha in LOCAL_BLENDS:
+        per_site = {}
+        for site_id, (received, delta) in sorted(last.items()):
+            model.load_state_dict(site_model_state(final, received, delta, alpha), strict=True)
+            per_site[site_id] = evaluate_splits(model, {k: splits[k] for k in (site_id, "mixture")}, size)
+        out[f"{alpha:g}"] = per_site
+    model.load_state_dict(final, strict=True)
     return out
 
 
@@ -390,8 +456,11 @@ def run_arm(settings: Settings, arm: Arm, data: Path, work: Path) -> dict[str, A
             "seed": arm.seed,
         }})
         lines: list[str] = []
-        RoundRunner(run, echo=lines.append).run_rounds(InProcessTransport(sites))
+        transport = LastRoundRecorder(InProcessTransport(sites))
+        RoundRunner(run, echo=lines.append).run_rounds(transport)
         model = load_global_model(arm_dir / "coordinator").model  # its moving average when ema_decay > 0
+        if settings.score_local_models and arm.kind == "federated" and arm.mechanism != "none" and settings.ema_decay == 0:
+            result["local_scores"] = local_model_scores(model, transport.last, splits, tuple(settings.size))
         history = load_history(arm_dir / "coordinator")
         initial = json.loads((arm_dir / "coordinator" / "report.json").read_text()).get("initial_pckh")
         last_sites = history[-1].sites if history else {}
@@ -537,8 +606,8 @@ def main() -> int:
 
 
 # -- results -------------------------------------------------------------------------------------------
-#: settings that say how fast and in how much memory a run goes, not what it computes
-HOW_RUN = frozenset({"threads", "chunk_size", "max_batch_units"})
+#: settings that say how fast and in how much memory a run goes, or what else it scores — not what it trains
+HOW_RUN = frozenset({"threads", "chunk_size", "max_batch_units", "score_local_models"})
 
 
 def settings_differ(theirs: dict[str, Any], ours: Settings, ignore: frozenset[str] = frozenset()) -> list[str]:
@@ -614,6 +683,9 @@ def summarize_probe(arms: list[Arm], work: Path) -> None:
         scores = part["scores"]
         own = [scores[s]["pckh50"] for s in scores if s.startswith("site-")]
         print(f"{key}: own splits {np.mean(own):.2f} mixture {scores['mixture']['pckh50']:.2f} curve {part.get('curve_mixture_pckh50')}")
+        for alpha, per_site in (part.get("local_scores") or {}).items():
+            print(f"  each site's last local model, α {alpha}: own splits "
+                  f"{np.mean([v[s]['pckh50'] for s, v in per_site.items()]):.2f}")
 
 
 def collect_probes(work: Path, out: Path) -> None:
@@ -633,6 +705,8 @@ def collect_probes(work: Path, out: Path) -> None:
             runs.append({"arm": part["key"], "mixture_pckh50": scores["mixture"]["pckh50"],
                          "own_splits_pckh50": {k: v["pckh50"] for k, v in scores.items() if k != "mixture"},
                          "curve_mixture_pckh50": [None if x is None else round(x, 2) for x in part.get("curve_mixture_pckh50") or []],
+                         "local_own_splits_pckh50": {alpha: {s: v[s]["pckh50"] for s, v in per_site.items()}
+                                                     for alpha, per_site in (part.get("local_scores") or {}).items()} or None,
                          "noise_multiplier": part.get("noise_multiplier"), "epsilon_spent": part.get("epsilon_spent"),
                          "wall_seconds": part["wall_seconds"], "load_before": part.get("load_before")})
         probes.append({"probe": directory.name, "changed_settings": changed, "runs": runs})
