@@ -272,8 +272,10 @@ class LastRoundRecorder:
         sent = {request.node: request.global_arrays for request in requests}
         for reply in replies:
             if reply.reply is not None and reply.reply.status == "ok" and reply.update is not None:
-                received = {name: np.array(array, copy=True) for name, array in sent[reply.node].items()}
-                self.last[reply.reply.site_id] = (received, reply.update())
+                delta = reply.update()
+                # a copy: a request holds the coordinator's live global state, which the aggregate updates
+                received = {name: np.array(sent[reply.node][name], copy=True) for name in delta}
+                self.last[reply.reply.site_id] = (received, delta)
         return replies
 
 
@@ -291,16 +293,16 @@ def site_model_state(final: dict[str, Any], received: dict[str, np.ndarray], del
 
 
 def local_model_scores(model: Any, last: dict[str, tuple[dict[str, np.ndarray], dict[str, np.ndarray]]],
-                       splits: dict[str, Any], size: tuple[int, int]) -> dict[str, dict[str, dict[str, dict[str, float]]]]:
-    """α → site → scores of :func:`site_model_state` (each of ``LOCAL_BLENDS``) on the site's own test split
-    and the mixture. Under FedAvg with every site in the last round, the blend is w_R + α(Δ_i − Δ̄)."""
+                       splits: dict[str, Any], size: tuple[int, int]) -> dict[str, dict[str, dict[str, float]]]:
+    """α → site → scores of :func:`site_model_state` (each of ``LOCAL_BLENDS``) on the site's own test split.
+    Under FedAvg (server step 1, equal weights) with every site in the last round, the blend is w_R + α(Δ_i − Δ̄)."""
     final = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
-    out: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+    out: dict[str, dict[str, dict[str, float]]] = {}
     for alpha in LOCAL_BLENDS:
         per_site = {}
         for site_id, (received, delta) in sorted(last.items()):
             model.load_state_dict(site_model_state(final, received, delta, alpha), strict=True)
-            per_site[site_id] = evaluate_splits(model, {k: splits[k] for k in (site_id, "mixture")}, size)
+            per_site[site_id] = evaluate_splits(model, {site_id: splits[site_id]}, size)[site_id]
         out[f"{alpha:g}"] = per_site
     model.load_state_dict(final, strict=True)
     return out
@@ -456,11 +458,14 @@ def run_arm(settings: Settings, arm: Arm, data: Path, work: Path) -> dict[str, A
             "seed": arm.seed,
         }})
         lines: list[str] = []
-        transport = LastRoundRecorder(InProcessTransport(sites))
-        RoundRunner(run, echo=lines.append).run_rounds(transport)
+        # the blends start from w_R: with ema_decay > 0 the saved model is the moving average instead
+        score_local = settings.score_local_models and arm.kind == "federated" and arm.mechanism != "none" and settings.ema_decay == 0
+        transport = InProcessTransport(sites)
+        recorder = LastRoundRecorder(transport) if score_local else None
+        RoundRunner(run, echo=lines.append).run_rounds(recorder or transport)
         model = load_global_model(arm_dir / "coordinator").model  # its moving average when ema_decay > 0
-        if settings.score_local_models and arm.kind == "federated" and arm.mechanism != "none" and settings.ema_decay == 0:
-            result["local_scores"] = local_model_scores(model, transport.last, splits, tuple(settings.size))
+        if recorder is not None:
+            result["local_scores"] = local_model_scores(model, recorder.last, splits, tuple(settings.size))
         history = load_history(arm_dir / "coordinator")
         initial = json.loads((arm_dir / "coordinator" / "report.json").read_text()).get("initial_pckh")
         last_sites = history[-1].sites if history else {}
@@ -685,7 +690,7 @@ def summarize_probe(arms: list[Arm], work: Path) -> None:
         print(f"{key}: own splits {np.mean(own):.2f} mixture {scores['mixture']['pckh50']:.2f} curve {part.get('curve_mixture_pckh50')}")
         for alpha, per_site in (part.get("local_scores") or {}).items():
             print(f"  each site's last local model, α {alpha}: own splits "
-                  f"{np.mean([v[s]['pckh50'] for s, v in per_site.items()]):.2f}")
+                  f"{np.mean([v['pckh50'] for v in per_site.values()]):.2f}")
 
 
 def collect_probes(work: Path, out: Path) -> None:
@@ -705,7 +710,7 @@ def collect_probes(work: Path, out: Path) -> None:
             runs.append({"arm": part["key"], "mixture_pckh50": scores["mixture"]["pckh50"],
                          "own_splits_pckh50": {k: v["pckh50"] for k, v in scores.items() if k != "mixture"},
                          "curve_mixture_pckh50": [None if x is None else round(x, 2) for x in part.get("curve_mixture_pckh50") or []],
-                         "local_own_splits_pckh50": {alpha: {s: v[s]["pckh50"] for s, v in per_site.items()}
+                         "local_own_splits_pckh50": {alpha: {s: v["pckh50"] for s, v in per_site.items()}
                                                      for alpha, per_site in (part.get("local_scores") or {}).items()} or None,
                          "noise_multiplier": part.get("noise_multiplier"), "epsilon_spent": part.get("epsilon_spent"),
                          "wall_seconds": part["wall_seconds"], "load_before": part.get("load_before")})
