@@ -15,11 +15,13 @@ from fedpose.privacy.accountant import PrivacyLedger, epsilon_for, noise_multipl
 from fedpose.privacy.accountants import (
     ACCOUNTANTS,
     ADD_REMOVE,
+    REPLACE_ONE,
     REPLACE_PUBLIC_MEMBERSHIP,
     Event,
     default_accountant,
     get_accountant,
 )
+from fedpose.privacy.accountants.base import effective
 from fedpose.privacy.accountants.pld import gaussian_delta, replace_public_membership_delta
 
 
@@ -57,6 +59,22 @@ def test_heterogeneous_events_compose_like_dp_accounting() -> None:
         ledger.step(sigma, q, steps)
     assert ledger.get_epsilon(1e-5)[0] == pytest.approx(google_pld_epsilon(history, 1e-5), rel=0.01)
 
+
+
+def test_rounds_of_one_sigma_and_q_are_composed_as_one_segment_with_the_same_epsilon() -> None:
+    # a budget holds one segment per round; the accountants merge those of equal (σ, q) (composition
+    # is commutative) and drop those that release nothing, keeping the first appearance's order
+    history = [(1.1, 0.02, 100), (0.9, 0.01, 300), (1.1, 0.02, 50), (0.9, 0.0, 40), (0.9, 0.01, 0)]
+    assert effective([Event(*e) for e in history]) == [Event(1.1, 0.02, 150), Event(0.9, 0.01, 300)]
+
+    demo_rounds = [(1.05, 64 / 480, 10)] * 8  # configs/demo.toml's site: 8 rounds of 10 steps
+    for relation in (ADD_REMOVE, REPLACE_ONE, REPLACE_PUBLIC_MEMBERSHIP):
+        for name in ("pld", "rdp"):
+            per_round = get_accountant(name).epsilon([Event(*e) for e in demo_rounds], relation, 1e-5)
+            assert per_round == get_accountant(name).epsilon([Event(1.05, 64 / 480, 80)], relation, 1e-5)
+    # and it is the ε dp-accounting composes round by round
+    per_round = get_accountant("pld").epsilon([Event(*e) for e in demo_rounds], ADD_REMOVE, 1e-5)
+    assert per_round == pytest.approx(google_pld_epsilon(demo_rounds, 1e-5), rel=1e-3)
 
 @pytest.mark.parametrize("sigma, steps", [(3.0, 7), (8.0, 40)])
 def test_visible_membership_pld_at_full_batch_is_the_gaussian_mechanism_with_sensitivity_2c(sigma, steps) -> None:

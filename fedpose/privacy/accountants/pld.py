@@ -28,6 +28,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from typing import Sequence
@@ -168,9 +169,15 @@ class PldAccountant:
     def epsilon(self, events: Sequence[Event], relation: str, delta: float) -> float:
         check_delta(delta)
         check_relation(relation)
-        events = effective(events)
-        if not events:
-            return 0.0
-        if any(e.noise_multiplier == 0 for e in events):
-            return math.inf
-        return _EPSILON[relation](events, delta)
+        return _epsilon(tuple(effective(events)), relation, delta)
+
+
+@functools.lru_cache(maxsize=256)
+def _epsilon(events: tuple[Event, ...], relation: str, delta: float) -> float:
+    """ε of merged events, remembered: a pure function of public values, which one site round asks
+    for several times (the guard's spent and planned ε, the reply's report, the round's log)."""
+    if not events:
+        return 0.0
+    if any(e.noise_multiplier == 0 for e in events):
+        return math.inf
+    return _EPSILON[relation](events, delta)
