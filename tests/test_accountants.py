@@ -67,7 +67,7 @@ def test_rounds_of_one_sigma_and_q_are_composed_as_one_segment_with_the_same_eps
     history = [(1.1, 0.02, 100), (0.9, 0.01, 300), (1.1, 0.02, 50), (0.9, 0.0, 40), (0.9, 0.01, 0)]
     assert effective([Event(*e) for e in history]) == [Event(1.1, 0.02, 150), Event(0.9, 0.01, 300)]
 
-    demo_rounds = [(1.05, 64 / 480, 10)] * 8  # configs/demo.toml's site: 8 rounds of 10 steps
+    demo_rounds = [(1.05, 64 / 480, 10)] * 8  # the one-image demo's site (to 2026-12-04): 8 rounds of 10 steps
     for relation in (ADD_REMOVE, REPLACE_ONE, REPLACE_PUBLIC_MEMBERSHIP):
         for name in ("pld", "rdp"):
             per_round = get_accountant(name).epsilon([Event(*e) for e in demo_rounds], relation, 1e-5)

@@ -300,8 +300,8 @@ def test_a_reader_without_a_unit_sees_the_states_own_unit(tmp_path):
 
 
 def test_the_demo_config_spends_what_the_readme_says(tmp_path):
-    """configs/demo.toml through the real guard: sites 1–2 spend all 8 rounds and stay within ε 8
-    per patient; site-3's own guard refuses round 5 (the README's main job shows that refusal)."""
+    """configs/demo.toml through the real guard: sites 1–2 spend both rounds and stay within ε 1
+    per patient; site-3's own guard (ε_max 0.8) refuses round 2 (the README's main job shows that refusal)."""
     from pathlib import Path
 
     from fedpose.cli.simulate import resolve_federation
@@ -323,9 +323,9 @@ def test_the_demo_config_spends_what_the_readme_says(tmp_path):
                 outcomes[site.site_id].append("refused")
                 break
         assert site.privacy.mechanism == "dpsgd" and budget.unit == "patient" and budget.guarantee == "DP"
-        assert budget.epsilon <= min(site.eps_max, 8.0)
-    assert outcomes["site-1"] == outcomes["site-2"] == ["spent"] * 8
-    assert outcomes["site-3"] == ["spent"] * 4 + ["refused"]
+        assert budget.epsilon <= min(site.eps_max, 1.0)
+    assert outcomes["site-1"] == outcomes["site-2"] == ["spent"] * 2
+    assert outcomes["site-3"] == ["spent", "refused"]
 
 
 # -- the journal of spends and what marks a state dir as a site's ----------------------------------------
