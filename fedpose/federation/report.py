@@ -276,10 +276,12 @@ def federation_figure(rounds: list[RoundRecord], initial_pckh: float | None = No
     fig, (ax_pckh, ax_eps) = plt.subplots(1, 2, figsize=(11, 4))
     evaluated = [(r.round, r.pckh) for r in rounds if r.pckh]
     xs = [x for x, _ in evaluated]
-    ax_pckh.plot(xs, [p["Mean"] for _, p in evaluated], marker="o", label="Mean")
-    ax_pckh.plot(xs, [p.get("Mean@0.1", float("nan")) for _, p in evaluated], marker=".", label="Mean@0.1")
-    if initial_pckh is not None:
+    means = [p["Mean"] for _, p in evaluated]
+    if initial_pckh is not None:  # round 0, as the console prints it: a short run is a curve, not a point
         ax_pckh.axhline(initial_pckh, color="gray", ls=":", label="initial model (no site data)")
+        xs, means = [0, *xs], [initial_pckh, *means]
+    ax_pckh.plot(xs, means, marker="o", label="Mean")
+    ax_pckh.plot([x for x, _ in evaluated], [p.get("Mean@0.1", float("nan")) for _, p in evaluated], marker=".", label="Mean@0.1")
     ax_pckh.set(title="global model, held-out split", xlabel="round", ylabel="PCKh (%)")
     ax_pckh.legend()
     sites = sorted({s for r in rounds for s in r.sites})
@@ -296,6 +298,7 @@ def federation_figure(rounds: list[RoundRecord], initial_pckh: float | None = No
         if budgets:  # the site's own ε_max, in its colour: where its guard refuses
             ax_eps.axhline(budgets[-1], color=line.get_color(), ls="--", lw=1, label=f"{site_id} ε_max = {budgets[-1]:g}")
     ax_eps.set(title="cumulative ε per site (as reported)", xlabel="round", ylabel="ε")
+    ax_eps.set_ylim(bottom=0)  # ε from 0: a zoomed axis makes a spend of 0.3 look like a budget's worth
     from matplotlib.ticker import MaxNLocator
 
     for ax in (ax_pckh, ax_eps):

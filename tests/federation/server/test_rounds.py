@@ -182,6 +182,9 @@ def test_curves_draw_each_sites_reported_eps_max() -> None:
     ax_eps = fig.axes[1]
     dashed = {line.get_label(): line.get_ydata()[0] for line in ax_eps.get_lines() if line.get_linestyle() == "--"}
     assert dashed == {"site-1 ε_max = 8": 8.0, "site-3 ε_max = 3": 3.0}
+    assert ax_eps.get_ylim()[0] == 0.0
+    mean = next(line for line in fig.axes[0].get_lines() if line.get_label() == "Mean")
+    assert list(mean.get_xdata()) == [0] and list(mean.get_ydata()) == [30.0]  # round 0 drawn; rounds 1–2 had no pckh
     plt.close(fig)
 
 
