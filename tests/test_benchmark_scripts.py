@@ -121,3 +121,16 @@ def test_federated_utility_scores_each_sites_own_model_from_what_it_was_sent_and
     for name in names:  # two equally weighted sites under FedAvg (server step 1)
         torch.testing.assert_close(final[name], (own["site-1"][name] + own["site-2"][name]) / 2, atol=1e-6, rtol=0)
     assert any(not torch.allclose(own["site-1"][name], final[name]) for name in names)  # each site's own noise
+
+
+def test_federated_utility_summary_reads_every_cell_it_names():
+    """summary.py lays the sweep's parts side by side; a renamed folder or a missing arm fails here,
+    not in a reader's hands."""
+    summary = _load(FEDERATED_UTILITY.parent / "summary.py", "federated_utility_summary")
+    rows = [summary.summarise(cell) for cell in summary.CELLS]
+    assert {(r["sites"], r["mechanism"], r["epsilon"]) for r in rows} >= {(10, "pdp", 2.0), (10, "pdp", 8.0), (3, "pdp", 8.0)}
+    for row in rows:
+        assert row["arms"]["federated"]["seeds"] >= 3, row["folder"]
+        assert row["public_only"] < row["nonprivate_reference"], row["folder"]
+        assert row["recovers_met"] == (row["recovers"] >= row["recovers_goal"])
+    assert "| 10 | tiny_vit_test | pdp | 2 |" in summary.markdown(rows)
