@@ -70,7 +70,7 @@ def test_one_step_bound_covers_the_exact_one_dimensional_divergence(skellam, var
 
 def test_calibrated_noise_meets_its_target_and_no_less_would(skellam):
     kwargs = dict(max_grad_norm=1.0, scale=4096.0, dimension=6576, sample_rate=16 / 120, steps=80)
-    sigma = skellam.noise_multiplier_for(8.0, 1e-5, **kwargs, tolerance=1e-3)
+    sigma = skellam.noise_multiplier_for(8.0, 1e-5, **kwargs, rel_tolerance=1e-3)
 
     def eps(s: float) -> float:
         event = skellam.SkellamEvent.rounded(s, kwargs["max_grad_norm"], kwargs["scale"], kwargs["dimension"],

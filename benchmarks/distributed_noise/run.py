@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
 import skellam  # noqa: E402  (the benchmark's own module, next to this file)
@@ -46,12 +47,30 @@ from fedpose.privacy.accountant import noise_multiplier_for  # noqa: E402
 SCALED_CLIP = 4096.0
 DELTA = 1e-5
 
-#: (name, sites, q, steps, trainable parameters, targets): the recipes whose noise is at stake
-SETTINGS = (
-    ("federated_utility, 10 sites (four images, 16 of 120 patients a step, 8 rounds × 10 steps)", 10, 16 / 120, 80, 6576, (2.0, 8.0)),
-    ("federated_utility, 3 sites (the same recipe)", 3, 16 / 120, 80, 6576, (2.0, 8.0)),
-    ("main job, configs/demo.toml (64 of 480 patients a step, 2 rounds × 10 steps)", 3, 64 / 480, 20, 6576, (1.0,)),
-)
+#: trainable parameters of the federated_utility benchmark's set (tiny_vit_test, biases_norms)
+BENCHMARK_DIMENSION = 6576
+
+
+def settings() -> list[tuple[str, int, float, int, int, tuple[float, ...]]]:
+    """(name, sites, q, steps, trainable parameters, targets): the benchmark's recipes, and the main
+    job's read from configs/demo.toml (as benchmarks/accountants does), its trainable set counted on
+    the model it builds."""
+    from fedpose.cli.simulate import resolve_federation
+    from fedpose.model import build_model
+
+    federation, _, _ = resolve_federation(ROOT / "configs" / "demo.toml", [])
+    site, coordinator = federation.sites[0], federation.coordinator
+    model = build_model(coordinator.model.model_copy(update={"init_checkpoint": ROOT / coordinator.model.init_checkpoint}),
+                        tuple(coordinator.data.input_size))
+    demo_dimension = sum(p.numel() for p in model.trainable_parameters().values())
+    demo_steps = coordinator.rounds * site.local_steps
+    return [
+        ("federated_utility, 10 sites (four images, 16 of 120 patients a step, 8 rounds × 10 steps)", 10, 16 / 120, 80,
+         BENCHMARK_DIMENSION, (2.0, 8.0)),
+        ("federated_utility, 3 sites (the same recipe)", 3, 16 / 120, 80, BENCHMARK_DIMENSION, (2.0, 8.0)),
+        (f"main job, configs/demo.toml ({coordinator.model.backbone}, q {site.privacy.sample_rate:.4g}, {demo_steps} steps)",
+         len(federation.sites), site.privacy.sample_rate, demo_steps, demo_dimension, (1.0,)),
+    ]
 
 
 def row(name: str, sites: int, sample_rate: float, steps: int, dimension: int, target: float) -> dict:
@@ -59,19 +78,18 @@ def row(name: str, sites: int, sample_rate: float, steps: int, dimension: int, t
     gaussian_rdp = noise_multiplier_for(target, sample_rate, steps, DELTA, rel_tolerance=1e-4, accountant="rdp")
     total = skellam.noise_multiplier_for(target, DELTA, max_grad_norm=1.0, scale=SCALED_CLIP, dimension=dimension,
                                          sample_rate=sample_rate, steps=steps)
-    out = {"setting": name, "sites": sites, "sample_rate": sample_rate, "steps": steps, "dimension": dimension,
-           "target_epsilon": target, "sigma_local_pld": round(local, 4), "sigma_skellam_rdp": round(total, 4),
-           "sigma_gaussian_rdp": round(gaussian_rdp, 4),
-           "skellam_over_local": round(total / local, 3),
-           "mean_noise_vs_today": {"central_gaussian": round(1 / math.sqrt(sites), 3),
-                                   "skellam_at_gaussian_rdp_limit": round(gaussian_rdp / (local * math.sqrt(sites)), 3)},
-           "epsilon_alone": {}}
-    for honest in sorted({sites, math.ceil(sites / 2)}, reverse=True):
-        out["mean_noise_vs_today"][f"skellam_h{honest}"] = round(total / (local * math.sqrt(honest)), 3)
-        event = skellam.SkellamEvent.rounded(total, 1.0, SCALED_CLIP, dimension, sample_rate, steps)
+    event = skellam.SkellamEvent.rounded(total, 1.0, SCALED_CLIP, dimension, sample_rate, steps)
+    shares = []
+    for honest in sorted({sites, math.ceil(sites / 2)}, reverse=True):  # h = n first
         share = skellam.SkellamEvent(event.variance / honest, event.l2_sensitivity, event.l1_sensitivity, sample_rate, steps)
-        out["epsilon_alone"][f"h{honest}"] = round(skellam.epsilon([share], DELTA), 2)
-    return out
+        shares.append({"honest_sites": honest, "mean_noise_vs_today": round(total / (local * math.sqrt(honest)), 3),
+                       "epsilon_alone": round(skellam.epsilon([share], DELTA), 2)})
+    return {"setting": name, "sites": sites, "sample_rate": sample_rate, "steps": steps, "dimension": dimension,
+            "target_epsilon": target, "sigma_local_pld": round(local, 4), "sigma_skellam_rdp": round(total, 4),
+            "sigma_gaussian_rdp": round(gaussian_rdp, 4), "skellam_over_local": round(total / local, 3),
+            "mean_noise_vs_today": {"central_gaussian": round(1 / math.sqrt(sites), 3),
+                                    "skellam_at_gaussian_rdp_limit": round(gaussian_rdp / (local * math.sqrt(sites)), 3)},
+            "skellam_shares": shares}
 
 
 def markdown(result: dict) -> str:
@@ -82,13 +100,11 @@ def markdown(result: dict) -> str:
              "noise: Skellam, h = ⌈n/2⌉ | noise: Gaussian-RDP limit, h = n | ε of a site's own share, h = n / ⌈n/2⌉ |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        noise = r["mean_noise_vs_today"]
-        h = sorted((k for k in noise if k.startswith("skellam_h")), key=lambda k: -int(k[len("skellam_h"):]))
-        half = noise[h[1]] if len(h) > 1 else noise[h[0]]
-        alone = " / ".join(str(v) for v in r["epsilon_alone"].values())
+        noise, all_sites, half = r["mean_noise_vs_today"], r["skellam_shares"][0], r["skellam_shares"][-1]
         lines.append(f"| {r['setting']} | {r['target_epsilon']:g} | {r['sigma_local_pld']} | {r['sigma_skellam_rdp']} | "
-                     f"{r['skellam_over_local']} | {noise['central_gaussian']} | {noise[h[0]]} | {half} | "
-                     f"{noise['skellam_at_gaussian_rdp_limit']} | {alone} |")
+                     f"{r['skellam_over_local']} | {noise['central_gaussian']} | {all_sites['mean_noise_vs_today']} | "
+                     f"{half['mean_noise_vs_today']} | {noise['skellam_at_gaussian_rdp_limit']} | "
+                     f"{all_sites['epsilon_alone']} / {half['epsilon_alone']} |")
     lines += ["", f"Conditions: {json.dumps(result['conditions'])}", ""]
     return "\n".join(lines)
 
@@ -98,7 +114,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE)
     args = parser.parse_args()
     start = time.time()
-    rows = [row(name, sites, q, steps, d, target) for name, sites, q, steps, d, targets in SETTINGS for target in targets]
+    rows = [row(name, sites, q, steps, d, target) for name, sites, q, steps, d, targets in settings() for target in targets]
     result = {"rows": rows, "conditions": {
         "scaled_clip": SCALED_CLIP, "delta": DELTA, "skellam_orders": [min(skellam.ORDERS), max(skellam.ORDERS)],
         "local_accountant": "pld (dp-accounting), what ships", "skellam_accountant":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -54,6 +55,7 @@ CELLS = (
 )
 
 
+@cache  # several cells read the same folder (the 10-site yardstick: five of them)
 def _table(folder: str) -> list[dict]:
     return json.loads((HERE / folder / "results.json").read_text())["table"]
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -55,7 +55,7 @@ from fedpose.privacy.accountants.rdp import (
 __all__ = [
     "ADD_REMOVE", "REPLACE_ONE", "REPLACE_PUBLIC_MEMBERSHIP", "RELATIONS", "DEFAULT_ORDERS", "MAX_NOISE_MULTIPLIER", "PrivacyLedger",
     "RDPAccountant", "add_remove_rdp", "replace_public_membership_rdp", "rdp_to_epsilon", "epsilon_for",
-    "noise_multiplier_for", "default_accountant",
+    "noise_multiplier_for", "smallest_noise_multiplier", "default_accountant",
 ]
 
 #: σ above which calibration gives up (ε would need an absurd amount of noise).
@@ -231,12 +231,28 @@ def noise_multiplier_for(
         low = 0.8 * high
         while eps(low) <= target_epsilon:  # tight accountants save ~4–15 % of σ in practice
             high, low = low, 0.8 * low
+    return smallest_noise_multiplier(eps, target_epsilon, low, high, rel_tolerance, max_noise_multiplier,
+                                     f" at sample rate {sample_rate}, {steps} steps, δ = {delta}")
+
+
+def smallest_noise_multiplier(
+    eps: Callable[[float], float],
+    target_epsilon: float,
+    low: float = 0.0,
+    high: float = 1.0,
+    rel_tolerance: float = 0.005,
+    max_noise_multiplier: float = MAX_NOISE_MULTIPLIER,
+    where: str = "",
+) -> float:
+    """Smallest σ (to ``rel_tolerance``) with ``eps(σ) ≤ target_epsilon``, for any ε decreasing in σ:
+    ``high`` doubles until it suffices, then bisection from [``low``, ``high``]. ``where`` ends the
+    "unreachable" message (the setting that could not reach the target)."""
     while eps(high) > target_epsilon:
         low, high = high, high * 2
         if high > max_noise_multiplier:
             raise ValueError(
-                f"target ε = {target_epsilon} is unreachable at sample rate {sample_rate}, {steps} steps, "
-                f"δ = {delta}: it would need a noise multiplier above {max_noise_multiplier:g}"
+                f"target ε = {target_epsilon} is unreachable{where}: it would need a noise multiplier above "
+                f"{max_noise_multiplier:g}"
             )
     # Invariant: eps(high) <= target; eps(low) > target (or low == 0, which has ε = ∞).
     while high - low > rel_tolerance * high:
