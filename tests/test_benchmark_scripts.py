@@ -134,3 +134,27 @@ def test_federated_utility_summary_reads_every_cell_it_names():
         assert row["public_only"] < row["nonprivate_reference"], row["folder"]
         assert row["recovers_met"] == (row["recovers"] >= row["recovers_goal"])
     assert "| 10 | tiny_vit_test | pdp | 2 |" in summary.markdown(rows)
+
+
+def test_main_job_grid_reproduces_the_main_jobs_recipe_and_pairs_variants_by_data_seed():
+    """The grid's 'shipped' variant is configs/demo.toml's recipe (its σ recalibrated from the demo's
+    ε lands on the demo's σ), and a variant is compared with the shipped runs of the same data seed."""
+    sys.path.insert(0, str(FEDERATED_UTILITY.parent))  # the grid imports run.py as its neighbour
+    grid = _load(FEDERATED_UTILITY.parent / "main_job_grid.py", "main_job_grid")
+    run = _load(FEDERATED_UTILITY, "run")
+    settings = run.Settings.model_validate(grid.demo_settings(7))
+    demo = grid.tomllib.loads((grid.REPO / "configs" / "demo.toml").read_text())
+    privacy = demo["sites"][0]["privacy"]
+    assert run.sample_rate_of(settings) == privacy["sample_rate"]
+    sigma = run.noise_multiplier(settings, settings.mechanisms[0], settings.epsilons[0], run.sample_rate_of(settings))
+    assert abs(sigma - privacy["noise_multiplier"]) <= 0.005 * privacy["noise_multiplier"]
+    assert all(name == "shipped" or changes for name, changes in grid.VARIANTS.items())
+
+    def result(variant: str, seed: int, gain: float) -> dict:
+        return {"variant": variant, "data_seed": seed, "gain": gain}
+
+    summary = grid.summarize([result("shipped", 7, 6.0), result("shipped", 7, 7.0), result("shipped", 9, 4.0),
+                              result("lr0.2", 7, 7.5), result("lr0.2", 9, 3.0)])
+    assert summary["lr0.2"]["minus_shipped_paired"] == round(((7.5 - 6.5) + (3.0 - 4.0)) / 2, 2)
+    assert summary["shipped"] == {"runs": 3, "gains_by_data_seed": {7: [6.0, 7.0], 9: [4.0]}, "mean_gain": 5.67,
+                                  "minus_shipped_paired": 0.0}

@@ -1,0 +1,189 @@
+"""Tuning grid for the main job's recipe (configs/demo.toml), many variants side by side on one GPU.
+
+    python benchmarks/federated_utility/main_job_grid.py --out DIR [--jobs 14] [--data-seeds 7 8 9] [--only NAME ...]
+
+Every variant is the main job's recipe, read from ``configs/demo.toml`` (backbone, trainable set, public
+base, patients a step, rounds × local steps, ε, the sites' optimizer, images per patient, the data
+sizes), with a few settings changed (``VARIANTS``), trained as ``run.py``'s federated arm: the real
+coordinator round loop and site round, in process (``run.run_arm``). Tuning data only (generator
+seeds 7, 8, 9 by default, never the reported seed 0); DP noise is fresh CSPRNG noise in every run.
+
+Two differences from ``fedpose simulate --config configs/demo.toml``, the same for every variant:
+the transport is in-process (no Flower messaging), and every site's ε_max is the run's ε, so site 3
+trains round 2 as well (the demo's site 3, ε_max 0.8, refuses it). A variant that wins here is
+checked with ``fedpose simulate`` on the same tuning seeds on the CPU before it is adopted.
+
+Each finished run is written to ``DIR/main_job_grid.json`` at once, so a run cut short keeps what
+finished. ``--summarize A.json B.json … --out DIR`` merges such files and adds, per variant, its mean
+gain and its difference from the shipped recipe paired by data seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+#: name → the settings (``run.Settings`` fields) it changes from the main job's recipe, in the order run
+VARIANTS: dict[str, dict[str, Any]] = {
+    "shipped": {},
+    "lr0.2": {"site_lr": 0.2},
+    "lr0.3": {"site_lr": 0.3},
+    "lr0.05": {"site_lr": 0.05},
+    "ceiling-eps50": {"epsilons": [50.0]},  # diagnostic: what the recipe gains with little noise (σ ≈ 0.2)
+    # run.py's default site_lr_at steps dpsgd at ε 2 with 0.03 (its 3-site tuning): said here, as it ran
+    "eps2-lr0.03": {"epsilons": [2.0], "site_lr_at": {"dpsgd@2": 0.03}},
+    "server-lr2": {"server_lr": 2.0},
+    "momentum0-lr0.5": {"site_momentum": 0.0, "site_lr": 0.5},
+    "rotation60": {"site_rotation_clip": 2.0},
+    "adamw-lr1e-3": {"site_optimizer": "adamw", "site_lr": 1e-3},
+    "adamw-lr3e-3": {"site_optimizer": "adamw", "site_lr": 3e-3},
+    "norms_head": {"scenario": "norms_head"},
+    "steps10": {"local_steps": 10},  # 2 × 10 steps, σ for the same ε: 25 % more compute
+    "lr0.15": {"site_lr": 0.15},
+    "lora": {"scenario": "lora"},  # rank-8 adapters on the last stage + LayerNorms + head
+}
+
+
+def demo_settings(data_seed: int) -> dict[str, Any]:
+    """run.Settings fields that reproduce configs/demo.toml (its first site's optimizer and privacy)."""
+    demo = tomllib.loads((REPO / "configs" / "demo.toml").read_text())
+    coordinator, site, synthetic = demo["coordinator"], demo["sites"][0], demo["synthetic"]
+    privacy = site["privacy"]
+    return {
+        "size": synthetic["size"], "sites": len(demo["sites"]), "per_site": synthetic["per_site"], "public": 0,
+        "test": synthetic["test"], "data_seed": data_seed,
+        "backbone": coordinator["model"]["backbone"], "scenario": coordinator["model"]["scenario"],
+        "init_checkpoint": coordinator["model"]["init_checkpoint"],
+        "batch_size": site["train"]["batch_size"], "rounds": coordinator["rounds"], "local_steps": site["local_steps"],
+        "site_lr": site["optim"]["lr"], "site_momentum": site["optim"]["momentum"], "site_optimizer": site["optim"]["name"],
+        "max_grad_norm": privacy["max_grad_norm"], "delta": privacy["delta"], "unit": privacy["unit"],
+        "max_records_per_unit": privacy["max_records_per_unit"], "mechanisms": [privacy["mechanism"]],
+        "epsilons": [round(demo_epsilon(privacy, coordinator["rounds"] * site["local_steps"]), 2)],
+        "site_basis_refresh_steps": None, "seeds": [0], "nonprivate": False, "threads": 1, "chunk_size": 128,
+    }
+
+
+def demo_epsilon(privacy: dict[str, Any], steps: int) -> float:
+    from fedpose.privacy.accountant import epsilon_for
+
+    return epsilon_for(privacy["noise_multiplier"], privacy["sample_rate"], steps, privacy["delta"], accountant="pld")[0]
+
+
+def run_one(variant: str, data_seed: int, scratch: Path, overrides: dict[str, Any], repeat: int = 0) -> dict[str, Any]:
+    import run
+
+    settings = run.Settings.model_validate({**demo_settings(data_seed), **overrides, **VARIANTS[variant]})
+    data = run.ensure_data(settings, scratch / f"data-{data_seed}")
+    # repeat r is run seed r (coordinator.seed r, site k's train.seed 100·r + k), as the README's seeds 0, 1, 2
+    arm = run.Arm(seed=repeat, mechanism=settings.mechanisms[0], epsilon=settings.epsilons[0], kind="federated")
+    result = run.run_arm(settings, arm, data, scratch / f"work-{variant}-{data_seed}-{repeat}")
+    curve = result["curve_mixture_pckh50"]
+    return {"variant": variant, "data_seed": data_seed, "repeat": repeat, "changes": VARIANTS[variant], "curve": curve, "final": curve[-1],
+            "gain": round(curve[-1] - curve[0], 2), "noise_multiplier": result["noise_multiplier"],
+            "epsilon_spent": result["epsilon_spent"], "site_rounds": result["site_rounds"],
+            "wall_seconds": result["wall_seconds"], "device": result["device"], "torch": result["torch"]}
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per variant: its runs' gains per data seed, their mean, and the mean over data seeds of
+    (variant's mean − shipped's mean on that seed)."""
+    import numpy as np
+
+    def gains(variant: str) -> dict[int, list[float]]:
+        out: dict[int, list[float]] = {}
+        for r in results:
+            if r["variant"] == variant:
+                out.setdefault(r["data_seed"], []).append(r["gain"])
+        return dict(sorted(out.items()))
+
+    shipped = gains("shipped")
+    summary = {}
+    for variant in dict.fromkeys(r["variant"] for r in results):
+        mine = gains(variant)
+        paired = [float(np.mean(g) - np.mean(shipped[s])) for s, g in mine.items() if s in shipped]
+        summary[variant] = {"runs": sum(map(len, mine.values())), "gains_by_data_seed": mine,
+                            "mean_gain": round(float(np.mean([x for g in mine.values() for x in g])), 2),
+                            "minus_shipped_paired": round(float(np.mean(paired)), 2) if paired else None}
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--summarize", type=Path, nargs="+", metavar="JSON", help="merge these outputs into DIR, then exit")
+    parser.add_argument("--scratch", type=Path, default=Path("/tmp/fedpose_main_job_grid"))
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--data-seeds", type=int, nargs="+", default=[7, 8, 9])
+    parser.add_argument("--only", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each variant on each data seed: run seeds 0, 1, …")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=JSON",
+                        help="change a setting of every variant (a smoke test: --set backbone=tiny_vit_test ...)")
+    parser.add_argument("--one", nargs=3, metavar=("VARIANT", "DATA_SEED", "REPEAT"), help=argparse.SUPPRESS)  # a worker
+    args = parser.parse_args()
+    os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    overrides = {key: json.loads(value) for key, value in (o.split("=", 1) for o in args.overrides)}
+    if args.summarize:
+        merged = [json.loads(path.read_text()) for path in args.summarize]
+        results = [r for m in merged for r in m["results"]]
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "main_job_grid.json").write_text(json.dumps({
+            **{k: v for k, v in merged[0].items() if k != "results"}, "summary": summarize(results), "results": results}, indent=1))
+        return 0
+    if args.one:
+        result = run_one(args.one[0], int(args.one[1]), args.scratch, overrides, int(args.one[2]))
+        print("RESULT " + json.dumps(result), flush=True)
+        return 0
+
+    started = time.time()
+    # the data first, one process per generator seed, so the runs only read it
+    generators = [subprocess.Popen([sys.executable, "-c", (
+        f"import sys; sys.path.insert(0, {str(HERE)!r}); import run, main_job_grid as g; "
+        f"run.ensure_data(run.Settings.model_validate({{**g.demo_settings({seed}), **{overrides!r}}}), __import__('pathlib').Path({str(args.scratch / f'data-{seed}')!r}))")])
+        for seed in args.data_seeds]
+    if any(g.wait() for g in generators):
+        raise SystemExit("data generation failed")
+    print(f"[{time.time() - started:.0f} s] data ready", flush=True)
+
+    pending = [(v, s, r) for r in range(args.repeats) for v in args.only for s in args.data_seeds]
+    running: dict[tuple[str, int, int], subprocess.Popen[str]] = {}
+    results: list[dict[str, Any]] = []
+    args.out.mkdir(parents=True, exist_ok=True)
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            variant, seed, repeat = pending.pop(0)
+            running[(variant, seed, repeat)] = subprocess.Popen(
+                [sys.executable, __file__, "--out", str(args.out), "--scratch", str(args.scratch), "--one", variant, str(seed), str(repeat),
+                 *sum((["--set", o] for o in args.overrides), [])],
+                stdout=subprocess.PIPE, text=True)
+        time.sleep(2)
+        for key, process in list(running.items()):
+            if process.poll() is None:
+                continue
+            del running[key]
+            lines = [line for line in (process.stdout.read() if process.stdout else "").splitlines() if line.startswith("RESULT ")]
+            if process.returncode or not lines:
+                print(f"[{time.time() - started:.0f} s] {key}: FAILED (exit {process.returncode})", flush=True)
+                continue
+            result = json.loads(lines[-1][len("RESULT "):])
+            results.append(result)
+            print(f"[{time.time() - started:.0f} s] {key}: curve {result['curve']} gain {result['gain']} ({result['wall_seconds']} s)", flush=True)
+            (args.out / "main_job_grid.json").write_text(json.dumps({
+                "what": __doc__.split("\n\n")[0].strip(), "settings_of_shipped": {**demo_settings(args.data_seeds[0]), **overrides},
+                "jobs": args.jobs, "cpu_cores": os.cpu_count(), "results": results}, indent=1))
+    print(f"done in {time.time() - started:.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
