@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from fedpose.cli import main
 from fedpose.data.synthetic import generate_dataset
@@ -375,3 +376,43 @@ def test_old_pt_exports_stay_readable_and_a_foreign_safetensors_file_is_named(
     damaged.write_bytes((old / "model.safetensors").read_bytes()[:100])
     assert main(["eval", "--checkpoint", str(damaged), "--data", test_set]) == 2
     assert f"{damaged}: not a readable safetensors file" in capsys.readouterr().err
+
+
+def test_a_float16_export_stores_half_the_bytes_and_its_card_scores_the_published_weights(
+        central_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--dtype float16: every floating tensor is stored as float16 (integer buffers unchanged), the
+    file is about half the float32 export, and the model card's score is what `fedpose eval` gets
+    from the file — the rounded weights, not the float32 ones they came from."""
+    from safetensors import safe_open
+
+    test_set = central_run.parent / "synth" / "test"
+    full, half = tmp_path / "full", tmp_path / "half"
+    assert main(["export", str(central_run), "--out", str(full)]) == 0
+    assert main(["export", str(central_run), "--out", str(half), "--dtype", "float16", "--eval-data", str(test_set),
+                 "--eval-name", "the synthetic test split (public)"]) == 0
+    capsys.readouterr()
+    with safe_open(str(full / "model.safetensors"), framework="pt") as f32, safe_open(str(half / "model.safetensors"), framework="pt") as f16:
+        assert set(f32.keys()) == set(f16.keys())
+        for key in f32.keys():
+            original, stored = f32.get_tensor(key), f16.get_tensor(key)
+            assert stored.dtype == (torch.float16 if original.is_floating_point() else original.dtype), key
+            assert torch.equal(stored, original.to(stored.dtype)), key
+    assert (half / "model.safetensors").stat().st_size < 0.55 * (full / "model.safetensors").stat().st_size
+    card = (half / "MODEL_CARD.md").read_text()
+    assert "weights stored as float16" in card and "weights stored as float16" not in (full / "MODEL_CARD.md").read_text()
+    assert main(["eval", "--checkpoint", str(half), "--data", str(test_set), "--json", "--device", "cpu"]) == 0
+    mean = json.loads(capsys.readouterr().out)["Mean"]
+    assert (f"| {mean:.2f} |" if mean == mean else "| n/a |") in card
+
+
+def test_a_float16_export_refuses_a_weight_beyond_float16s_range_and_writes_nothing(
+        central_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _copy_run(central_run, tmp_path)
+    checkpoint = torch.load(run / "checkpoints" / "last.pt", weights_only=False)
+    key = next(k for k, v in checkpoint["model"].items() if v.is_floating_point())
+    checkpoint["model"][key].view(-1)[0] = 1e6
+    torch.save(checkpoint, run / "checkpoints" / "last.pt")
+    assert main(["export", str(run), "--out", str(tmp_path / "x"), "--dtype", "float16"]) != 0
+    error = capsys.readouterr().err
+    assert key in error and "float16" in error and "float32" in error
+    assert not (tmp_path / "x").exists()

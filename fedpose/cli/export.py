@@ -3,6 +3,7 @@
     fedpose export runs/train --out release/                         # central run (checkpoints/last.pt)
     fedpose export runs/train/checkpoints/best.pt --out release/     # one checkpoint file
     fedpose export runs/demo/coordinator --out release/              # federation (global.npz + the ledger)
+    fedpose export runs/demo/coordinator --out release/ --dtype float16   # the same, weights in half the bytes
 
 What a run directory holds, and who may see it:
 
@@ -94,6 +95,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--eval-data", type=Path, default=None,
                         help="score the exported model (PCKh) on this dataset for the model card; use a public test set "
                              "(a score on private data is a release no guarantee covers)")
+    parser.add_argument("--dtype", choices=("float32", "float16"), default="float32",
+                        help="how the weights are stored: float16 halves the file; the model card's score (--eval-data) "
+                             "is then of the rounded weights, as published")
     parser.add_argument("--eval-name", default="the evaluation set given at export",
                         help="how the model card names --eval-data (never its path), e.g. 'MPII validation (public)'")
     parser.set_defaults(handler=run)
@@ -120,8 +124,16 @@ def run(args: argparse.Namespace) -> int:
                         f"nor a coordinator dir ({GLOBAL_CHECKPOINT})")
     if args.eval_data is not None and not args.eval_data.exists():
         raise UserError(f"export: --eval-data {args.eval_data} does not exist")
+    half = args.dtype == "float16"
+    if half:  # round first: the card scores, and eval later reads, exactly the weights published
+        from fedpose.model.checkpoint import half_precision_state
+
+        try:
+            model.load_state_dict(half_precision_state(model))
+        except ValueError as exc:
+            raise UserError(f"export --dtype float16: {source}: {exc}") from None
     evaluation = _evaluate(model, args.eval_data, args.eval_name) if args.eval_data is not None else None
-    return _write(args.out, model, _withhold_machine_local(_withhold_seeds(report)), evaluation)
+    return _write(args.out, model, _withhold_machine_local(_withhold_seeds(report)), evaluation, half)
 
 
 def _central(run_dir: Path, path: Path) -> tuple[Any, dict[str, Any]]:
@@ -289,7 +301,7 @@ def _evaluate(model: Any, data: Path, name: str) -> dict[str, Any]:
     return {"name": name, **scores}
 
 
-def model_card(model: Any, report: dict[str, Any], evaluation: dict[str, Any] | None) -> str:
+def model_card(model: Any, report: dict[str, Any], evaluation: dict[str, Any] | None, half: bool = False) -> str:
     """``MODEL_CARD.md``: what a hospital receiving the model needs to judge it. Built from the
     model spec, the publishable report and the operator's evaluation only; every ε with its
     guarantee, δ, unit and accountant (``epsilon_text``)."""
@@ -308,7 +320,8 @@ def model_card(model: Any, report: dict[str, Any], evaluation: dict[str, Any] | 
              f"{spec.label_sigma:g}{f', hidden {spec.head_hidden}' if spec.head_hidden else ''}), {parameters:,} parameters",
              f"- input: one person crop of {spec.input_size[1]}×{spec.input_size[0]} pixels (width × height); output: "
              f"{len(JOINT_NAMES)} joints ({', '.join(JOINT_NAMES)}) with a confidence each",
-             f"- file: `{MODEL_FILE}` (safetensors: tensors and a metadata map, no pickle; the model spec is in its metadata). "
+             f"- file: `{MODEL_FILE}` (safetensors: tensors and a metadata map, no pickle; the model spec is in its metadata"
+             f"{'; weights stored as float16' if half else ''}). "
              "Read by `fedpose eval --checkpoint DIR` and `fedpose predict --checkpoint DIR`.", "",
              "## Training data and privacy guarantees", ""]
     if report.get("source") == "federation":
@@ -352,7 +365,7 @@ def model_card(model: Any, report: dict[str, Any], evaluation: dict[str, Any] | 
     return "\n".join(lines) + "\n"
 
 
-def _write(out: Path, model: Any, report: dict[str, Any], evaluation: dict[str, Any] | None = None) -> int:
+def _write(out: Path, model: Any, report: dict[str, Any], evaluation: dict[str, Any] | None = None, half: bool = False) -> int:
     from fedpose.io import atomic_write_json, atomic_write_text
     from fedpose.model.checkpoint import save_safetensors
     from fedpose.privacy.report import describe
@@ -362,9 +375,9 @@ def _write(out: Path, model: Any, report: dict[str, Any], evaluation: dict[str, 
     if out.exists() and (not out.is_dir() or any(p.name not in known for p in out.iterdir())):
         raise UserError(f"export: {out} exists and holds other files; the export goes to a new directory (or replaces an earlier export)")
     out.mkdir(parents=True, exist_ok=True)
-    save_safetensors(out / MODEL_FILE, model)
+    save_safetensors(out / MODEL_FILE, model, half=half)
     (out / LEGACY_MODEL_FILE).unlink(missing_ok=True)  # an earlier export's pickle checkpoint: not beside the new model
-    atomic_write_text(out / CARD_FILE, _withhold_machine_local(model_card(model, report, evaluation)))
+    atomic_write_text(out / CARD_FILE, _withhold_machine_local(model_card(model, report, evaluation, half)))
     atomic_write_json(out / REPORT_FILE, report)
     if report.get("source") == "federation":
         lines = [f"federated run {report.get('run_id')}: {report['guarantee_statement']}"]

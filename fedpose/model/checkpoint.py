@@ -145,16 +145,38 @@ def save_weights_only(path: str | Path, model: nn.Module, extra: dict[str, Any] 
     return path
 
 
-def save_safetensors(path: str | Path, model: nn.Module, metadata: dict[str, str] | None = None) -> Path:
+#: the largest magnitude float16 holds; a weight beyond it would be stored as ±inf
+FLOAT16_MAX = float(torch.finfo(torch.float16).max)
+
+
+def half_precision_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state with every floating tensor rounded to float16 (integer buffers as they are).
+    Refuses, naming the tensor, a model with a finite value beyond float16's range (it would become ±inf)."""
+    state = {}
+    for key, value in model.state_dict().items():
+        if value.is_floating_point():
+            beyond = value.isfinite() & (value.abs() > FLOAT16_MAX)
+            if bool(beyond.any()):
+                raise ValueError(f"{key}: {int(beyond.sum())} value(s) beyond float16's range (±{FLOAT16_MAX:g}, largest "
+                                 f"{float(value[beyond].abs().max()):.6g}); keep float32")
+            value = value.to(torch.float16)
+        state[key] = value
+    return state
+
+
+def save_safetensors(path: str | Path, model: nn.Module, metadata: dict[str, str] | None = None, half: bool = False) -> Path:
     """The architecture (model spec, in the metadata) and weights of ``model`` as safetensors,
     written atomically: no optimizer, config, metrics, step or RNG state (they carry statistics of
-    the training data or the run's seed), and no pickle. ``metadata``: further public strings."""
+    the training data or the run's seed), and no pickle. ``metadata``: further public strings.
+    ``half``: floating tensors stored as float16 (:func:`half_precision_state`; half the size; read
+    back into a float32 model)."""
     import json
 
     from safetensors.torch import save
 
+    state = half_precision_state(model) if half else model.state_dict()
     # safetensors refuses views and shared storage: every tensor is written as its own contiguous copy
-    tensors = {key: value.detach().cpu().contiguous().clone() for key, value in model.state_dict().items()}
+    tensors = {key: value.detach().cpu().contiguous().clone() for key, value in state.items()}
     header = {**(metadata or {}), SAFETENSORS_FORMAT_KEY: SAFETENSORS_FORMAT,
               SAFETENSORS_SPEC_KEY: json.dumps(model_spec(model).model_dump(mode="json"), sort_keys=True)}
     data = save(tensors, metadata=header)
