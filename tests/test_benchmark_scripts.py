@@ -158,3 +158,28 @@ def test_main_job_grid_reproduces_the_main_jobs_recipe_and_pairs_variants_by_dat
     assert summary["lr0.2"]["minus_shipped_paired"] == round(((7.5 - 6.5) + (3.0 - 4.0)) / 2, 2)
     assert summary["shipped"] == {"runs": 3, "gains_by_data_seed": {7: [6.0, 7.0], 9: [4.0]}, "mean_gain": 5.67,
                                   "minus_shipped_paired": 0.0}
+
+
+def test_federated_utility_noise_override_sets_every_private_arms_sigma_and_resumes_only_shared_runs(tmp_path):
+    """``noise_multiplier`` (an emulation knob) replaces the σ that ε would calibrate in every private arm,
+    never a non-private one; resuming from a sweep without it takes that sweep's public-only and
+    non-private runs, never its private ones (another σ is another run)."""
+    import json
+
+    sweep = _load(FEDERATED_UTILITY, "federated_utility_run")
+    calibrated = sweep.Settings(mechanisms=["dpsgd"], epsilons=[8.0], seeds=[0])
+    emulated = calibrated.model_copy(update={"noise_multiplier": 1.269})
+    private, public = sweep.Arm(0, "dpsgd", 8.0, "central"), sweep.Arm(0, "none", None, "central")
+    assert sweep.arm_noise_multiplier(emulated, private) == 1.269
+    assert sweep.arm_noise_multiplier(emulated, public) == sweep.arm_noise_multiplier(calibrated, public) == 0.0
+    assert sweep.arm_noise_multiplier(calibrated, private) == sweep.noise_multiplier(
+        calibrated, "dpsgd", 8.0, sweep.sample_rate_of(calibrated)) != 1.269
+
+    runs = {arm.key: {**{field: getattr(arm, field) for field in ("seed", "mechanism", "epsilon", "kind", "site")},
+                      "lr": sweep.arm_lr(calibrated, arm), "noise_multiplier": sweep.arm_noise_multiplier(calibrated, arm)}
+            for arm in sweep.all_arms(calibrated)}
+    saved = tmp_path / "results.json"
+    saved.write_text(json.dumps({"settings": json.loads(calibrated.model_dump_json()), "runs": runs}))
+    assert sweep.seed_parts_from(saved, emulated, tmp_path / "work") == 3  # public-only, non-private federated and central
+    taken = {path.name for path in (tmp_path / "work" / "parts").iterdir()}
+    assert taken and not any("dpsgd" in name for name in taken)

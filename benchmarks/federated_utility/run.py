@@ -141,6 +141,12 @@ class Settings(BaseModel):
     #: models over rounds (post-processing of the released models: free in privacy)
     ema_decay: float = 0.0
     delta: float = 1e-5
+    #: σ of every private arm instead of the one its ε calibrates (None: calibrated, always in a reported
+    #: row). An emulation: the total σ that distributed noise under secure aggregation needs for ε
+    #: (benchmarks/distributed_noise), run as the central arm, is the sum that federated SGD with
+    #: distributed noise would release each step; the arm's ε then names the emulated mechanism's
+    #: guarantee, and the site's own guard still checks this σ's PLD ε against it
+    noise_multiplier: float | None = None
     unit: str = "patient"
     #: images of a sampled patient in a step (uniformly chosen); the patient is clipped as one unit
     #: either way, so 1 costs no privacy and makes a step a quarter of the rows
@@ -354,6 +360,16 @@ def noise_multiplier(settings: Settings, mechanism: str, epsilon: float, sample_
     return resolve_noise_multiplier(privacy, sample_rate, settings.rounds * settings.local_steps)
 
 
+def arm_noise_multiplier(settings: Settings, arm: Arm) -> float:
+    """σ of an arm's sites: 0 without privacy, else ``settings.noise_multiplier`` where it is set (an
+    emulation), else the σ that spends the arm's ε."""
+    if arm.mechanism == "none":
+        return 0.0
+    if settings.noise_multiplier is not None:
+        return settings.noise_multiplier
+    return noise_multiplier(settings, arm.mechanism, float(arm.epsilon), sample_rate_of(settings))
+
+
 def arm_lr(settings: Settings, arm: Arm) -> float:
     """The sites' step size: tuned per noise level on the tuning data (data_seed 7), never on a reported split."""
     if arm.mechanism == "none":
@@ -438,7 +454,7 @@ def run_arm(settings: Settings, arm: Arm, data: Path, work: Path) -> dict[str, A
             trains = [(str(arm.site), data / str(arm.site))]
             batch = settings.batch_size
         sample_rate = sample_rate_of(settings)
-        sigma = noise_multiplier(settings, arm.mechanism, float(arm.epsilon), sample_rate) if arm.mechanism != "none" else 0.0
+        sigma = arm_noise_multiplier(settings, arm)
         sites = [site_config(settings, arm, site_id, train, data / "public", arm_dir / "sites" / site_id, batch, sample_rate, sigma)
                  for site_id, train in trains]
         projects = get_mechanism(arm.mechanism).projects
@@ -632,7 +648,7 @@ def devices_of(parts: Iterable[dict[str, Any]]) -> list[str]:
 PRIVATE_RECIPE = frozenset({
     "scenario", "max_grad_norm", "k", "public_samples", "refresh_every_rounds",
     "site_basis_refresh_steps", "basis_public_rotation", "public_view_factor", "public_view_bits",
-    "public_gradient_weight", "augmentation_multiplicity", "delta", "unit", "max_records_per_unit",
+    "public_gradient_weight", "augmentation_multiplicity", "delta", "unit", "max_records_per_unit", "noise_multiplier",
 })
 
 
@@ -659,9 +675,7 @@ def seed_parts_from(results_path: Path, settings: Settings, work: Path) -> int:
         if part.get("lr", arm_lr(before_site_lr_at, arm)) != arm_lr(settings, arm):
             rerun.append(key)  # another step size: a different run, done again
             continue
-        if arm.mechanism != "none" and not math.isclose(
-                part["noise_multiplier"], noise_multiplier(settings, arm.mechanism, float(arm.epsilon), sample_rate_of(settings)),
-                rel_tol=1e-6):
+        if arm.mechanism != "none" and not math.isclose(part["noise_multiplier"], arm_noise_multiplier(settings, arm), rel_tol=1e-6):
             rerun.append(key)  # the same ε accounted otherwise today (FDP's relation, 2026-11-27): another σ
             continue
         path = part_path(work, key)
