@@ -40,7 +40,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "lr0.2": {"site_lr": 0.2},
     "lr0.3": {"site_lr": 0.3},
     "lr0.05": {"site_lr": 0.05},
-    "ceiling-eps50": {"epsilons": [50.0]},  # diagnostic: what the recipe gains with little noise (σ ≈ 0.2)
+    "ceiling-eps50": {"epsilons": [50.0]},  # diagnostic: what the recipe gains with little noise (σ 0.256)
     # run.py's default site_lr_at steps dpsgd at ε 2 with 0.03 (its 3-site tuning): said here, as it ran
     "eps2-lr0.03": {"epsilons": [2.0], "site_lr_at": {"dpsgd@2": 0.03}},
     "server-lr2": {"server_lr": 2.0},
