@@ -153,8 +153,10 @@ def test_main_job_grid_reproduces_the_main_jobs_recipe_and_pairs_variants_by_dat
     def result(variant: str, seed: int, gain: float) -> dict:
         return {"variant": variant, "data_seed": seed, "gain": gain}
 
+    refused = {**result("ceiling-eps1000", 7, 0.0), "site_rounds": {"site-1": ["refused"], "site-2": ["refused"]}}
     summary = grid.summarize([result("shipped", 7, 6.0), result("shipped", 7, 7.0), result("shipped", 9, 4.0),
-                              result("lr0.2", 7, 7.5), result("lr0.2", 9, 3.0)])
+                              result("lr0.2", 7, 7.5), result("lr0.2", 9, 3.0), refused])
+    assert "ceiling-eps1000" not in summary  # no site trained: nothing measured
     assert summary["lr0.2"]["minus_shipped_paired"] == round(((7.5 - 6.5) + (3.0 - 4.0)) / 2, 2)
     assert summary["shipped"] == {"runs": 3, "gains_by_data_seed": {7: [6.0, 7.0], 9: [4.0]}, "mean_gain": 5.67,
                                   "minus_shipped_paired": 0.0}

@@ -52,6 +52,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "steps10": {"local_steps": 10},  # 2 × 10 steps, σ for the same ε: 25 % more compute
     "lr0.15": {"site_lr": 0.15},
     "lora": {"scenario": "lora"},  # rank-8 adapters on the last stage + LayerNorms + head
+    # biases and LayerNorms + the last stage's adapters (head frozen) ran from a probe patch: main_job_grid_h200.json
+    # diagnostic: all weights, no privacy (run.py's non-private arm: unclipped SGD 0.003), the same 16 steps
+    "nonprivate-full": {"mechanisms": ["none"]},
+    "nonprivate-full-lr0.01": {"mechanisms": ["none"], "nonprivate_lr": 0.01},
+    "nonprivate-full-lr0.03": {"mechanisms": ["none"], "nonprivate_lr": 0.03},
+    "nonprivate-full-steps16": {"mechanisms": ["none"], "local_steps": 16},  # 2 × 16 steps: what more steps would buy
+    "steps16": {"local_steps": 16},  # 2 × 16 steps at the same ε (σ recalibrated): 2× the compute
 }
 
 
@@ -86,7 +93,8 @@ def run_one(variant: str, data_seed: int, scratch: Path, overrides: dict[str, An
     settings = run.Settings.model_validate({**demo_settings(data_seed), **overrides, **VARIANTS[variant]})
     data = run.ensure_data(settings, scratch / f"data-{data_seed}")
     # repeat r is run seed r (coordinator.seed r, site k's train.seed 100·r + k), as the README's seeds 0, 1, 2
-    arm = run.Arm(seed=repeat, mechanism=settings.mechanisms[0], epsilon=settings.epsilons[0], kind="federated")
+    private = settings.mechanisms[0] != "none"
+    arm = run.Arm(seed=repeat, mechanism=settings.mechanisms[0], epsilon=settings.epsilons[0] if private else None, kind="federated")
     result = run.run_arm(settings, arm, data, scratch / f"work-{variant}-{data_seed}-{repeat}")
     curve = result["curve_mixture_pckh50"]
     return {"variant": variant, "data_seed": data_seed, "repeat": repeat, "changes": VARIANTS[variant], "curve": curve, "final": curve[-1],
@@ -97,8 +105,11 @@ def run_one(variant: str, data_seed: int, scratch: Path, overrides: dict[str, An
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     """Per variant: its runs' gains per data seed, their mean, and the mean over data seeds of
-    (variant's mean − shipped's mean on that seed)."""
+    (variant's mean − shipped's mean on that seed). A run in which no site trained a round (every
+    guard refused) measured nothing and is left out."""
     import numpy as np
+
+    results = [r for r in results if any("ok" in rounds for rounds in r.get("site_rounds", {"": ["ok"]}).values())]
 
     def gains(variant: str) -> dict[int, list[float]]:
         out: dict[int, list[float]] = {}

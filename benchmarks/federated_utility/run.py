@@ -84,6 +84,9 @@ class Settings(BaseModel):
     scenario: str = "biases_norms"
     #: the non-private arms' set: the best reference, not the private arms' restriction
     nonprivate_scenario: str = "full"
+    #: the adapters of an adapter scenario (``lora``, ``biases_norms_lora``): rank r and scale α (adds (α/r)·B·A)
+    lora_rank: int = 8
+    lora_alpha: float = 8.0
     #: the public base every arm starts from (a path relative to the repository); None: warm start
     init_checkpoint: str | None = "checkpoints/public/public-base-tiny_vit_test-128x96.pt"
     #: a short warm start leaves the sites something to teach: at 128×96, 150 steps reach 38 % and
@@ -467,7 +470,8 @@ def run_arm(settings: Settings, arm: Arm, data: Path, work: Path) -> dict[str, A
                       "transport": "compact", "k": settings.k, "public_samples": settings.public_samples,
                       "refresh_every_rounds": settings.refresh_every_rounds},
             "model": {"backbone": settings.backbone, "init_checkpoint": str(init),
-                      "scenario": settings.nonprivate_scenario if arm.mechanism == "none" else settings.scenario},
+                      "scenario": settings.nonprivate_scenario if arm.mechanism == "none" else settings.scenario,
+                      "lora_rank": settings.lora_rank, "lora_alpha": settings.lora_alpha},
             "aggregation": {"strategy": settings.aggregation, "server_lr": settings.server_lr, "momentum": settings.server_momentum,
                             "lr_schedule": settings.server_lr_schedule},
             "ema": {"decay": settings.ema_decay},
@@ -646,7 +650,7 @@ def devices_of(parts: Iterable[dict[str, Any]]) -> list[str]:
 #: settings that shape only the private arms (site_config's ``privacy`` block and the trainable set; the
 #: step sizes are compared run by run): a sweep that changes these reuses another's public-only and non-private runs
 PRIVATE_RECIPE = frozenset({
-    "scenario", "max_grad_norm", "k", "public_samples", "refresh_every_rounds",
+    "scenario", "lora_rank", "lora_alpha", "max_grad_norm", "k", "public_samples", "refresh_every_rounds",
     "site_basis_refresh_steps", "basis_public_rotation", "public_view_factor", "public_view_bits",
     "public_gradient_weight", "augmentation_multiplicity", "delta", "unit", "max_records_per_unit", "noise_multiplier",
 })
