@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -108,6 +109,20 @@ def test_calibration_is_tight_and_never_exceeds_target(target: float, q: float, 
 def test_calibration_reports_unreachable_target() -> None:
     with pytest.raises(ValueError, match="unreachable"):
         noise_multiplier_for(1e-3, 0.5, 1000, 1e-10, max_noise_multiplier=8)
+
+
+def test_pld_calibration_stops_where_dp_accountings_epsilon_overflows() -> None:
+    """Past ε ≈ 709 dp-accounting's PLD reports ∞ for some step counts: σ 0.0598 at q 1/15 is ε 996 over
+    16 steps but ∞ over its first 8, so a σ calibrated to ε 1000 was refused by the guard of round 1.
+    Calibration refuses such targets, names the way out, and at its limit every prefix stays finite."""
+    q, delta = 32 / 480, 1e-5
+    assert epsilon_for(0.0598, q, 8, delta, accountant="pld")[0] == math.inf  # the failure, as measured
+    with pytest.raises(ValueError, match="beyond what the PLD accountant evaluates.*accountant 'rdp'"):
+        noise_multiplier_for(1000.0, q, 16, delta, accountant="pld")
+    assert epsilon_for(noise_multiplier_for(1000.0, q, 16, delta, accountant="rdp"), q, 16, delta, accountant="rdp")[0] <= 1000
+    sigma = noise_multiplier_for(700.0, q, 16, delta, accountant="pld")
+    spent = [epsilon_for(sigma, q, steps, delta, accountant="pld")[0] for steps in range(1, 17)]
+    assert all(math.isfinite(e) for e in spent) and spent == sorted(spent) and spent[-1] <= 700
 
 
 def run_cli(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:

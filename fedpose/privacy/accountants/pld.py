@@ -39,6 +39,12 @@ from fedpose.privacy.accountants.base import ADD_REMOVE, REPLACE_ONE, REPLACE_PU
 
 #: dp-accounting's PLD grid step in privacy-loss units (its default) at ε ≤ 1; scaled by ε above
 VALUE_DISCRETIZATION = 1e-4
+#: the largest ε this accountant is asked to calibrate to. dp-accounting inverts δ(ε) through
+#: exp(ε)-sized ratios, which overflow a double past ε ≈ 709.8 (= log of the largest double): it then
+#: reports ε = ∞ for some step counts but not others (σ 0.0598, q 1/15, δ 1e-5: 8 steps ∞, 16 steps
+#: 996). ∞ is safe — a guard refuses, nothing is spent — but a σ calibrated to such an ε would be
+#: refused by the guard that accounts its first round, so calibration stops here.
+LARGEST_EPSILON = 700.0
 #: binomial probabilities below this are dropped (and their mass added to δ)
 _TAIL_MASS = 1e-18
 
