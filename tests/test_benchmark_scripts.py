@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -143,11 +144,14 @@ def test_main_job_grid_reproduces_the_main_jobs_recipe_and_pairs_variants_by_dat
     grid = _load(FEDERATED_UTILITY.parent / "main_job_grid.py", "main_job_grid")
     run = _load(FEDERATED_UTILITY, "run")
     settings = run.Settings.model_validate(grid.demo_settings(7))
-    demo = grid.tomllib.loads((grid.REPO / "configs" / "demo.toml").read_text())
+    demo = tomllib.loads((grid.REPO / "configs" / "demo.toml").read_text())  # read here as written, not as the grid reads it
     privacy = demo["sites"][0]["privacy"]
     assert run.sample_rate_of(settings) == privacy["sample_rate"]
     sigma = run.noise_multiplier(settings, settings.mechanisms[0], settings.epsilons[0], run.sample_rate_of(settings))
     assert abs(sigma - privacy["noise_multiplier"]) <= 0.005 * privacy["noise_multiplier"]
+    assert (settings.rounds * settings.local_steps, settings.scenario, settings.init_checkpoint) == (
+        demo["coordinator"]["rounds"] * demo["sites"][0]["local_steps"], demo["coordinator"]["model"]["scenario"],
+        demo["coordinator"]["model"]["init_checkpoint"])
     assert all(name == "shipped" or changes for name, changes in grid.VARIANTS.items())
 
     def result(variant: str, seed: int, gain: float) -> dict:

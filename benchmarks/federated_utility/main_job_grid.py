@@ -26,7 +26,6 @@ import os
 import subprocess
 import sys
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -63,28 +62,28 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 def demo_settings(data_seed: int) -> dict[str, Any]:
-    """run.Settings fields that reproduce configs/demo.toml (its first site's optimizer and privacy)."""
-    demo = tomllib.loads((REPO / "configs" / "demo.toml").read_text())
-    coordinator, site, synthetic = demo["coordinator"], demo["sites"][0], demo["synthetic"]
-    privacy = site["privacy"]
-    return {
-        "size": synthetic["size"], "sites": len(demo["sites"]), "per_site": synthetic["per_site"], "public": 0,
-        "test": synthetic["test"], "data_seed": data_seed,
-        "backbone": coordinator["model"]["backbone"], "scenario": coordinator["model"]["scenario"],
-        "init_checkpoint": coordinator["model"]["init_checkpoint"],
-        "batch_size": site["train"]["batch_size"], "rounds": coordinator["rounds"], "local_steps": site["local_steps"],
-        "site_lr": site["optim"]["lr"], "site_momentum": site["optim"]["momentum"], "site_optimizer": site["optim"]["name"],
-        "max_grad_norm": privacy["max_grad_norm"], "delta": privacy["delta"], "unit": privacy["unit"],
-        "max_records_per_unit": privacy["max_records_per_unit"], "mechanisms": [privacy["mechanism"]],
-        "epsilons": [round(demo_epsilon(privacy, coordinator["rounds"] * site["local_steps"]), 2)],
-        "site_basis_refresh_steps": None, "seeds": [0], "nonprivate": False, "threads": 1, "chunk_size": 128,
-    }
-
-
-def demo_epsilon(privacy: dict[str, Any], steps: int) -> float:
+    """run.Settings fields that reproduce configs/demo.toml (its first site's optimizer and privacy),
+    read as ``fedpose simulate`` validates it."""
+    from fedpose.cli.simulate import load_federation
     from fedpose.privacy.accountant import epsilon_for
 
-    return epsilon_for(privacy["noise_multiplier"], privacy["sample_rate"], steps, privacy["delta"], accountant="pld")[0]
+    demo, synthetic, _ = load_federation(REPO / "configs" / "demo.toml", [])
+    coordinator, site = demo.coordinator, demo.sites[0]
+    privacy = site.privacy
+    steps = coordinator.rounds * site.local_steps
+    epsilon = epsilon_for(privacy.noise_multiplier, privacy.sample_rate, steps, privacy.delta, accountant="pld")[0]
+    return {
+        "size": list(synthetic["size"]), "sites": len(demo.sites), "per_site": synthetic["per_site"], "public": 0,
+        "test": synthetic["test"], "data_seed": data_seed,
+        "backbone": coordinator.model.backbone, "scenario": coordinator.model.scenario,
+        "init_checkpoint": str(coordinator.model.init_checkpoint),
+        "batch_size": site.train.batch_size, "rounds": coordinator.rounds, "local_steps": site.local_steps,
+        "site_lr": site.optim.lr, "site_momentum": site.optim.momentum, "site_optimizer": site.optim.name,
+        "max_grad_norm": privacy.max_grad_norm, "delta": privacy.delta, "unit": privacy.unit,
+        "max_records_per_unit": privacy.max_records_per_unit, "mechanisms": [privacy.mechanism],
+        "epsilons": [round(epsilon, 2)],
+        "site_basis_refresh_steps": None, "seeds": [0], "nonprivate": False, "threads": 1, "chunk_size": 128,
+    }
 
 
 def run_one(variant: str, data_seed: int, scratch: Path, overrides: dict[str, Any], repeat: int = 0) -> dict[str, Any]:
@@ -141,6 +140,7 @@ def main() -> int:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=JSON",
                         help="change a setting of every variant (a smoke test: --set backbone=tiny_vit_test ...)")
     parser.add_argument("--one", nargs=3, metavar=("VARIANT", "DATA_SEED", "REPEAT"), help=argparse.SUPPRESS)  # a worker
+    parser.add_argument("--data", type=int, metavar="DATA_SEED", help=argparse.SUPPRESS)  # a data generator
     args = parser.parse_args()
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
     overrides = {key: json.loads(value) for key, value in (o.split("=", 1) for o in args.overrides)}
@@ -151,6 +151,11 @@ def main() -> int:
         (args.out / "main_job_grid.json").write_text(json.dumps({
             **{k: v for k, v in merged[0].items() if k != "results"}, "summary": summarize(results), "results": results}, indent=1))
         return 0
+    if args.data is not None:
+        import run
+
+        run.ensure_data(run.Settings.model_validate({**demo_settings(args.data), **overrides}), args.scratch / f"data-{args.data}")
+        return 0
     if args.one:
         result = run_one(args.one[0], int(args.one[1]), args.scratch, overrides, int(args.one[2]))
         print("RESULT " + json.dumps(result), flush=True)
@@ -158,10 +163,8 @@ def main() -> int:
 
     started = time.time()
     # the data first, one process per generator seed, so the runs only read it
-    generators = [subprocess.Popen([sys.executable, "-c", (
-        f"import sys; sys.path.insert(0, {str(HERE)!r}); import run, main_job_grid as g; "
-        f"run.ensure_data(run.Settings.model_validate({{**g.demo_settings({seed}), **{overrides!r}}}), __import__('pathlib').Path({str(args.scratch / f'data-{seed}')!r}))")])
-        for seed in args.data_seeds]
+    generators = [subprocess.Popen([sys.executable, __file__, "--out", str(args.out), "--scratch", str(args.scratch), "--data", str(seed),
+                                    *sum((["--set", o] for o in args.overrides), [])]) for seed in args.data_seeds]
     if any(g.wait() for g in generators):
         raise SystemExit("data generation failed")
     print(f"[{time.time() - started:.0f} s] data ready", flush=True)

@@ -43,16 +43,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=_handle)
 
 
-def resolve_federation(config: str | Path, overrides: list[str]) -> tuple[Any, dict[str, Any] | None, Path]:
-    """(FederationConfig, synthetic spec or None, path of the resolved TOML the apps read)."""
-    import tomli_w
-
+def load_federation(config: str | Path, overrides: list[str]) -> tuple[Any, dict[str, Any] | None, dict[str, Any]]:
+    """(FederationConfig, synthetic spec or None, the table it was validated from) of a federation
+    TOML with ``--set`` overrides applied; writes nothing."""
     from fedpose.config import apply_overrides, load_toml, validate
     from fedpose.federation.config import FederationConfig
 
     raw = apply_overrides(load_toml(config), overrides)
     synthetic = pop_synthetic(raw, config)
-    federation = validate(FederationConfig, raw, str(config))
+    return validate(FederationConfig, raw, str(config)), synthetic, raw
+
+
+def resolve_federation(config: str | Path, overrides: list[str]) -> tuple[Any, dict[str, Any] | None, Path]:
+    """(FederationConfig, synthetic spec or None, path of the resolved TOML the apps read)."""
+    import tomli_w
+
+    federation, synthetic, raw = load_federation(config, overrides)
     resolved = Path(federation.coordinator.checkpoint_dir) / "federation.resolved.toml"
     resolved.parent.mkdir(parents=True, exist_ok=True)
     from fedpose.io import atomic_write_text
