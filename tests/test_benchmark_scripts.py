@@ -137,7 +137,7 @@ def test_federated_utility_summary_reads_every_cell_it_names():
     assert "| 10 | tiny_vit_test | pdp | 2 |" in summary.markdown(rows)
 
 
-def test_main_job_grid_reproduces_the_main_jobs_recipe_and_pairs_variants_by_data_seed():
+def test_main_job_grid_reproduces_the_main_jobs_recipe_and_pairs_variants_by_data_seed(tmp_path):
     """The grid's 'shipped' variant is configs/demo.toml's recipe (its σ recalibrated from the demo's
     ε lands on the demo's σ), and a variant is compared with the shipped runs of the same data seed."""
     sys.path.insert(0, str(FEDERATED_UTILITY.parent))  # the grid imports run.py as its neighbour
@@ -164,6 +164,8 @@ def test_main_job_grid_reproduces_the_main_jobs_recipe_and_pairs_variants_by_dat
     assert summary["lr0.2"]["minus_shipped_paired"] == round(((7.5 - 6.5) + (3.0 - 4.0)) / 2, 2)
     assert summary["shipped"] == {"runs": 3, "gains_by_data_seed": {7: [6.0, 7.0], 9: [4.0]}, "mean_gain": 5.67,
                                   "minus_shipped_paired": 0.0}
+    grid.plot(summary, tmp_path / "grid.png")
+    assert (tmp_path / "grid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_federated_utility_noise_override_sets_every_private_arms_sigma_and_resumes_only_shared_runs(tmp_path):

@@ -15,7 +15,7 @@ checked with ``fedpose simulate`` on the same tuning seeds on the CPU before it 
 
 Each finished run is written to ``DIR/main_job_grid.json`` at once, so a run cut short keeps what
 finished. ``--summarize A.json B.json … --out DIR`` merges such files and adds, per variant, its mean
-gain and its difference from the shipped recipe paired by data seed.
+gain and its difference from the shipped recipe paired by data seed (and draws them: DIR/main_job_grid.png).
 """
 
 from __future__ import annotations
@@ -128,6 +128,39 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     return summary
 
 
+def plot(summary: dict[str, Any], path: Path) -> None:
+    """Each variant's runs (gain over round 0, one dot a run, coloured by data seed) and their mean,
+    best mean first; the shipped recipe's runs as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = sorted(summary, key=lambda v: -summary[v]["mean_gain"])
+    seeds = sorted({int(seed) for row in summary.values() for seed in row["gains_by_data_seed"]})
+    colours = dict(zip(seeds, plt.get_cmap("tab10").colors))
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(variants) + 1.4))
+    shipped = [g for gains in summary["shipped"]["gains_by_data_seed"].values() for g in gains] if "shipped" in summary else []
+    if shipped:
+        ax.axvspan(min(shipped), max(shipped), color="0.9", zorder=0, label="shipped: range of its runs")
+    for y, variant in enumerate(variants):
+        for seed, gains in summary[variant]["gains_by_data_seed"].items():
+            ax.scatter(gains, [y] * len(gains), s=14, color=colours[int(seed)], zorder=2)
+        ax.plot([summary[variant]["mean_gain"]] * 2, [y - 0.35, y + 0.35], color="black", lw=2, zorder=3)
+    for seed in seeds:
+        ax.scatter([], [], s=14, color=colours[seed], label=f"data seed {seed}")
+    ax.axvline(5.0, color="tab:red", ls="--", lw=1, label="goal: +5 on every seed")
+    ax.set_yticks(range(len(variants)), variants, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(left=max(-3.0, ax.get_xlim()[0]))  # collapsed variants (about −20) are clipped: the table has them
+    ax.set_xlabel("PCKh@0.5 gain over round 0 (round 2); bar: the variant's mean")
+    ax.set_title("main job's recipe and variants, tuning data", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True)
@@ -148,8 +181,10 @@ def main() -> int:
         merged = [json.loads(path.read_text()) for path in args.summarize]
         results = [r for m in merged for r in m["results"]]
         args.out.mkdir(parents=True, exist_ok=True)
+        summary = summarize(results)
         (args.out / "main_job_grid.json").write_text(json.dumps({
-            **{k: v for k, v in merged[0].items() if k != "results"}, "summary": summarize(results), "results": results}, indent=1))
+            **{k: v for k, v in merged[0].items() if k not in ("summary", "results")}, "summary": summary, "results": results}, indent=1))
+        plot(summary, args.out / "main_job_grid.png")
         return 0
     if args.data is not None:
         import run
