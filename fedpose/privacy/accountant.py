@@ -32,7 +32,6 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from fedpose.privacy.accountants import ACCOUNTANTS, default_accountant, get_accountant
-from fedpose.privacy.accountants.pld import LARGEST_EPSILON as PLD_LARGEST_EPSILON
 from fedpose.privacy.accountants.base import (
     ADD_REMOVE,
     REPLACE_ONE,
@@ -218,10 +217,11 @@ def noise_multiplier_for(
         raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}")
     check_event(1.0, sample_rate, steps)
     check_delta(delta)
-    if accountant == "pld" and target_epsilon > PLD_LARGEST_EPSILON:
-        raise ValueError(f"target ε = {target_epsilon:g} is beyond what the PLD accountant evaluates (at most "
-                         f"{PLD_LARGEST_EPSILON:g}: dp-accounting's ε overflows to ∞ above about 709, and a site's "
-                         f"guard would refuse the steps); ask for a smaller ε, or use accountant 'rdp'")
+    largest = get_accountant(accountant).largest_epsilon
+    if target_epsilon > largest:  # PLD: dp-accounting's ε overflows to ∞ above about 709 (accountants/pld.py)
+        raise ValueError(f"target ε = {target_epsilon:g} is beyond what the {accountant.upper()} accountant evaluates "
+                         f"(at most {largest:g}: a site's guard would refuse the steps); ask for a smaller ε, or use "
+                         f"accountant 'rdp'")
     orders = tuple(orders)
     if steps == 0 or sample_rate == 0:
         return 0.0

@@ -86,6 +86,8 @@ class Accountant(Protocol):
     title: str  #: one line for help texts and reports
     #: relations for which the accountant's ε is the tight (optimal) one up to its numerical error
     exact_for: frozenset[str]
+    #: the largest target ε a σ may be calibrated to with this accountant (∞: no limit)
+    largest_epsilon: float
 
     def supports(self, relation: str) -> bool: ...
 

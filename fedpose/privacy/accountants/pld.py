@@ -39,7 +39,7 @@ from fedpose.privacy.accountants.base import ADD_REMOVE, REPLACE_ONE, REPLACE_PU
 
 #: dp-accounting's PLD grid step in privacy-loss units (its default) at ε ≤ 1; scaled by ε above
 VALUE_DISCRETIZATION = 1e-4
-#: the largest ε this accountant is asked to calibrate to. dp-accounting inverts δ(ε) through
+#: the largest ε a σ is calibrated to with this accountant. dp-accounting inverts δ(ε) through
 #: exp(ε)-sized ratios, which overflow a double past ε ≈ 709.8 (= log of the largest double): it then
 #: reports ε = ∞ for some step counts but not others (σ 0.0598, q 1/15, δ 1e-5: 8 steps ∞, 16 steps
 #: 996). ∞ is safe — a guard refuses, nothing is spent — but a σ calibrated to such an ε would be
@@ -168,6 +168,7 @@ class PldAccountant:
     title = ("privacy-loss distribution (dp-accounting for add/remove and replace-one; closed form for replace-one "
              "with visible membership)")
     exact_for: frozenset[str] = frozenset(_EPSILON)
+    largest_epsilon = LARGEST_EPSILON
 
     def supports(self, relation: str) -> bool:
         return relation in _EPSILON

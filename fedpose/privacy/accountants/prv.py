@@ -21,6 +21,7 @@ class PrvAccountant:
     name = "prv"
     title = "privacy random variables (Gopi et al. 2021; Opacus' PRVAccountant), add/remove only"
     exact_for: frozenset[str] = frozenset({ADD_REMOVE})
+    largest_epsilon = math.inf
 
     def supports(self, relation: str) -> bool:
         return relation == ADD_REMOVE

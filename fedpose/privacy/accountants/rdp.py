@@ -114,6 +114,7 @@ class RdpAccountant:
     name = "rdp"
     title = "Rényi DP (Mironov 2017/2019, Balle et al. 2020 conversion; dp-accounting)"
     exact_for: frozenset[str] = frozenset()  # an upper bound for every relation, never the tight one
+    largest_epsilon = math.inf
 
     def __init__(self, orders: Sequence[float] = DEFAULT_ORDERS) -> None:
         self.orders = tuple(float(a) for a in orders)
