@@ -86,11 +86,16 @@ def demo_settings(data_seed: int) -> dict[str, Any]:
     }
 
 
+def data_dir(scratch: Path, data_seed: int) -> Path:
+    """Where the data of generator seed ``data_seed`` is generated once and read by every run."""
+    return scratch / f"data-{data_seed}"
+
+
 def run_one(variant: str, data_seed: int, scratch: Path, overrides: dict[str, Any], repeat: int = 0) -> dict[str, Any]:
     import run
 
     settings = run.Settings.model_validate({**demo_settings(data_seed), **overrides, **VARIANTS[variant]})
-    data = run.ensure_data(settings, scratch / f"data-{data_seed}")
+    data = run.ensure_data(settings, data_dir(scratch, data_seed))
     # repeat r is run seed r (coordinator.seed r, site k's train.seed 100·r + k), as the README's seeds 0, 1, 2
     private = settings.mechanisms[0] != "none"
     arm = run.Arm(seed=repeat, mechanism=settings.mechanisms[0], epsilon=settings.epsilons[0] if private else None, kind="federated")
@@ -189,17 +194,20 @@ def main() -> int:
     if args.data is not None:
         import run
 
-        run.ensure_data(run.Settings.model_validate({**demo_settings(args.data), **overrides}), args.scratch / f"data-{args.data}")
+        run.ensure_data(run.Settings.model_validate({**demo_settings(args.data), **overrides}), data_dir(args.scratch, args.data))
         return 0
     if args.one:
         result = run_one(args.one[0], int(args.one[1]), args.scratch, overrides, int(args.one[2]))
         print("RESULT " + json.dumps(result), flush=True)
         return 0
 
+    def worker(*mode: str) -> list[str]:  # this script in one of its hidden modes, with the same settings
+        return [sys.executable, __file__, "--out", str(args.out), "--scratch", str(args.scratch), *mode,
+                *sum((["--set", o] for o in args.overrides), [])]
+
     started = time.time()
     # the data first, one process per generator seed, so the runs only read it
-    generators = [subprocess.Popen([sys.executable, __file__, "--out", str(args.out), "--scratch", str(args.scratch), "--data", str(seed),
-                                    *sum((["--set", o] for o in args.overrides), [])]) for seed in args.data_seeds]
+    generators = [subprocess.Popen(worker("--data", str(seed))) for seed in args.data_seeds]
     if any(g.wait() for g in generators):
         raise SystemExit("data generation failed")
     print(f"[{time.time() - started:.0f} s] data ready", flush=True)
@@ -212,9 +220,7 @@ def main() -> int:
         while pending and len(running) < args.jobs:
             variant, seed, repeat = pending.pop(0)
             running[(variant, seed, repeat)] = subprocess.Popen(
-                [sys.executable, __file__, "--out", str(args.out), "--scratch", str(args.scratch), "--one", variant, str(seed), str(repeat),
-                 *sum((["--set", o] for o in args.overrides), [])],
-                stdout=subprocess.PIPE, text=True)
+                worker("--one", variant, str(seed), str(repeat)), stdout=subprocess.PIPE, text=True)
         time.sleep(2)
         for key, process in list(running.items()):
             if process.poll() is None:

@@ -84,7 +84,7 @@ class Settings(BaseModel):
     scenario: str = "biases_norms"
     #: the non-private arms' set: the best reference, not the private arms' restriction
     nonprivate_scenario: str = "full"
-    #: the adapters of an adapter scenario (``lora``, ``biases_norms_lora``): rank r and scale α (adds (α/r)·B·A)
+    #: the adapters of scenario ``lora`` (and of the probe patches that add adapters): rank r and scale α (adds (α/r)·B·A)
     lora_rank: int = 8
     lora_alpha: float = 8.0
     #: the public base every arm starts from (a path relative to the repository); None: warm start
