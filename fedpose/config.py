@@ -289,7 +289,10 @@ class PrivacyConfig(Strict):
         "(same forward/backward, so a step's cost is constant). A batch over it keeps every unit, in a whole multiple of "
         "the slots (the (ε, δ) stays exact): a step of a multiple of the usual work, with probability ≤ 1e-15 per step "
         "for up to N_max units, the timing protection's domain (a site with more units trains, warned in its local log). "
-        "None: the smallest u with P(Poisson(train.batch_size) > u) ≤ 1e-15 (N_max ≥ batch_size / sample_rate)",
+        "None: the smallest u with P(Poisson(train.batch_size) > u) ≤ 1e-15 (N_max ≥ batch_size / sample_rate). "
+        "At a federation site it sets the domain N_max and the per-sample chunk, while the work is fixed per round: "
+        "whole chunks a step and the round's spare on its last step, about 60 % of the per-step padding "
+        "(fedpose.privacy.fixed_shape)",
     )
     augmentation_multiplicity: int = Field(
         1, ge=1,

@@ -319,4 +319,4 @@ def test_a_site_round_with_copies_reports_the_epsilon_of_k_1_and_logs_the_cost(t
     assert replies[1].privacy == replies[2].privacy
     assert replies[2].privacy.epsilon is not None and replies[2].privacy.epsilon > 0
     cost = [r.getMessage() for r in caplog.records if "augmentation multiplicity K = 2" in r.getMessage()]
-    assert len(cost) == 1 and "every step computes 32 rows (4 patient slots × 4 records × 2 augmentations)" in cost[0]
+    assert len(cost) == 1 and "every round of 1 step computes 32 rows (2 chunks of 2 patient slots × 4 records × 2 augmentations)" in cost[0]

@@ -8,11 +8,14 @@ Writes benchmarks/timing/results.json. Method:
   tiny test model (tiny_vit_test, 64×64 synthetic data), DP-SGD, the same declared settings
   (B, q, caps, steps) for four datasets: the auditor's N = 16 vs N = 96 records, and 96 records
   whose first 48 are one patient ("large patient present") vs the other 48 alone ("absent");
-* two modes: ``fixed`` (this code: every step padded to its fixed shape) and ``unpadded`` (each
-  step computes only the sampled rows, what main did before fixed-shape steps: the engine's
-  ``fixed_shape_rows`` is replaced by one that drops the padding), so the padding's cost and the
-  leak it closes are measured on the same machine in the same run;
-* rounds run round-robin over (mode, dataset), so slow phases of a shared machine hit all alike;
+* three modes: ``round`` (this code: a site's round does fixed work, its steps whole chunks and
+  the last one the round's spare), ``step`` (every step padded to the fixed step shape, what sites
+  did until 2026-12-04: the hook drops the engine's round) and ``unpadded`` (each step computes
+  only the sampled rows, what main did before fixed-shape steps: the engine's ``fixed_shape_rows``
+  is replaced by one that drops the padding), so the padding's cost and the leak it closes are
+  measured on the same machine in the same run;
+* rounds run round-robin over (mode, dataset), rotated each round, so slow phases of a shared
+  machine and the cost of switching hit all alike;
   each round's wall time is split into its steps (timed around ``engine.step``, data loading of the
   batch included) and the rest (budget, data loading and image check, unit index, model build);
 * reported per (mode, dataset): median and range of round, step and outside-step seconds; and per
@@ -71,8 +74,10 @@ def make_datasets(root: Path) -> dict[str, Path]:
 def hook_for(mode: str, step_seconds: list[float], real_rows: list[int], rows: list[int]):
     def hook(engine: Any) -> None:
         step = engine.step
+        if mode == "step":
+            engine.round_steps, engine.round = None, None
         if mode == "unpadded":
-            def real_only(sampled: list[int], slots: list[int]) -> tuple[list[int], list[int], list[bool]]:
+            def real_only(sampled: list[int], slots: list[int], num_slots: int | None = None) -> tuple[list[int], list[int], list[bool]]:
                 if not sampled:  # main computed no rows here; one masked row stands in (the engine needs a row)
                     return [0], [0], [False]
                 return list(sampled), list(slots), [True] * len(sampled)
@@ -118,49 +123,58 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     load_start = [round(x, 2) for x in os.getloadavg()]
     weights = global_model()
-    modes, names = ("fixed", "unpadded"), ("n16", "n96", "large_present", "large_absent")
-    raw: dict[str, dict[str, dict[str, list]]] = {m: {n: {"round": [], "steps": [], "outside": [], "real_rows": [], "rows": []}
+    modes, names = ("round", "step", "unpadded"), ("n16", "n96", "large_present", "large_absent")
+    raw: dict[str, dict[str, dict[str, list]]] = {m: {n: {"round": [], "steps": [], "round_steps": [], "outside": [], "real_rows": [], "rows": []}
                                                       for n in names} for m in modes}
     with tempfile.TemporaryDirectory(prefix="timing-bench-") as tmp:
         data = make_datasets(Path(tmp))
+        conditions = [(mode, name) for mode in modes for name in names]
         for round_id in range(1, args.rounds + 1):
-            for mode in modes:
-                for name in names:
-                    site = site_config(data[name].parent, Path(tmp) / "state" / mode / name, eps_max=1e6, local_steps=args.steps,
-                                       sample_rate=args.sample_rate, max_records_per_unit=args.max_records_per_unit,
-                                       max_batch_units=args.max_batch_units)
-                    site = site.model_copy(update={"data": site.data.model_copy(update={"train": str(data[name])}),
-                                                   "train": site.train.model_copy(update={"batch_size": args.batch})})
-                    steps: list[float] = []
-                    entry = raw[mode][name]
-                    started = time.perf_counter()
-                    result = run_site_round(site, "bench", round_id, weights[0], weights[1], args.steps,
-                                            engine_hook=hook_for(mode, steps, entry["real_rows"], entry["rows"]))
-                    seconds = time.perf_counter() - started
-                    if result.reply.status != "ok":
-                        raise RuntimeError(f"{mode}/{name} round {round_id}: {result.reply}")
-                    entry["round"].append(seconds)
-                    entry["steps"].extend(steps)
-                    entry["outside"].append(seconds - sum(steps))
-                    print(f"{mode:9s} {name:14s} round {round_id}: {seconds:.3f} s (steps {sum(steps):.3f} s)", flush=True)
+            # rotated each round: whichever condition runs first after the last one pays for the switch
+            shift = (round_id - 1) % len(conditions)
+            for mode, name in conditions[shift:] + conditions[:shift]:
+                site = site_config(data[name].parent, Path(tmp) / "state" / mode / name, eps_max=1e6, local_steps=args.steps,
+                                   sample_rate=args.sample_rate, max_records_per_unit=args.max_records_per_unit,
+                                   max_batch_units=args.max_batch_units)
+                site = site.model_copy(update={"data": site.data.model_copy(update={"train": str(data[name])}),
+                                               "train": site.train.model_copy(update={"batch_size": args.batch})})
+                steps: list[float] = []
+                entry = raw[mode][name]
+                started = time.perf_counter()
+                result = run_site_round(site, "bench", round_id, weights[0], weights[1], args.steps,
+                                        engine_hook=hook_for(mode, steps, entry["real_rows"], entry["rows"]))
+                seconds = time.perf_counter() - started
+                if result.reply.status != "ok":
+                    raise RuntimeError(f"{mode}/{name} round {round_id}: {result.reply}")
+                entry["round"].append(seconds)
+                entry["steps"].extend(steps)
+                entry["round_steps"].append(sum(steps))
+                entry["outside"].append(seconds - sum(steps))
+                print(f"{mode:9s} {name:14s} round {round_id}: {seconds:.3f} s (steps {sum(steps):.3f} s)", flush=True)
     results: dict[str, Any] = {}
     for mode in modes:
         per = {}
         for name in names:
             entry = raw[mode][name]
             per[name] = {"round_seconds": summary(entry["round"]), "step_seconds": summary(entry["steps"]),
+                         "steps_seconds_per_round": summary(entry["round_steps"]),
                          "outside_step_seconds": summary(entry["outside"]),
                          "rows_per_step": sorted(set(entry["rows"])), "real_rows_per_step": summary(entry["real_rows"])}
         median = {name: per[name]["round_seconds"]["median"] for name in names}
         step_median = {name: per[name]["step_seconds"]["median"] for name in names}
+        steps_median = {name: per[name]["steps_seconds_per_round"]["median"] for name in names}
         per["ratios"] = {"round_n96_over_n16": round(median["n96"] / median["n16"], 3),
                          "round_present_over_absent": round(median["large_present"] / median["large_absent"], 3),
+                         "round_steps_n96_over_n16": round(steps_median["n96"] / steps_median["n16"], 3),
+                         "round_steps_present_over_absent": round(steps_median["large_present"] / steps_median["large_absent"], 3),
                          "step_n96_over_n16": round(step_median["n96"] / step_median["n16"], 3),
                          "step_present_over_absent": round(step_median["large_present"] / step_median["large_absent"], 3)}
         results[mode] = per
+    # what padding costs: a round's DP steps, against the same round unpadded
     results["padding_cost"] = {
-        name: round(results["fixed"][name]["step_seconds"]["median"] / results["unpadded"][name]["step_seconds"]["median"], 2)
-        for name in names
+        mode: {name: round(results[mode][name]["steps_seconds_per_round"]["median"]
+                           / results["unpadded"][name]["steps_seconds_per_round"]["median"], 2) for name in names}
+        for mode in ("round", "step")
     }
     output = {
         "conditions": {

@@ -426,6 +426,7 @@ def train_site_round(
         public_dataset=public_dataset,
         seed=site.train.seed * 1_000_003 + int(round_id),  # public choices only (S_pub samples); DP noise is CSPRNG
         chunk_size=site.train.chunk_size, units=units,
+        round_steps=local_steps,  # what an observer times is the round: its work is fixed per round (fixed_shape)
     )
     if budget is not None and (engine.noise_multiplier, engine.sample_rate) != (sigma, rate):
         raise RuntimeError(f"engine noise (σ={engine.noise_multiplier}, q={engine.sample_rate}) differs from the authorized (σ={sigma}, q={rate})")

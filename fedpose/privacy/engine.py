@@ -26,7 +26,12 @@ DP mechanisms (see :mod:`fedpose.privacy.mechanisms` for the table):
   shape that holds them (never truncated: the (ε, δ) stays exact; for N ≤ N_max this happens with
   probability ≤ η per step). So loading, the forward and the per-sample backward do the same work
   whatever was sampled, and the reply's timing tells nothing of N or of which unit joined. Each
-  row's slot travels in the batch as ``unit_index``.
+  row's slot travels in the batch as ``unit_index``. A federation site's round (``round_steps``)
+  fixes the round's work instead of each step's (:class:`~fedpose.privacy.fixed_shape.RoundWork`):
+  each step's units in whole per-sample chunks, the round's last step padded with what the
+  earlier ones left of the round's budget, so only the round's total — all an observer of the
+  replies can time — is fixed; the frozen forward runs chunk by chunk too, so every chunk of a
+  round has the same shape.
 * **Augmentation multiplicity** (``privacy.augmentation_multiplicity`` K; De et al. 2022) — every
   row of that layout is loaded K times, each copy an independent draw of the dataset's random
   augmentation (the dataset augments per ``__getitem__``), so a step has U·R·K rows and costs K
@@ -86,7 +91,7 @@ from fedpose.privacy.accountants import bounds
 from fedpose.privacy.mechanisms import Mechanism, get_mechanism
 from fedpose.privacy.public_views import PUBLIC_VIEW_FUNCTIONS, public_view_kind, public_view_report
 from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
-from fedpose.privacy.fixed_shape import StepShape, capacity_warning, step_shape
+from fedpose.privacy.fixed_shape import RoundWork, StepShape, capacity_warning, round_capacity_warning, round_work, step_shape
 from fedpose.privacy.noise import make_noise
 from fedpose.privacy.per_sample import (
     TrainableModel,
@@ -166,6 +171,7 @@ class GradientEngine:
         units: UnitIndex | None = None,
         memory_settings: str = STEP_MEMORY_SETTINGS,
         ledger: PrivacyLedger | None = None,
+        round_steps: int | None = None,
     ) -> None:
         if dataset_size < 1:
             raise ValueError(f"the training set is empty (dataset_size = {dataset_size})")
@@ -175,6 +181,8 @@ class GradientEngine:
             raise ValueError(f"planned steps must be >= 1, got {planned_steps}")
         if chunk_size is not None and chunk_size < 1:
             raise ValueError(f"chunk size must be >= 1, got {chunk_size}")
+        if round_steps is not None and round_steps < 1:
+            raise ValueError(f"a round has at least one step, got round_steps = {round_steps}")
         self.units = units if units is not None else UnitIndex.per_record(dataset_size)
         if self.units.num_records != dataset_size:
             raise ValueError(
@@ -219,6 +227,12 @@ class GradientEngine:
         self.shape: StepShape | None = None
         #: the local-log warning for a training set beyond the timing protection's N_max (None: within it)
         self.capacity_warning: str | None = None
+        #: T of a site's round: its steps' work is fixed per round, not per step (None: per step)
+        self.round_steps = None if round_steps is None else int(round_steps)
+        #: the fixed work of a round (None: per step), decided with the per-sample chunk (:meth:`decide_round`)
+        self.round: RoundWork | None = None
+        #: unit slots this round's steps have taken so far, private sample and public sample
+        self._round_slots_used = [0, 0]
 
         if not mechanism.noisy:
             self.dataset_size_public = True
@@ -245,9 +259,11 @@ class GradientEngine:
                                 privacy.max_records_per_unit, self.augmentations)
         # Beyond N_max the guarantee is unchanged and only timing may vary: a warning, never a refusal
         # (a refusal one more unit could trigger would tell membership); it names N, so local log only.
-        self.capacity_warning = capacity_warning(self.shape, self.dataset_size, self.units.unit, "the training set")
-        if self.capacity_warning is not None:
-            log.warning(self.capacity_warning)
+        # (a round's fixed work has its own N_max, known once the chunk is: decide_round)
+        if self.round_steps is None:
+            self.capacity_warning = capacity_warning(self.shape, self.dataset_size, self.units.unit, "the training set")
+            if self.capacity_warning is not None:
+                log.warning(self.capacity_warning)
         self.accountant = self._continued_ledger(ledger) if ledger is not None else PrivacyLedger(
             relation=mechanism.guarantee.relation, accountant=resolve_accountant(privacy))
         # σ for a target ε is calibrated under the ledger's relation: a ledger that continues an older,
@@ -291,6 +307,8 @@ class GradientEngine:
             yield from self._shuffled_batches(dataset)
 
     def _poisson_batches(self, dataset: Dataset) -> Iterator[dict]:
+        if self.round_steps is not None and self.round is None:  # an engine not built by build_engine: the CPU's chunk
+            self.decide_round(self.chunk_size if self.chunk_size is not None else auto_chunk_size(torch.device("cpu"), 0, self.step_rows))
         while True:
             assert self.noise is not None
             # Coins of the upcoming step: indexed by step (≥ steps_done, so a resumed run never
@@ -298,7 +316,7 @@ class GradientEngine:
             draw = max(self._batches_drawn, self.steps_done)
             self._batches_drawn = draw + 1
             self.noise.reseed(_SAMPLING_STREAM, draw)
-            records, slots, real = self.fixed_shape_rows(*self.sample_units())
+            records, slots, real = self._laid_out_sample(draw, 0)
             batch = collate([dataset[i] for i in records])  # never empty: the fixed shape has rows
             batch["unit_index"] = torch.as_tensor(slots, dtype=torch.long)
             batch["row_mask"] = torch.as_tensor(real, dtype=torch.bool)
@@ -307,11 +325,26 @@ class GradientEngine:
                 # it would show who was sampled. Its own draw (own stream, same q and shape) shows
                 # only itself; the records' public parts are shared by both neighbours anyway.
                 self.noise.reseed(_PUBLIC_SAMPLING_STREAM, draw)
-                records, _, real = self.fixed_shape_rows(*self.sample_units())
+                records, _, real = self._laid_out_sample(draw, 1)
                 public = collate([dataset[i] for i in records])
                 public["row_mask"] = torch.as_tensor(real, dtype=torch.bool)
                 batch[PUBLIC_SAMPLE_KEY] = public
             yield batch
+
+    def _laid_out_sample(self, draw: int, sample: int) -> tuple[list[int], list[int], list[bool]]:
+        """Step ``draw``'s Poisson draw (``sample`` 0: the private one, 1: a public view's) laid out in
+        the step's fixed shape or, in a round of fixed work, in whole chunks — the round's last step
+        also taking the slots its earlier steps left (:meth:`RoundWork.slots_for`)."""
+        rows, unit_of_row = self.sample_units()
+        if self.round is None:
+            return self.fixed_shape_rows(rows, unit_of_row)
+        position = draw % self.round.steps
+        if position == 0:
+            self._round_slots_used[sample] = 0
+        num_slots = self.round.slots_for(max(unit_of_row, default=-1) + 1, self._round_slots_used[sample],
+                                         last_step=position == self.round.steps - 1)
+        self._round_slots_used[sample] += num_slots
+        return self.fixed_shape_rows(rows, unit_of_row, num_slots)
 
     def sample_units(self) -> tuple[list[int], list[int]]:
         """One step's Poisson draw over units: (record indices, position of each row's unit among
@@ -335,7 +368,8 @@ class GradientEngine:
             unit_of_row.extend([position] * len(members))
         return rows, unit_of_row
 
-    def fixed_shape_rows(self, rows: Sequence[int], unit_of_row: Sequence[int]) -> tuple[list[int], list[int], list[bool]]:
+    def fixed_shape_rows(self, rows: Sequence[int], unit_of_row: Sequence[int],
+                         num_slots: int | None = None) -> tuple[list[int], list[int], list[bool]]:
         """Lay a draw of :meth:`sample_units` out in the step's fixed shape: (record of each row, its
         unit slot, real or padding), ``shape.rows`` long — or, when more units were sampled than
         the shape has slots, the smallest whole multiple of it that holds them all
@@ -344,10 +378,11 @@ class GradientEngine:
         (CSPRNG), so loading it costs what loading a sampled one does; its gradient is zeroed
         before any sum. With augmentation multiplicity K every row is then repeated K times
         (adjacent: slot s holds rows [s·R·K, (s+1)·R·K)); loading each copy draws its own
-        augmentation."""
+        augmentation. ``num_slots``: a round's step's slots instead (:meth:`_laid_out_sample`)."""
         assert self.noise is not None and self.shape is not None
         per_unit = self.shape.rows_per_unit
-        num_slots = self.shape.slots_for(max(unit_of_row, default=-1) + 1)
+        if num_slots is None:
+            num_slots = self.shape.slots_for(max(unit_of_row, default=-1) + 1)
         num_rows = num_slots * per_unit
         padding = (self.noise.uniform(num_rows) * self.num_records).long().clamp_(max=self.num_records - 1).tolist()
         records, real = list(padding), [False] * num_rows
@@ -413,6 +448,14 @@ class GradientEngine:
         layout = (f"{self.shape.unit_slots} {self.units.unit} slots × {self.shape.rows_per_unit} records × "
                   f"{self.augmentations} augmentations" if self.shape is not None
                   else f"{self.batch_size} records × {self.augmentations} augmentations")
+        if self.round is not None:
+            work = self.round
+            layout = (f"{work.chunks} chunks of {work.units_per_chunk} {self.units.unit} slots × {self.shape.rows_per_unit} "
+                      f"records × {self.augmentations} augmentations")
+            steps = f"{work.steps} step" + ("s" if work.steps != 1 else "")
+            return (f"augmentation multiplicity K = {self.augmentations}: every round of {steps} computes "
+                    f"{work.chunks * work.chunk_rows} rows ({layout}), {self.augmentations}× the work of K = 1; σ, q and ε "
+                    "are unchanged")
         return (f"augmentation multiplicity K = {self.augmentations}: every step computes {self.step_rows} rows ({layout}), "
                 f"{self.augmentations}× the work and activation memory of K = 1; σ, q and ε are unchanged")
 
@@ -427,12 +470,27 @@ class GradientEngine:
         (:func:`~fedpose.privacy.per_sample.auto_chunk_size`; :meth:`decide_chunk`, which
         :func:`build_engine` calls for the model's device before any step, measures it on the model
         instead), so no step's chunk (nor whether it fits) depends on what was sampled."""
+        if self.round is not None:  # a round's steps are whole chunks of one size
+            return self.round.chunk_rows
         if self.chunk_size is not None:
-            return self.chunk_size
+            return self.decide_round(self.chunk_size)
         key = (str(device), int(num_params))
         if key not in self._chunks:
             self._chunks[key] = auto_chunk_size(device, num_params, self.step_rows)
-        return self._chunks[key]
+        return self.decide_round(self._chunks[key])
+
+    def decide_round(self, chunk_rows: int) -> int:
+        """For a round of fixed work (``round_steps``), decide it once from the first chunk decided
+        (whole unit slots of it: :func:`~fedpose.privacy.fixed_shape.round_work`) and check the
+        training set against its N_max (local log only); returns the chunk the steps use."""
+        if self.round_steps is None or self.shape is None:
+            return chunk_rows
+        if self.round is None:
+            self.round = round_work(self.shape, self.round_steps, chunk_rows)
+            self.capacity_warning = round_capacity_warning(self.round, self.dataset_size, self.units.unit, "the training set")
+            if self.capacity_warning is not None:
+                log.warning(self.capacity_warning)
+        return self.round.chunk_rows
 
     def decide_chunk(self, model: TrainableModel) -> int:
         """Decide the chunk for the model's device before any step (see :meth:`chunk_for`): on CUDA
@@ -446,6 +504,7 @@ class GradientEngine:
             input_rows = self.step_rows * (2 if self.mechanism.public_view is not None else 1)
             with out_of_memory_hint(f"measuring a per-sample chunk on {device} (p = {num_params:,})", self.memory_settings):
                 self._chunks[key] = measured_chunk_size(model, device, self.step_rows, input_rows)
+            self.decide_round(self._chunks[key])
         return self.chunk_for(device, num_params)
 
     def refresh_basis(self, model: TrainableModel) -> float:
@@ -537,7 +596,7 @@ class GradientEngine:
         public_gradient = None
         if size:
             inputs = batch["image"] if public_images is None else torch.cat([batch["image"], public_images])
-            features = frozen_features(model, inputs)
+            features = frozen_features(model, inputs, chunk)
             unit_index = batch.get("unit_index")
             if unit_index is None:  # a batch built by the caller: every row is its own unit
                 if self.augmentations != 1:
@@ -662,8 +721,11 @@ class GradientEngine:
             "sample_rate": self.sample_rate,
             "expected_batch_size": self.expected_batch_size,
             "sampling": f"poisson over {unit}s (the records of a sampled {unit} are in the batch, at most "
-            f"{self.shape.rows_per_unit}, chosen uniformly; padded to a fixed {self.shape.unit_slots} {unit} slots)",
-            "fixed_shape": self.shape.report(unit),
+            f"{self.shape.rows_per_unit}, chosen uniformly; " + (
+                f"padded to a fixed {self.shape.unit_slots} {unit} slots)" if self.round is None else
+                f"in whole chunks of {self.round.units_per_chunk} {unit} slots, padded to a fixed "
+                f"{self.round.slots} {unit} slots a round of {self.round.steps} steps)"),
+            "fixed_shape": self.shape.report(unit) if self.round is None else self.round.report(unit),
             "normalisation": f"declared batch size B (train.batch_size, expected {unit}s per batch)",
             "clipping": (f"the summed gradient of each {unit}'s records clipped to C as one" if self.augmentations == 1 else
                          f"the sum over each {unit}'s records of each record's mean gradient over its {self.augmentations} "
@@ -731,6 +793,7 @@ def build_engine(
     units: UnitIndex | None = None,
     memory_settings: str = STEP_MEMORY_SETTINGS,
     ledger: PrivacyLedger | None = None,
+    round_steps: int | None = None,
 ) -> GradientEngine:
     """The engine for ``privacy_cfg.mechanism`` (see the module docstring).
 
@@ -741,14 +804,15 @@ def build_engine(
     ``chunk_size``: samples per chunk of per-sample gradients (None: 16 on the CPU, from free memory
     on CUDA); ``memory_settings``: what the out-of-memory error tells the user to lower.
     ``ledger``: the privacy ledger a resumed run continues — its relation governs the accounting and
-    σ's calibration (it must bound the mechanism's relation).
+    σ's calibration (it must bound the mechanism's relation). ``round_steps``: the steps of a site's
+    round, whose work is then fixed per round instead of per step (:mod:`fedpose.privacy.fixed_shape`).
     """
     mechanism = get_mechanism(privacy_cfg.mechanism)
     params = model.trainable_parameters()
     if not params:
         raise ValueError("the model has no trainable parameters (check model.scenario)")
     engine = GradientEngine(privacy_cfg, mechanism, dataset_size, batch_size, planned_steps, public_dataset, seed, chunk_size,
-                            units, memory_settings, ledger)
+                            units, memory_settings, ledger, round_steps)
     if mechanism.noisy:  # the chunk, from the fixed step shape, before any step (see chunk_for)
         engine.decide_chunk(model)
     return engine

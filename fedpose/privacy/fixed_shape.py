@@ -39,6 +39,12 @@ memory) that tells an observer of the reply's timing N and whether a large unit 
 Everything reported (U, R, K, η, N_max) is a function of public values (B, q, the configured caps),
 never of N. What this costs: U·R·K rows per step instead of about B·K·(mean records per unit); U/B
 is 3.6 at B = 16, 2.5 at B = 40, 1.8 at B = 128 (benchmarks/step_cost).
+
+* **Fixed work per round** (a federation site; the section below): an observer of a site's
+  replies times whole rounds, never a step, so a site's round fixes the round's work instead —
+  its steps whole chunks of the per-sample chunk's shape, its last step also the round's spare.
+  The same sampling and release, so the same (ε, δ); about 60 % of per-step padding's work at the
+  main job's settings. Central training (``fedpose train``, audits) keeps per-step shapes.
 """
 
 from __future__ import annotations
@@ -163,4 +169,199 @@ def capacity_warning(shape: StepShape, num_units: int, unit: str, where: str) ->
         f"{unit}s: beyond that a step overflows its {shape.unit_slots} slots (and does a multiple of the usual "
         f"work) with probability > {OVERFLOW_PROBABILITY:g}. The (ε, δ) guarantee is unchanged; to restore the "
         "timing protection, raise privacy.max_batch_units or lower privacy.sample_rate"
+    )
+
+
+# -- fixed work per round --------------------------------------------------------------------------------
+#
+# What an observer of a site's replies can time is a whole round (its T steps), never one step: the
+# site sends nothing between them. So a site's round fixes the round's work, not each step's: step t
+# computes its K_t sampled units in s·max(1, ⌈K_t/s⌉) unit slots (s = unit slots per per-sample
+# chunk, so a step is whole chunks of one shape) and the round's last step also computes what the
+# earlier ones left of the round's W chunks: W is the smallest w with P(Σ_t max(1, ⌈K_t/s⌉) > w) ≤ η
+# for K_t ~ Binomial(N_max, q), N_max the step shape's (so the round covers every training set the
+# per-step shape would; a smaller one only samples fewer). A sum of T steps varies far less,
+# relative to its mean, than one step does: at the main job's B = 32 (q = 1/15, U = 86, s = 4) a
+# round of 8 steps computes 1.6 B·T slots where per-step padding computes 2.7 B·T — the same
+# guarantee (nothing changes in what is sampled or released) and the same timing protection for
+# what leaves the site, at 60 % of the work. A step of a round is never truncated either; the
+# round's last step holds its spare rows in memory (per-sample work stays in chunks).
+
+#: pmf entries below this are dropped while convolving; their total mass is added to the tail bound
+_NEGLIGIBLE_MASS = 1e-30
+
+
+def _chunk_count_pmf(unit_pmf, units_per_chunk: int):
+    """pmf of max(1, ⌈K/s⌉) from the pmf of K (index = units)."""
+    import numpy as np
+
+    counts = np.maximum(1, -(-np.arange(len(unit_pmf)) // units_per_chunk))
+    return np.bincount(counts, weights=unit_pmf)
+
+
+def _trimmed(pmf, offset: int):
+    """(pmf without negligible leading/trailing entries, its new offset, the dropped mass)."""
+    import numpy as np
+
+    keep = np.flatnonzero(pmf >= _NEGLIGIBLE_MASS)
+    if keep.size == 0:
+        return pmf[:1] * 0, offset, float(pmf.sum())
+    first, last = int(keep[0]), int(keep[-1])
+    dropped = float(pmf[:first].sum() + pmf[last + 1:].sum())
+    return pmf[first: last + 1], offset + first, dropped
+
+
+def _sum_tail(step_pmf, steps: int, threshold: int) -> float:
+    """An upper bound on P(S > threshold) for S the sum of ``steps`` i.i.d. draws of ``step_pmf``
+    (exact convolution by squaring; every dropped negligible entry counted as tail mass)."""
+    import numpy as np
+
+    base, base_offset, dropped = _trimmed(np.asarray(step_pmf, dtype=np.float64), 0)
+    total, total_offset = np.ones(1), 0
+    remaining = int(steps)
+    while remaining:
+        if remaining & 1:
+            total, total_offset, lost = _trimmed(np.convolve(total, base), total_offset + base_offset)
+            dropped += lost
+        remaining >>= 1
+        if remaining:
+            base, base_offset, lost = _trimmed(np.convolve(base, base), 2 * base_offset)
+            dropped += lost
+    above = max(0, int(threshold) + 1 - total_offset)
+    return float(total[above:].sum()) + dropped
+
+
+def _unit_pmf(units: int, sample_rate: float):
+    """pmf of K ~ Binomial(units, q), the far tail lumped at its top (so only ever more work)."""
+    import numpy as np
+
+    mean = units * sample_rate
+    top = min(int(units), int(mean + 20 * mean ** 0.5 + 60))  # P(K > top) < 1e-40
+    pmf = stats.binom.pmf(np.arange(top + 1), units, sample_rate)
+    pmf[-1] += stats.binom.sf(top, units, sample_rate)
+    return pmf
+
+
+def round_overflow_probability(units: int, sample_rate: float, steps: int, units_per_chunk: int, chunks: int) -> float:
+    """An upper bound on P(Σ_{t<T} max(1, ⌈K_t/s⌉) > W) for K_t ~ Binomial(units, q): a round's
+    chance of more work than W chunks."""
+    return _sum_tail(_chunk_count_pmf(_unit_pmf(units, sample_rate), units_per_chunk), steps, chunks)
+
+
+@lru_cache(maxsize=256)
+def round_chunks(sample_rate: float, step_max_units: int, steps: int, units_per_chunk: int) -> int:
+    """W: the smallest w with P(Σ_{t<T} max(1, ⌈K_t/s⌉) > w) ≤ η for K_t ~ Binomial(N_max, q), N_max
+    the step shape's (so the round covers every training set its steps' shape would)."""
+    def passes(chunks: int) -> bool:
+        return round_overflow_probability(step_max_units, sample_rate, steps, units_per_chunk, chunks) <= OVERFLOW_PROBABILITY
+
+    low, high = steps - 1, steps  # every step is at least one chunk
+    while not passes(high):
+        low, high = high, 2 * high
+    while high - low > 1:  # invariant: high passes, low fails
+        mid = (low + high) // 2
+        if passes(mid):
+            high = mid
+        else:
+            low = mid
+    return high
+
+
+@lru_cache(maxsize=256)
+def round_max_units(sample_rate: float, steps: int, units_per_chunk: int, chunks: int) -> int:
+    """N_max of a round: the most units for which its overflow probability stays ≤ η (monotone in
+    n: ⌈Binomial(n, q)/s⌉ grows stochastically with n, and so does a sum of independent ones)."""
+    def passes(n: int) -> bool:
+        return round_overflow_probability(n, sample_rate, steps, units_per_chunk, chunks) <= OVERFLOW_PROBABILITY
+
+    if not passes(1):
+        return 0
+    low, high = 1, 2
+    while passes(high):
+        low, high = high, 2 * high
+    while high - low > 1:  # invariant: low passes, high fails
+        mid = (low + high) // 2
+        if passes(mid):
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+@dataclass(frozen=True)
+class RoundWork:
+    """The fixed work of a round of ``steps`` DP steps (see the section comment above): every step a
+    whole number of chunks of ``units_per_chunk`` unit slots (one per-sample chunk each), the round
+    ``chunks`` chunks in all."""
+
+    steps: int
+    units_per_chunk: int
+    chunks: int
+    shape: StepShape
+
+    @property
+    def slots(self) -> int:
+        """Unit slots of a whole round."""
+        return self.chunks * self.units_per_chunk
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows of one chunk (the per-sample chunk of this round's steps)."""
+        return self.units_per_chunk * self.shape.rows_per_slot
+
+    @property
+    def max_units(self) -> int:
+        """N_max: the round's timing protection covers training sets of at most this many units."""
+        return round_max_units(self.shape.sample_rate, self.steps, self.units_per_chunk, self.chunks)
+
+    def slots_for(self, sampled_units: int, slots_used: int, last_step: bool) -> int:
+        """Unit slots of a step that sampled this many units, after ``slots_used`` slots of this round's
+        earlier steps: whole chunks holding every sampled unit (never a truncation), and on the
+        round's last step at least the round's spare too."""
+        slots = max(1, -(-int(sampled_units) // self.units_per_chunk)) * self.units_per_chunk
+        return max(slots, self.slots - slots_used) if last_step else slots
+
+    def report(self, unit: str) -> dict:
+        """The fixed-work part of a privacy report: public values only."""
+        return {
+            "steps_per_round": self.steps,
+            "unit_slots_per_chunk": self.units_per_chunk,
+            "rows_per_chunk": self.chunk_rows,
+            "chunks_per_round": self.chunks,
+            "rows_per_round": self.chunks * self.chunk_rows,
+            "rows_per_unit": self.shape.rows_per_unit,
+            "augmentations_per_record": self.shape.augmentations,
+            "overflow_probability_per_round": OVERFLOW_PROBABILITY,
+            "max_units": self.max_units,
+            "statement": (
+                f"every round computes {self.chunks} chunks of {self.units_per_chunk} {unit} slots × "
+                f"{self.shape.rows_per_slot} rows (zero-weight padding; the round's last step takes what its "
+                f"steps left over), the same work whatever was sampled; a round that samples more keeps every "
+                f"{unit} in more chunks, so the (ε, δ) above is exact. The timing protection covers training sets of "
+                f"at most {self.max_units} {unit}s; a larger round, probability ≤ {OVERFLOW_PROBABILITY:g}, takes "
+                "more work (a timing side channel, outside the DP guarantee)"
+            ),
+        }
+
+
+def round_work(shape: StepShape, steps: int, chunk_rows: int) -> RoundWork:
+    """The fixed work of a round of ``steps`` steps of ``shape`` whose per-sample chunk holds about
+    ``chunk_rows`` rows (rounded down to whole unit slots, at least one). Public values only: W
+    covers the training sets the step shape covers (its N_max, from q and U), never N itself."""
+    if steps < 1:
+        raise ValueError(f"a round has at least one step, got {steps}")
+    units_per_chunk = max(1, int(chunk_rows) // shape.rows_per_slot)
+    chunks = round_chunks(shape.sample_rate, shape.max_units, int(steps), units_per_chunk)
+    return RoundWork(int(steps), units_per_chunk, chunks, shape)
+
+
+def round_capacity_warning(work: RoundWork, num_units: int, unit: str, where: str) -> str | None:
+    """:func:`capacity_warning` for a round of fixed work (N > its N_max), or None; local log only."""
+    if num_units <= work.max_units:
+        return None
+    return (
+        f"{where}: {num_units} {unit}s, but a round of {work.steps} steps at q = {work.shape.sample_rate:g} keeps its "
+        f"timing independent of the data only up to {work.max_units} {unit}s: beyond that it takes more than its "
+        f"{work.chunks} chunks with probability > {OVERFLOW_PROBABILITY:g}. The (ε, δ) guarantee is unchanged; to restore "
+        "the timing protection, lower privacy.sample_rate or raise train.batch_size"
     )

@@ -171,10 +171,13 @@ def chunk_size_from_probe(available_bytes: int, peaks: list[int], num_params: in
     return max(1, min(cap, int(budget // per_sample)))
 
 
-def frozen_features(model: TrainableModel, images: Tensor) -> Tensor:
-    """The frozen prefix, once for the whole batch, outside any autograd graph."""
+def frozen_features(model: TrainableModel, images: Tensor, chunk_size: int | None = None) -> Tensor:
+    """The frozen prefix, outside any autograd graph: for the whole batch at once, or ``chunk_size``
+    rows at a time (a DP step's rows: every forward then has the chunk's shape, whatever the step's size)."""
     with torch.no_grad():
-        return model.forward_frozen(images)
+        if chunk_size is None or images.shape[0] <= chunk_size:
+            return model.forward_frozen(images)
+        return torch.cat([model.forward_frozen(part) for part in images.split(chunk_size)])
 
 
 def flatten(tensors: dict[str, Tensor] | list[Tensor]) -> Tensor:
