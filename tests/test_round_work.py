@@ -200,3 +200,21 @@ def test_the_frozen_forward_in_chunks_is_the_one_pass_forward(model) -> None:
     images = torch.stack([TensorPoseSet(12)[i]["image"] for i in range(12)])
     torch.testing.assert_close(frozen_features(model, images, 4), frozen_features(model, images))
     assert Counter(part.shape[0] for part in images.split(4)) == Counter({4: 3})
+
+
+def test_a_public_views_own_sample_does_the_rounds_fixed_work_too(model) -> None:
+    """fdp releases the ψ gradient of its own Poisson sample without noise: that sample's work is a
+    round's fixed work as well, counted apart from the private sample's, and every step is whole chunks."""
+    sizes = [1] * 30
+    engine, dataset, _ = round_engine(model, sizes, mechanism="fdp")
+    work = engine.round
+    batches = engine.batches(dataset)
+    for _ in range(8):
+        private, public = [], []
+        for _ in range(work.steps):
+            batch = next(batches)
+            private.append(batch["image"].shape[0])
+            public.append(batch["public_sample"]["image"].shape[0])
+            engine.step(model, batch)
+        assert sum(private) == sum(public) == work.slots * 3
+        assert all(rows % work.chunk_rows == 0 for rows in private + public)

@@ -13,6 +13,10 @@ the transport is in-process (no Flower messaging), and every site's ε_max is th
 trains round 2 as well (the demo's site 3, ε_max 0.8, refuses it). A variant that wins here is
 checked with ``fedpose simulate`` on the same tuning seeds on the CPU before it is adopted.
 
+The recipe ``configs/demo.toml`` holds changes: ``main_job_grid_h200.json`` ran it at 2 rounds × 8 steps
+(its ``settings_of_shipped``), where "steps16" is today's 2 × 16 and "steps8" would repeat it; merge only
+files of the same shipped recipe.
+
 Each finished run is written to ``DIR/main_job_grid.json`` at once, so a run cut short keeps what
 finished. ``--summarize A.json B.json … --out DIR`` merges such files and adds, per variant, its mean
 gain and its difference from the shipped recipe paired by data seed (and draws them: DIR/main_job_grid.png).
@@ -57,7 +61,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "nonprivate-full-lr0.01": {"mechanisms": ["none"], "nonprivate_lr": 0.01},
     "nonprivate-full-lr0.03": {"mechanisms": ["none"], "nonprivate_lr": 0.03},
     "nonprivate-full-steps16": {"mechanisms": ["none"], "local_steps": 16},  # 2 × 16 steps: what more steps would buy
-    "steps16": {"local_steps": 16},  # 2 × 16 steps at the same ε (σ recalibrated): 2× the compute
+    "steps16": {"local_steps": 16},  # 2 × 16 steps at the same ε (σ recalibrated): the shipped recipe since 2026-12-04
+    "steps8": {"local_steps": 8},  # 2 × 8 steps at the same ε: the shipped recipe of main_job_grid_h200.json
 }
 
 
