@@ -13,8 +13,6 @@ import pytest
 import torch
 from scipy import stats
 
-from fedpose.config import PrivacyConfig
-from fedpose.data.units import UnitIndex
 from fedpose.privacy.engine import build_engine
 from fedpose.privacy.fixed_shape import (
     OVERFLOW_PROBABILITY,
@@ -25,26 +23,8 @@ from fedpose.privacy.fixed_shape import (
     step_shape,
 )
 from fedpose.privacy.per_sample import frozen_features
-from test_dp_engine import TensorPoseSet, make_model
-
-
-@pytest.fixture(scope="module")
-def model():
-    return make_model()
-
-
-def patients(sizes: list[int]) -> UnitIndex:
-    members, start = [], 0
-    for size in sizes:
-        members.append(tuple(range(start, start + size)))
-        start += size
-    return UnitIndex("patient", tuple(members))
-
-
-def dp(**kwargs) -> PrivacyConfig:
-    base = {"mechanism": "dpsgd", "noise_multiplier": 1.0, "max_grad_norm": 1.0, "sample_rate": 0.25,
-            "insecure_seeded_noise": True}
-    return PrivacyConfig(**{**base, **kwargs})
+from test_dp_engine import TensorPoseSet
+from test_fixed_shape_steps import dp, model, patients  # noqa: F401 (model: the module's fixture)
 
 
 def chunks_of(units: np.ndarray, units_per_chunk: int) -> np.ndarray:

@@ -51,7 +51,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable
 
+import numpy as np
 from scipy import stats
 
 #: η, the bound on one step's overflow probability P(Binomial(n, q) > U) for every training set the
@@ -193,16 +195,12 @@ _NEGLIGIBLE_MASS = 1e-30
 
 def _chunk_count_pmf(unit_pmf, units_per_chunk: int):
     """pmf of max(1, ⌈K/s⌉) from the pmf of K (index = units)."""
-    import numpy as np
-
     counts = np.maximum(1, -(-np.arange(len(unit_pmf)) // units_per_chunk))
     return np.bincount(counts, weights=unit_pmf)
 
 
 def _trimmed(pmf, offset: int):
     """(pmf without negligible leading/trailing entries, its new offset, the dropped mass)."""
-    import numpy as np
-
     keep = np.flatnonzero(pmf >= _NEGLIGIBLE_MASS)
     if keep.size == 0:
         return pmf[:1] * 0, offset, float(pmf.sum())
@@ -214,8 +212,6 @@ def _trimmed(pmf, offset: int):
 def _sum_tail(step_pmf, steps: int, threshold: int) -> float:
     """An upper bound on P(S > threshold) for S the sum of ``steps`` i.i.d. draws of ``step_pmf``
     (exact convolution by squaring; every dropped negligible entry counted as tail mass)."""
-    import numpy as np
-
     base, base_offset, dropped = _trimmed(np.asarray(step_pmf, dtype=np.float64), 0)
     total, total_offset = np.ones(1), 0
     remaining = int(steps)
@@ -233,13 +229,26 @@ def _sum_tail(step_pmf, steps: int, threshold: int) -> float:
 
 def _unit_pmf(units: int, sample_rate: float):
     """pmf of K ~ Binomial(units, q), the far tail lumped at its top (so only ever more work)."""
-    import numpy as np
-
     mean = units * sample_rate
     top = min(int(units), int(mean + 20 * mean ** 0.5 + 60))  # P(K > top) < 1e-40
     pmf = stats.binom.pmf(np.arange(top + 1), units, sample_rate)
     pmf[-1] += stats.binom.sf(top, units, sample_rate)
     return pmf
+
+
+def _last_true(predicate: Callable[[int], bool], first: int) -> int:
+    """The largest n ≥ ``first`` with ``predicate(n)``, for a predicate true from ``first`` up to some
+    n and false beyond it: doubling, then bisection."""
+    low, high = first, max(2 * first, first + 1)
+    while predicate(high):
+        low, high = high, max(2 * high, high + 1)
+    while high - low > 1:  # invariant: predicate(low), not predicate(high)
+        mid = (low + high) // 2
+        if predicate(mid):
+            low = mid
+        else:
+            high = mid
+    return low
 
 
 def round_overflow_probability(units: int, sample_rate: float, steps: int, units_per_chunk: int, chunks: int) -> float:
@@ -255,16 +264,8 @@ def round_chunks(sample_rate: float, step_max_units: int, steps: int, units_per_
     def passes(chunks: int) -> bool:
         return round_overflow_probability(step_max_units, sample_rate, steps, units_per_chunk, chunks) <= OVERFLOW_PROBABILITY
 
-    low, high = steps - 1, steps  # every step is at least one chunk
-    while not passes(high):
-        low, high = high, 2 * high
-    while high - low > 1:  # invariant: high passes, low fails
-        mid = (low + high) // 2
-        if passes(mid):
-            high = mid
-        else:
-            low = mid
-    return high
+    # the last failing w, plus one; T − 1 chunks always fail (every step is at least one chunk)
+    return _last_true(lambda chunks: not passes(chunks), steps - 1) + 1
 
 
 @lru_cache(maxsize=256)
@@ -274,18 +275,7 @@ def round_max_units(sample_rate: float, steps: int, units_per_chunk: int, chunks
     def passes(n: int) -> bool:
         return round_overflow_probability(n, sample_rate, steps, units_per_chunk, chunks) <= OVERFLOW_PROBABILITY
 
-    if not passes(1):
-        return 0
-    low, high = 1, 2
-    while passes(high):
-        low, high = high, 2 * high
-    while high - low > 1:  # invariant: low passes, high fails
-        mid = (low + high) // 2
-        if passes(mid):
-            low = mid
-        else:
-            high = mid
-    return low
+    return _last_true(passes, 1) if passes(1) else 0
 
 
 @dataclass(frozen=True)
