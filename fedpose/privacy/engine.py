@@ -307,8 +307,8 @@ class GradientEngine:
             yield from self._shuffled_batches(dataset)
 
     def _poisson_batches(self, dataset: Dataset) -> Iterator[dict]:
-        if self.round_steps is not None and self.round is None:  # an engine not built by build_engine: the CPU's chunk
-            self.decide_round(self.chunk_size if self.chunk_size is not None else auto_chunk_size(torch.device("cpu"), 0, self.step_rows))
+        if self.round_steps is not None and self.round is None:  # an engine not built by build_engine: the CPU's chunk decides
+            self.chunk_for(torch.device("cpu"), 0)
         while True:
             assert self.noise is not None
             # Coins of the upcoming step: indexed by step (≥ steps_done, so a resumed run never
@@ -445,9 +445,6 @@ class GradientEngine:
         """What augmentation multiplicity costs, for the run's log (None at K = 1): public settings only."""
         if self.augmentations == 1:
             return None
-        layout = (f"{self.shape.unit_slots} {self.units.unit} slots × {self.shape.rows_per_unit} records × "
-                  f"{self.augmentations} augmentations" if self.shape is not None
-                  else f"{self.batch_size} records × {self.augmentations} augmentations")
         if self.round is not None:
             work = self.round
             layout = (f"{work.chunks} chunks of {work.units_per_chunk} {self.units.unit} slots × {self.shape.rows_per_unit} "
@@ -456,6 +453,9 @@ class GradientEngine:
             return (f"augmentation multiplicity K = {self.augmentations}: every round of {steps} computes "
                     f"{work.chunks * work.chunk_rows} rows ({layout}), {self.augmentations}× the work of K = 1; σ, q and ε "
                     "are unchanged")
+        layout = (f"{self.shape.unit_slots} {self.units.unit} slots × {self.shape.rows_per_unit} records × "
+                  f"{self.augmentations} augmentations" if self.shape is not None
+                  else f"{self.batch_size} records × {self.augmentations} augmentations")
         return (f"augmentation multiplicity K = {self.augmentations}: every step computes {self.step_rows} rows ({layout}), "
                 f"{self.augmentations}× the work and activation memory of K = 1; σ, q and ε are unchanged")
 
@@ -504,7 +504,6 @@ class GradientEngine:
             input_rows = self.step_rows * (2 if self.mechanism.public_view is not None else 1)
             with out_of_memory_hint(f"measuring a per-sample chunk on {device} (p = {num_params:,})", self.memory_settings):
                 self._chunks[key] = measured_chunk_size(model, device, self.step_rows, input_rows)
-            self.decide_round(self._chunks[key])
         return self.chunk_for(device, num_params)
 
     def refresh_basis(self, model: TrainableModel) -> float:
