@@ -83,6 +83,8 @@ class RoundRecord(BaseModel):
 
     round: int
     pckh: dict[str, float | None] | None = None  #: PCKh of the global model after the round (None: no held-out split)
+    #: coordinator.ema on: ``pckh`` is of the moving average of the global models since this round (else of the iterate)
+    averaged_from_round: int | None = None
     aggregated: bool = False  #: whether the global model changed
     accepted: int = 0
     rejected: int = 0
@@ -205,7 +207,9 @@ def failure_summary(failures: list[SiteFailure]) -> list[str]:
 def round_line(entry: RoundRecord) -> str:
     """One human-readable line per round: PCKh and every site's ε with guarantee, δ, accountant."""
     pckh = (entry.pckh or {}).get("Mean")
-    parts = [f"round {entry.round:>3}", f"PCKh@0.5 = {pckh:.2f}" if pckh is not None else "PCKh@0.5 = n/a"]
+    first = entry.averaged_from_round
+    averaged = f" (moving average of rounds {first}–{entry.round})" if first is not None and first < entry.round else ""
+    parts = [f"round {entry.round:>3}", f"PCKh@0.5 = {pckh:.2f}{averaged}" if pckh is not None else "PCKh@0.5 = n/a"]
     for site_id, site in sorted(entry.sites.items()):
         reason = f" ({site.reason})" if site.reason else ""
         if site.guarantee is None:  # no privacy report this round (its spend shows in its next one)

@@ -70,6 +70,11 @@ class WeightEma:
         self.weights = ema_step(self.weights, global_weights, self.decay, self.averaged)
         self.round = round_id
 
+    @property
+    def first_round(self) -> int | None:
+        """The first round in the average (None before any)."""
+        return self.round - self.averaged + 1 if self.averaged else None
+
     def meta(self) -> dict[str, Any]:
         return {"decay": self.decay, "averaged_rounds": self.averaged, "round": self.round}
 

@@ -52,10 +52,10 @@ def test_the_average_is_a_recomputation_from_the_released_global_models_and_surv
     """Three rounds of a real DP site, the run stopped after round 1 and resumed: global_ema.npz is
     0.3·w1 + 0.3·w2 + 0.4·w3 of the global models the coordinator released (decay 0.6: the mean of
     rounds 1–2, then newest weight 1 − 0.6), computed here from those weights alone; the history's
-    PCKh is the average's, and the directory's published model is the average."""
+    PCKh is the average's and its round lines say so, and the directory's published model is the average."""
     from fedpose.data.dataset import PoseDataset, load_records
     from fedpose.federation.global_model import load_global_model
-    from fedpose.federation.report import load_history
+    from fedpose.federation.report import load_history, round_line
     from fedpose.train.evaluate import evaluate
     from site_round_helpers import make_site_data, site_config
 
@@ -82,7 +82,11 @@ def test_the_average_is_a_recomputation_from_the_released_global_models_and_surv
 
     records, root = load_records(data / "test")
     scores = evaluate(published.model, PoseDataset(records, root, input_size=(64, 64), train=False), batch_size=16)
-    assert load_history(tmp_path / "coordinator")[-1].pckh["Mean"] == pytest.approx(scores["Mean"])
+    history = load_history(tmp_path / "coordinator")
+    assert history[-1].pckh["Mean"] == pytest.approx(scores["Mean"])
+    assert [entry.averaged_from_round for entry in history] == [1, 1, 1]
+    assert "(moving average" not in round_line(history[0])  # round 1's average is w1 itself
+    assert f"PCKh@0.5 = {scores['Mean']:.2f} (moving average of rounds 1–3) |" in round_line(history[-1])
     report = json.loads((tmp_path / "coordinator" / "report.json").read_text())
     assert report["evaluated_model"] == {"decay": 0.6, "averaged_rounds": 3, "round": 3, "file": EMA_CHECKPOINT}
 
