@@ -286,7 +286,9 @@ def federation_figure(rounds: list[RoundRecord], initial_pckh: float | None = No
         xs, means = [0, *xs], [initial_pckh, *means]
     ax_pckh.plot(xs, means, marker="o", label="Mean")
     ax_pckh.plot([x for x, _ in evaluated], [p.get("Mean@0.1", float("nan")) for _, p in evaluated], marker=".", label="Mean@0.1")
-    ax_pckh.set(title="global model, held-out split", xlabel="round", ylabel="PCKh (%)")
+    averaged = [r.round for r in rounds if r.pckh and r.averaged_from_round is not None and r.averaged_from_round < r.round]
+    model = f"global model (its moving average from round {averaged[0]})" if averaged else "global model"
+    ax_pckh.set(title=f"{model}, held-out split", xlabel="round", ylabel="PCKh (%)")
     ax_pckh.legend()
     sites = sorted({s for r in rounds for s in r.sites})
     for site_id in sites:

@@ -106,3 +106,16 @@ def test_an_ema_decay_outside_zero_to_one_is_refused(decay: float) -> None:
     with pytest.raises(ValidationError, match="ema.decay"):
         CoordinatorConfig.model_validate({"ema": {"decay": decay}})
     assert not CoordinatorConfig().ema.on
+
+
+def test_the_curves_title_says_from_which_round_the_pckh_is_of_the_moving_average() -> None:
+    from fedpose.federation.report import RoundRecord, federation_figure
+
+    def title(averaged_from: list[int | None]) -> str:
+        rounds = [RoundRecord(round=r, pckh={"Mean": 50.0 + r}, averaged_from_round=a) for r, a in enumerate(averaged_from, 1)]
+        figure = federation_figure(rounds, initial_pckh=49.0)
+        return figure.axes[0].get_title()
+
+    assert title([None, None]) == "global model, held-out split"
+    assert title([1, 1, 2]) == "global model (its moving average from round 2), held-out split"
+    assert title([1]) == "global model, held-out split"  # one round: the average is that round's model
