@@ -205,7 +205,8 @@ def failure_summary(failures: list[SiteFailure]) -> list[str]:
 
 
 def round_line(entry: RoundRecord) -> str:
-    """One human-readable line per round: PCKh and every site's ε with guarantee, δ, accountant."""
+    """One human-readable line per round: PCKh (saying so when it is of the moving average) and every
+    site's ε with guarantee, δ, accountant."""
     pckh = (entry.pckh or {}).get("Mean")
     first = entry.averaged_from_round
     averaged = f" (moving average of rounds {first}–{entry.round})" if first is not None and first < entry.round else ""

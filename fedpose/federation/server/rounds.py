@@ -551,7 +551,8 @@ class RoundRunner:
         if self.ema is not None:
             self.ema.update(self.global_state, round_id)
         entry = RoundRecord(
-            round=round_id, pckh=self.evaluate(), averaged_from_round=self.ema.first_round if self.ema else None, aggregated=aggregated, accepted=accepted, rejected=rejected,
+            round=round_id, pckh=self.evaluate(), averaged_from_round=self.ema.first_round if self.ema else None,
+            aggregated=aggregated, accepted=accepted, rejected=rejected,
             selected=len(selected), basis_version=self.basis.current_version, wall_seconds=time.perf_counter() - started,
             exchange_seconds=round_seconds, sites=sites, exhausted=len(self.exhausted_sites()), basis_bytes=basis_bytes,
             not_asked_exhausted=sorted(self.exhausted_sites() - set(sites)),

@@ -113,8 +113,12 @@ def test_the_curves_title_says_from_which_round_the_pckh_is_of_the_moving_averag
 
     def title(averaged_from: list[int | None]) -> str:
         rounds = [RoundRecord(round=r, pckh={"Mean": 50.0 + r}, averaged_from_round=a) for r, a in enumerate(averaged_from, 1)]
+        import matplotlib.pyplot as plt
+
         figure = federation_figure(rounds, initial_pckh=49.0)
-        return figure.axes[0].get_title()
+        text = figure.axes[0].get_title()
+        plt.close(figure)
+        return text
 
     assert title([None, None]) == "global model, held-out split"
     assert title([1, 1, 2]) == "global model (its moving average from round 2), held-out split"
