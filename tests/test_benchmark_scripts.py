@@ -152,6 +152,7 @@ def test_main_job_grid_reproduces_the_main_jobs_recipe_and_pairs_variants_by_dat
     assert (settings.rounds * settings.local_steps, settings.scenario, settings.init_checkpoint) == (
         demo["coordinator"]["rounds"] * demo["sites"][0]["local_steps"], demo["coordinator"]["model"]["scenario"],
         demo["coordinator"]["model"]["init_checkpoint"])
+    assert settings.ema_decay == demo["coordinator"].get("ema", {}).get("decay", 0.0)
     assert all(name == "shipped" or changes for name, changes in grid.VARIANTS.items())
 
     def result(variant: str, seed: int, gain: float) -> dict:

@@ -14,8 +14,9 @@ trains round 2 as well (the demo's site 3, ε_max 0.8, refuses it). A variant th
 checked with ``fedpose simulate`` on the same tuning seeds on the CPU before it is adopted.
 
 The recipe ``configs/demo.toml`` holds changes: ``main_job_grid_h200.json`` ran it at 2 rounds × 8 steps
-(its ``settings_of_shipped``), where "steps16" is today's 2 × 16 and "steps8" would repeat it; merge only
-files of the same shipped recipe.
+without the moving average (its ``settings_of_shipped``), where "steps16" is 2 × 16 and "steps8" would
+repeat it; since 2026-12-05 "shipped" also scores the mean of the rounds' models ("no-ema": the iterate).
+Merge only files of the same shipped recipe.
 
 Each finished run is written to ``DIR/main_job_grid.json`` at once, so a run cut short keeps what
 finished. ``--summarize A.json B.json … --out DIR`` merges such files and adds, per variant, its mean
@@ -63,6 +64,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "nonprivate-full-steps16": {"mechanisms": ["none"], "local_steps": 16},  # 2 × 16 steps: what more steps would buy
     "steps16": {"local_steps": 16},  # 2 × 16 steps at the same ε (σ recalibrated): the shipped recipe since 2026-12-04
     "steps8": {"local_steps": 8},  # 2 × 8 steps at the same ε: the shipped recipe of main_job_grid_h200.json
+    "no-ema": {"ema_decay": 0.0},  # the round-2 iterate instead of the mean of the rounds' models (shipped since 2026-12-05)
 }
 
 
@@ -84,6 +86,7 @@ def demo_settings(data_seed: int) -> dict[str, Any]:
         "init_checkpoint": str(coordinator.model.init_checkpoint),
         "batch_size": site.train.batch_size, "rounds": coordinator.rounds, "local_steps": site.local_steps,
         "site_lr": site.optim.lr, "site_momentum": site.optim.momentum, "site_optimizer": site.optim.name,
+        "ema_decay": coordinator.ema.decay,
         "max_grad_norm": privacy.max_grad_norm, "delta": privacy.delta, "unit": privacy.unit,
         "max_records_per_unit": privacy.max_records_per_unit, "mechanisms": [privacy.mechanism],
         "epsilons": [round(epsilon, 2)],
