@@ -169,6 +169,20 @@ def test_main_job_grid_reproduces_the_main_jobs_recipe_and_pairs_variants_by_dat
     assert (tmp_path / "grid.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_main_job_simulate_reads_the_curve_the_readme_shows_and_uses_its_seed_overrides():
+    """main_job_simulate.py reads the round lines ``fedpose simulate`` prints (the README's block, a
+    moving-average line included) and passes the README's seed-S overrides."""
+    script = _load(FEDERATED_UTILITY.parent / "main_job_simulate.py", "main_job_simulate")
+    readme = (BENCHMARKS.parent / "README.md").read_text()
+    printed = readme[readme.index("round   0 | PCKh@0.5"):readme.index("federation finished")]
+    curve = script.printed_curve(printed)
+    assert len(curve) == 3 and all(40.0 < pckh < 100.0 for pckh in curve)
+    assert f"PCKh@0.5 = {curve[2]:.2f} (moving average of rounds 1–2)" in printed
+    assert script.seed_overrides(1, 3) == ["coordinator.seed=1", "sites.0.train.seed=101", "sites.1.train.seed=102",
+                                           "sites.2.train.seed=103"]
+    assert "sites.I.train.seed=100·S+I+1" in readme
+
+
 def test_federated_utility_noise_override_sets_every_private_arms_sigma_and_resumes_only_shared_runs(tmp_path):
     """``noise_multiplier`` (an emulation knob) replaces the σ that ε would calibrate in every private arm,
     never a non-private one; resuming from a sweep without it takes that sweep's public-only and
