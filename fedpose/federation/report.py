@@ -101,6 +101,11 @@ class RoundRecord(BaseModel):
     node_wait_seconds: float = 0.0
     secure_aggregation: SecureAggregationRecord | None = None
 
+    @property
+    def pckh_is_averaged(self) -> bool:
+        """Whether ``pckh`` is of an average of several rounds' models (round 1's average is its model)."""
+        return self.averaged_from_round is not None and self.averaged_from_round < self.round
+
 
 def _rounds(raw: Any, path: Path) -> list[RoundRecord]:
     """The round records of a history or report file; a clear error naming the file when they do not parse."""
@@ -208,8 +213,7 @@ def round_line(entry: RoundRecord) -> str:
     """One human-readable line per round: PCKh (saying so when it is of the moving average) and every
     site's ε with guarantee, δ, accountant."""
     pckh = (entry.pckh or {}).get("Mean")
-    first = entry.averaged_from_round
-    averaged = f" (moving average of rounds {first}–{entry.round})" if first is not None and first < entry.round else ""
+    averaged = f" (moving average of rounds {entry.averaged_from_round}–{entry.round})" if entry.pckh_is_averaged else ""
     parts = [f"round {entry.round:>3}", f"PCKh@0.5 = {pckh:.2f}{averaged}" if pckh is not None else "PCKh@0.5 = n/a"]
     for site_id, site in sorted(entry.sites.items()):
         reason = f" ({site.reason})" if site.reason else ""
@@ -287,7 +291,7 @@ def federation_figure(rounds: list[RoundRecord], initial_pckh: float | None = No
         xs, means = [0, *xs], [initial_pckh, *means]
     ax_pckh.plot(xs, means, marker="o", label="Mean")
     ax_pckh.plot([x for x, _ in evaluated], [p.get("Mean@0.1", float("nan")) for _, p in evaluated], marker=".", label="Mean@0.1")
-    averaged = [r.round for r in rounds if r.pckh and r.averaged_from_round is not None and r.averaged_from_round < r.round]
+    averaged = [r.round for r in rounds if r.pckh and r.pckh_is_averaged]
     model = f"global model (its moving average from round {averaged[0]})" if averaged else "global model"
     ax_pckh.set(title=f"{model}, held-out split", xlabel="round", ylabel="PCKh (%)")
     ax_pckh.legend()

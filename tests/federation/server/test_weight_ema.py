@@ -109,12 +109,12 @@ def test_an_ema_decay_outside_zero_to_one_is_refused(decay: float) -> None:
 
 
 def test_the_curves_title_says_from_which_round_the_pckh_is_of_the_moving_average() -> None:
+    import matplotlib.pyplot as plt
+
     from fedpose.federation.report import RoundRecord, federation_figure
 
     def title(averaged_from: list[int | None]) -> str:
         rounds = [RoundRecord(round=r, pckh={"Mean": 50.0 + r}, averaged_from_round=a) for r, a in enumerate(averaged_from, 1)]
-        import matplotlib.pyplot as plt
-
         figure = federation_figure(rounds, initial_pckh=49.0)
         text = figure.axes[0].get_title()
         plt.close(figure)
