@@ -178,8 +178,9 @@ def test_main_job_simulate_reads_the_curve_the_readme_shows_and_uses_its_seed_ov
     curve = script.printed_curve(printed)
     assert len(curve) == 3 and all(40.0 < pckh < 100.0 for pckh in curve)
     assert f"PCKh@0.5 = {curve[2]:.2f} (moving average of rounds 1–2)" in printed
-    assert script.seed_overrides(1, 3) == ["coordinator.seed=1", "sites.0.train.seed=101", "sites.1.train.seed=102",
-                                           "sites.2.train.seed=103"]
+    assert script.site_count() == 3  # configs/demo.toml's [[sites]]: one seed override each
+    assert script.seed_overrides(1, script.site_count()) == [
+        "coordinator.seed=1", "sites.0.train.seed=101", "sites.1.train.seed=102", "sites.2.train.seed=103"]
     assert "sites.I.train.seed=100·S+I+1" in readme
 
 

@@ -23,10 +23,12 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
+DEMO_CONFIG = REPO / "configs" / "demo.toml"
 #: a round line's PCKh as the coordinator prints it ("round   2 | PCKh@0.5 = 67.19 (moving average …")
 ROUND_PCKH = re.compile(r"^round +(\d+) \| PCKh@0\.5 = ([0-9.]+)", re.MULTILINE)
 
@@ -34,6 +36,11 @@ ROUND_PCKH = re.compile(r"^round +(\d+) \| PCKh@0\.5 = ([0-9.]+)", re.MULTILINE)
 def printed_curve(log: str) -> list[float]:
     """PCKh@0.5 of rounds 0, 1, … as the run printed them."""
     return [float(pckh) for _, pckh in sorted((int(r), p) for r, p in ROUND_PCKH.findall(log))]
+
+
+def site_count(config: Path = DEMO_CONFIG) -> int:
+    """How many ``[[sites]]`` the main job's config declares (each gets a seed override)."""
+    return len(tomllib.loads(config.read_text())["sites"])
 
 
 def seed_overrides(run_seed: int, sites: int) -> list[str]:
@@ -54,7 +61,7 @@ def run_one(data_seed: int, overrides: list[str], scratch: Path) -> dict[str, An
     work = scratch / f"data-seed-{data_seed}"
     shutil.rmtree(work / "runs", ignore_errors=True)  # a run cut short: its budgets would refuse a restart
     (work / "configs").mkdir(parents=True, exist_ok=True)
-    shutil.copy(REPO / "configs" / "demo.toml", work / "configs" / "demo.toml")
+    shutil.copy(DEMO_CONFIG, work / "configs" / "demo.toml")
     if not (work / "checkpoints").exists():
         (work / "checkpoints").symlink_to(REPO / "checkpoints")
     command = [str(fedpose), "simulate", "--config", "configs/demo.toml", "--set", f"synthetic.seed={data_seed}"]
@@ -83,7 +90,7 @@ def main() -> int:
     parser.add_argument("--run-seed", type=int, default=None, help="the README's seed-S overrides")
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/fedpose_main_job_simulate"))
     args = parser.parse_args()
-    overrides = args.overrides + (seed_overrides(args.run_seed, sites=3) if args.run_seed is not None else [])
+    overrides = args.overrides + (seed_overrides(args.run_seed, site_count()) if args.run_seed is not None else [])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     out = json.loads(args.out.read_text()) if args.out.is_file() else {
         "what": "configs/demo.toml run by `fedpose simulate` per data set; the round-2 iterate and the published model scored",
