@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
+from timm.layers import LayerNorm2d
 
 from fedpose.config import ModelConfig, PrivacyConfig
 from fedpose.model import build_model
@@ -37,11 +38,11 @@ SIZE = (64, 64)
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
-def make_model(backbone: str = "tiny_vit_test", size: tuple[int, int] = SIZE, seed: int = 0):
+def make_model(backbone: str = "tiny_vit_test", size: tuple[int, int] = SIZE, seed: int = 0, scenario: str = "finetune"):
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # 'finetune without init_checkpoint'
-        return build_model(ModelConfig(backbone=backbone), size)
+        return build_model(ModelConfig(backbone=backbone, scenario=scenario), size)
 
 
 class TensorPoseSet(torch.utils.data.Dataset):
@@ -109,15 +110,55 @@ def test_per_sample_gradients_equal_a_loop_real_tinyvit() -> None:
     assert real.num_trainable() > 2_000_000  # stage 3 + LayerNorms + head of the real TinyViT-5M
     # Stages 1-2's LayerNorms take the batched path; at 128×96 stage 1 folds 6 padded attention
     # windows per sample into the batch, so a wrong row-to-sample attribution would show.
-    assert len(real.norm_tuned_layer_norms()) == 16
+    assert len(real.affine_tuned_modules()) == 16
     assert_per_sample_matches_loop(real, batch_of(TensorPoseSet(2, (128, 96)), range(2)))
+
+
+def assert_bias_gradients_match_loop(backbone: str, size: tuple[int, int], samples: int) -> None:
+    # biases_norms: every unit of the backbone trains affines only (LayerNorms, linear biases,
+    # BatchNorm biases), so all of it takes the batched path and vmap runs the head only
+    model = make_model(backbone, size, scenario="biases_norms")
+    modules = model.affine_tuned_modules()
+    assert {type(m) for m in modules.values()} == {torch.nn.LayerNorm, torch.nn.Linear, torch.nn.BatchNorm2d}
+    assert not any(name.startswith("head.") for name in modules)
+    with torch.no_grad():  # non-zero biases and affines, so a gradient that ignored them would show
+        generator = torch.Generator().manual_seed(0)
+        for param in model.trainable_parameters().values():
+            param.add_(0.05 * torch.randn(param.shape, generator=generator))
+    assert_per_sample_matches_loop(model, batch_of(TensorPoseSet(samples, size), range(samples)))
+
+
+def test_per_sample_gradients_of_every_bias_equal_a_loop_test_backbone() -> None:
+    assert_bias_gradients_match_loop("tiny_vit_test", SIZE, 4)
+
+
+@pytest.mark.slow
+def test_per_sample_gradients_of_every_bias_equal_a_loop_real_tinyvit() -> None:
+    assert_bias_gradients_match_loop("tiny_vit_5m_224", (128, 96), 3)
+
+
+def test_bias_rows_and_positions_are_summed_per_sample() -> None:
+    conv = torch.nn.Conv2d(2, 3, 1)
+    inputs = torch.randn(4, 2, 5, 5)  # 2 samples × 2 rows each (batch-major), 5×5 positions
+    grads = per_sample_module._AffineRecord("head.conv", conv, inputs, conv(inputs)).per_sample_gradients(
+        torch.ones(4, 3, 5, 5), batch=2)
+    assert grads["head.conv.bias"].shape == (2, 3) and torch.all(grads["head.conv.bias"] == 2 * 25)
+    linear = torch.nn.Linear(2, 3)
+    output_grad = torch.arange(6.0).reshape(6, 1).expand(6, 3)  # rows 0-2 sample 0, rows 3-5 sample 1
+    grads = per_sample_module._AffineRecord("fc", linear, torch.randn(6, 2), torch.zeros(6, 3)).per_sample_gradients(
+        output_grad, batch=2)
+    assert torch.equal(grads["fc.bias"], torch.tensor([[3.0] * 3, [12.0] * 3]))
+    assert set(grads) == {"fc.bias"}  # a bias-only record: no weight gradient is made up
+    # a module whose output layout the record does not know is refused, not guessed
+    with pytest.raises(TypeError, match="head.norm: per-sample gradients of a LayerNorm2d's parameters need the vmap path"):
+        per_sample_module._AffineRecord("head.norm", LayerNorm2d(3), torch.randn(2, 3, 4, 4), torch.randn(2, 3, 4, 4))
 
 
 def test_layer_norm_rows_must_split_evenly_into_samples() -> None:
     module = torch.nn.LayerNorm(8)
     inputs = torch.randn(5, 3, 8)
-    record = per_sample_module._LayerNormRecord("block.norm", module, inputs, module(inputs))
-    with pytest.raises(RuntimeError, match="block.norm: its input has 5 rows for 2 samples"):
+    record = per_sample_module._AffineRecord("block.norm", module, inputs, module(inputs))
+    with pytest.raises(RuntimeError, match="LayerNorm block.norm: its input has 5 rows for 2 samples"):
         record.per_sample_gradients(torch.ones(5, 3, 8), batch=2)
     # batch-major rows: sample i owns rows [i·w, (i+1)·w)
     grads = record.per_sample_gradients(torch.ones(5, 3, 8), batch=5)

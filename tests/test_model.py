@@ -91,13 +91,13 @@ def test_finetune_trainable_set_is_stage3_layernorms_and_head() -> None:
     assert "backbone.stages.1.blocks.0.attn.qkv.weight" not in expected
     assert not any(n.startswith(("backbone.patch_embed", "backbone.stages.0")) for n in expected)
     assert model.frozen_prefix == ["backbone.patch_embed", "backbone.stages.0", "backbone.stages.1.downsample"]
-    # stages 1-2 train only LayerNorms: the norm-tuned part, whose per-sample gradients the
+    # stages 1-2 train only LayerNorms: the affine-tuned part, whose per-sample gradients the
     # engine takes from one batched backward
-    assert model.norm_tuned_part == ["backbone.stages.1.blocks", "backbone.stages.2.downsample", "backbone.stages.2.blocks"]
-    norm_tuned = {
-        f"{name}.{p}" for name, module in model.norm_tuned_layer_norms().items() for p, _ in module.named_parameters(recurse=False)
+    assert model.affine_tuned_part == ["backbone.stages.1.blocks", "backbone.stages.2.downsample", "backbone.stages.2.blocks"]
+    affine_tuned = {
+        f"{name}.{p}" for name, module in model.affine_tuned_modules().items() for p, _ in module.named_parameters(recurse=False)
     }
-    assert norm_tuned == {n for n in expected if n.startswith(("backbone.stages.1.", "backbone.stages.2."))}
+    assert affine_tuned == {n for n in expected if n.startswith(("backbone.stages.1.", "backbone.stages.2."))}
 
 
 @pytest.mark.parametrize("scenario", ["full", "scratch"])
@@ -105,7 +105,7 @@ def test_full_and_scratch_train_everything(scenario: str) -> None:
     model = make(scenario)
     assert set(model.trainable_parameters()) == {n for n, _ in model.named_parameters()}
     assert model.frozen_prefix == []
-    assert model.norm_tuned_part == [] and model.norm_tuned_layer_norms() == {}
+    assert model.affine_tuned_part == [] and model.affine_tuned_modules() == {}
 
 
 def test_scratch_rejects_init_checkpoint(tmp_path) -> None:
@@ -147,7 +147,7 @@ def test_forward_equals_trainable_of_frozen(scenario: str) -> None:
         split = model.forward_trainable(model.forward_frozen(images))
         features = model.forward_frozen(images)
         functional = functional_call(model, dict(model.named_parameters()), (features,), {"start": "features"})
-        suffix = functional_call(model, dict(model.named_parameters()), (model.forward_norm_tuned(features),), {"start": "hidden"})
+        suffix = functional_call(model, dict(model.named_parameters()), (model.forward_affine_tuned(features),), {"start": "hidden"})
     for a, b, c, d in zip(full, split, functional, suffix):
         assert torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
     with pytest.raises(ValueError, match="start"):

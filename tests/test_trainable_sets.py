@@ -25,7 +25,7 @@ from fedpose.model import (
     save_checkpoint,
 )
 from fedpose.model.checkpoint import load_checkpoint, model_spec, save_safetensors
-from fedpose.model.pose_model import LORA_TARGETS, LoRALinear, is_adapter_key
+from fedpose.model.pose_model import AFFINE_PARAMETERS, LORA_TARGETS, LoRALinear, is_adapter_key
 from fedpose.privacy import engine as engine_module
 from fedpose.privacy.engine import build_engine
 from fedpose.privacy.per_sample import flatten, frozen_features, per_sample_gradients
@@ -92,7 +92,12 @@ def test_each_new_scenario_trains_the_documented_set() -> None:
         assert set(model.trainable_parameters()) == expected, scenario
         assert bool(adapters) == (scenario == "lora")
         if scenario == "biases_norms":  # biases from the first convolution on: nothing is frozen in front
-            assert model.frozen_prefix == [] and model.norm_tuned_part == []
+            assert model.frozen_prefix == []
+            # ... and every backbone unit trains affines only: one batched backward, vmap runs the head only
+            stages = len(model.backbone.stages)
+            assert model.affine_tuned_part == ["backbone.patch_embed", "backbone.stages.0"] + [
+                f"backbone.stages.{i}.{unit}" for i in range(1, stages) for unit in ("downsample", "blocks")]
+            assert {type(m) for m in model.affine_tuned_modules().values()} <= set(AFFINE_PARAMETERS)
             assert not any(n.endswith(".weight") and n not in norms for n in model.trainable_parameters())
             continue
         # the frozen prefix is what it is for finetune: nothing before stage 1's blocks trains
@@ -104,8 +109,8 @@ def test_each_new_scenario_trains_the_documented_set() -> None:
                        for t in LORA_TARGETS}
     assert not any(p.requires_grad for m in lora.modules() if isinstance(m, LoRALinear) for p in (m.weight, m.bias))
     # stages 1-2 and stage 3's downsample train LayerNorms only: they keep the batched fast path
-    assert lora.norm_tuned_part[-1] == f"backbone.stages.{last}.downsample"
-    assert make("norms").norm_tuned_part[-1] == f"backbone.stages.{last}.blocks"  # vmap runs the head only
+    assert lora.affine_tuned_part[-1] == f"backbone.stages.{last}.downsample"
+    assert make("norms").affine_tuned_part[-1] == f"backbone.stages.{last}.blocks"  # vmap runs the head only
 
 
 def test_smaller_sets_are_smaller() -> None:

@@ -17,7 +17,7 @@ smaller set can pay at a fixed ε (counts for tiny_vit_5m_224: ``model.scenario`
   ``finetune`` gains; PDP's public projection of ``finetune`` (k 4–48) keeps under 25 %.
 - ``lora``: low-rank adapters (:class:`LoRALinear`) on the last stage's attention qkv/proj and MLP
   fc1/fc2, every LayerNorm and the head; every base weight frozen. The last stage only: it is
-  the stage ``finetune`` trains, and adapters in stages 1–2 would end their norm-tuned fast path
+  the stage ``finetune`` trains, and adapters in stages 1–2 would end their affine-tuned fast path
   (below). Adapters start at B = 0, so a fresh ``lora`` model computes exactly its base model.
 - ``full``: everything trainable, starting from ``model.init_checkpoint``.
 - ``scratch``: everything trainable, random initialisation.
@@ -25,7 +25,9 @@ smaller set can pay at a fixed ε (counts for tiny_vit_5m_224: ``model.scenario`
 Cost per DP-SGD step (tiny_vit_5m_224, 128×96, 16 rows, 1 thread, process-CPU s, non-private ≈
 0.7 for every set): finetune 1.06, norms_head 0.95, lora 0.98, norms 0.75
 (benchmarks/base_sizing/trainable_sets.json): the smaller sets save little time, their point is
-the noise.
+the noise. ``biases_norms`` takes its per-sample gradients entirely from the batched path below:
+1.04 times a non-private forward and backward of the same 16 rows, against 1.18 with the whole
+network under ``vmap`` (1.04 against 1.48 at 256×192; benchmarks/step_cost/affine_probe.py).
 
 BatchNorm is frozen in every scenario: its modules always run in eval mode (running statistics,
 never batch statistics — batch statistics would mix samples and break per-sample DP). Its
@@ -40,12 +42,14 @@ prefix*: :meth:`forward_frozen` runs it (callers wrap it in ``torch.no_grad``), 
 :meth:`forward_trainable` runs the rest — a pure function of parameters and buffers, used with
 ``torch.func.functional_call`` + ``vmap`` for per-sample gradients.
 
-The trainable rest splits once more. Its leading units whose only trainable parameters are
-LayerNorm affines (stages 1–2 under ``finetune``; through stage 3 under ``norms_head`` and
-``norms``, through stage 3's downsample under ``lora``) are the *norm-tuned* part
-(:meth:`forward_norm_tuned`); from the first unit with any other trainable parameter on is the
-*suffix* (:meth:`forward_suffix`). The DP engine takes per-sample gradients of the suffix with
-``vmap`` and of the norm-tuned LayerNorms from one batched backward
+The trainable rest splits once more. Its leading units whose trainable parameters are all
+*affines* — LayerNorm affines and the biases of linear, convolution and BatchNorm layers, each a
+per-channel scale or shift of a module's output — are the *affine-tuned* part
+(:meth:`forward_affine_tuned`: stages 1–2 under ``finetune``; through stage 3 under ``norms_head``
+and ``norms``, through stage 3's downsample under ``lora``, the whole backbone under
+``biases_norms``); from the first unit with any other trainable parameter on, and always the
+head, is the *suffix* (:meth:`forward_suffix`). The DP engine takes per-sample gradients of the
+suffix with ``vmap`` and of the affine-tuned part from one batched backward
 (:mod:`fedpose.privacy.per_sample` explains why).
 """
 
@@ -83,13 +87,34 @@ def _is_channels_last_layer_norm(module: nn.Module) -> bool:
     return type(module) is nn.LayerNorm and len(module.normalized_shape) == 1
 
 
-def _norm_tuned(unit: nn.Module) -> bool:
-    """True if every trainable parameter of ``unit`` is the affine of a channels-last LayerNorm."""
+#: module types whose trainable parameters may be in the affine-tuned part, and which of their
+#: parameters: per-sample gradients of these are sums over a sample's rows of the module's output
+#: gradient (times the normalised input, for a LayerNorm's weight), see fedpose.privacy.per_sample.
+#: Exact types: a subclass may use its parameters differently (LoRALinear adds an adapter path,
+#: timm's LayerNorm2d normalises channels-first).
+AFFINE_PARAMETERS: dict[type, tuple[str, ...]] = {
+    nn.LayerNorm: ("weight", "bias"),
+    nn.Linear: ("bias",),
+    nn.Conv2d: ("bias",),
+    nn.BatchNorm2d: ("bias",),
+}
+
+
+def _affine_tuned(unit: nn.Module) -> bool:
+    """True if every trainable parameter of ``unit`` is one of :data:`AFFINE_PARAMETERS` (a
+    LayerNorm's over the last dimension only)."""
     trainable = {id(p) for p in unit.parameters() if p.requires_grad}
-    in_layer_norms = {
-        id(p) for m in unit.modules() if _is_channels_last_layer_norm(m) for p in m.parameters(recurse=False)
+    affines = {
+        id(getattr(m, name)) for m in unit.modules() if _is_affine_owner(m)
+        for name in AFFINE_PARAMETERS[type(m)] if getattr(m, name, None) is not None
     }
-    return trainable <= in_layer_norms
+    return trainable <= affines
+
+
+def _is_affine_owner(module: nn.Module) -> bool:
+    if type(module) is nn.LayerNorm:
+        return _is_channels_last_layer_norm(module)
+    return type(module) in AFFINE_PARAMETERS
 
 
 def _is_batch_norm(module: nn.Module) -> bool:
@@ -263,11 +288,11 @@ class PoseModel(nn.Module):
             if any(p.requires_grad for p in unit.parameters()):
                 break
             self._frozen_units += 1
-        self._norm_tuned_units = 0
+        self._affine_tuned_units = 0
         for _, unit in self._units[self._frozen_units:]:
-            if not _norm_tuned(unit):
+            if not _affine_tuned(unit):
                 break
-            self._norm_tuned_units += 1
+            self._affine_tuned_units += 1
 
     @property
     def frozen_prefix(self) -> list[str]:
@@ -275,20 +300,20 @@ class PoseModel(nn.Module):
         return [name for name, _ in self._units[: self._frozen_units]]
 
     @property
-    def norm_tuned_part(self) -> list[str]:
-        """Names of the units :meth:`forward_norm_tuned` runs (see the module docstring)."""
+    def affine_tuned_part(self) -> list[str]:
+        """Names of the units :meth:`forward_affine_tuned` runs (see the module docstring)."""
         start = self._frozen_units
-        return [name for name, _ in self._units[start: start + self._norm_tuned_units]]
+        return [name for name, _ in self._units[start: start + self._affine_tuned_units]]
 
-    def norm_tuned_layer_norms(self) -> dict[str, nn.LayerNorm]:
-        """The LayerNorms with trainable affines in the norm-tuned part, by module name."""
+    def affine_tuned_modules(self) -> dict[str, nn.Module]:
+        """The modules with trainable parameters in the affine-tuned part, by module name: every
+        one of them an owner of :data:`AFFINE_PARAMETERS`."""
         start = self._frozen_units
-        inside = {id(m) for _, unit in self._units[start: start + self._norm_tuned_units] for m in unit.modules()}
+        inside = {id(m) for _, unit in self._units[start: start + self._affine_tuned_units] for m in unit.modules()}
         return {
             name: module
             for name, module in self.named_modules()
-            if id(module) in inside and _is_channels_last_layer_norm(module)
-            and any(p.requires_grad for p in module.parameters(recurse=False))
+            if id(module) in inside and any(p.requires_grad for p in module.parameters(recurse=False))
         }
 
     def trainable_parameters(self) -> dict[str, nn.Parameter]:
@@ -343,22 +368,22 @@ class PoseModel(nn.Module):
         """The parameter-free-to-train prefix (identity when nothing is frozen). Run it under no_grad."""
         return self._run(self._units[: self._frozen_units], images)
 
-    def forward_norm_tuned(self, features: Tensor) -> Tensor:
-        """The norm-tuned part after the frozen prefix (identity when there is none)."""
+    def forward_affine_tuned(self, features: Tensor) -> Tensor:
+        """The affine-tuned part after the frozen prefix (identity when there is none)."""
         start = self._frozen_units
-        return self._run(self._units[start: start + self._norm_tuned_units], features)
+        return self._run(self._units[start: start + self._affine_tuned_units], features)
 
     def forward_suffix(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
-        """The rest after the norm-tuned part, head included → (logits_x, logits_y)."""
-        return self.head(self._run(self._units[self._frozen_units + self._norm_tuned_units:], hidden))
+        """The rest after the affine-tuned part, head included → (logits_x, logits_y)."""
+        return self.head(self._run(self._units[self._frozen_units + self._affine_tuned_units:], hidden))
 
     def forward_trainable(self, features: Tensor) -> tuple[Tensor, Tensor]:
         """Everything after the frozen prefix → (logits_x (B, J, W·k), logits_y (B, J, H·k))."""
-        return self.forward_suffix(self.forward_norm_tuned(features))
+        return self.forward_suffix(self.forward_affine_tuned(features))
 
     def forward(self, inputs: Tensor, start: Start = "images") -> tuple[Tensor, Tensor]:
         """Forward from ``start``: "images", "features" (``forward_frozen``'s output) or "hidden"
-        (``forward_norm_tuned``'s output). ``torch.func.functional_call(model, params, (x,),
+        (``forward_affine_tuned``'s output). ``torch.func.functional_call(model, params, (x,),
         {"start": "features"})`` is the functional form of :meth:`forward_trainable`."""
         if start == "images":
             return self.forward_trainable(self.forward_frozen(inputs))

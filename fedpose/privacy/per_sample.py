@@ -10,30 +10,33 @@ Why ``torch.func`` and not Opacus' hooks (measured, see shared/FACTS.md):
   parameters for one sample at a time, whatever the model does with its batch dimension inside
   (window folding included). It matches a per-sample loop to float precision.
 
-Where the trainable part starts with units whose only trainable parameters are LayerNorm affines
-(the model's *norm-tuned* part: stages 1–2 under ``finetune``), running them under ``vmap`` too
-is slow: vmap backpropagates through their high-resolution convolutions and attention sample by
-sample (at 256×192, batch 16: a dpsgd step took 1.90 s that way against 1.75 s as below, with
-1.54 s for a non-private step; benchmarks/step_cost). Their per-sample gradients need far less:
-for a LayerNorm y = γ ⊙ x̂ + β, sample i's gradients are Σ_t ∂l_i/∂y_t ⊙ x̂_t and Σ_t ∂l_i/∂y_t
-over that sample's rows t. So :func:`per_sample_gradients`
+Where the trainable part starts with units whose only trainable parameters are affines (the
+model's *affine-tuned* part: LayerNorm affines and the biases of linear, convolution and BatchNorm
+layers — stages 1–2 under ``finetune``, the whole backbone under ``biases_norms``), running them
+under ``vmap`` too is slow: vmap backpropagates through their convolutions and attention sample by
+sample (at 256×192, batch 16, finetune: a dpsgd step took 1.90 s that way against 1.75 s as
+below, with 1.54 s for a non-private step; benchmarks/step_cost). Their per-sample gradients need
+far less. A bias b of a layer with output y = … + b has sample i's gradient Σ_t ∂l_i/∂y_t over that
+sample's rows t (and, for a convolution or BatchNorm, its positions); a LayerNorm y = γ ⊙ x̂ + β
+has Σ_t ∂l_i/∂y_t ⊙ x̂_t for γ and Σ_t ∂l_i/∂y_t for β. So :func:`per_sample_gradients`
 
-1. runs the norm-tuned part once, batched, with autograd, recording each trainable LayerNorm's
-   x̂ and output (:class:`_LayerNormRecord`);
+1. runs the affine-tuned part once, batched, with autograd, recording each trainable module's
+   output (and a LayerNorm's x̂) (:class:`_AffineRecord`);
 2. takes per-sample gradients of the suffix *and of its input* with ``vmap`` (as above);
-3. backpropagates those input gradients through the norm-tuned part in one batched backward,
-   which yields ∂l_i/∂y for every recorded output: the gradient of Σ_i l_i at sample i's rows
+3. backpropagates those input gradients through the affine-tuned part in one batched backward,
+   which yields ∂l/∂y for every recorded output: the gradient of Σ_i l_i at sample i's rows
    is ∂l_i/∂y, because samples do not interact (BatchNorm runs on frozen statistics, and
    nothing else mixes the batch);
-4. sums x̂ ⊙ ∂l/∂y and ∂l/∂y over each sample's rows.
+4. sums ∂l/∂y (⊙ x̂ for a LayerNorm's γ) over each sample's rows and positions.
 
-Rows belong to samples in batch-major order: a LayerNorm input of shape (B·w, …, C) holds
-sample i's rows at [i·w, (i+1)·w) — true of TinyViT's window folding ((B, windows, …) reshaped to
-(B·windows, …)), the trap that breaks Opacus. tests/test_dp_engine.py checks the result against
-a per-sample loop on the real TinyViT at a size with several padded windows per sample.
+Rows belong to samples in batch-major order: an output of shape (B·w, …) holds sample i's rows at
+[i·w, (i+1)·w) — true of TinyViT's window folding ((B, windows, …) reshaped to (B·windows, …)),
+the trap that breaks Opacus. tests/test_dp_engine.py checks the result against a per-sample loop
+on the real TinyViT at a size with several padded windows per sample, for the affines of stages
+1–2 (``finetune``) and of the whole backbone (``biases_norms``).
 
 Contract with the model: ``forward_frozen(images)`` (run here under ``no_grad``),
-``forward_norm_tuned(features)``, ``norm_tuned_layer_norms()``, and
+``forward_affine_tuned(features)``, ``affine_tuned_modules()``, and
 ``model(x, start="features" | "hidden")``, a pure function of the parameters and buffers
 (BatchNorm in eval mode, no stochastic layers); ``loss(...)`` is per-sample. Gradients are taken
 w.r.t. ``model.trainable_parameters()``, in that order; a "flat" gradient is their concatenation
@@ -69,9 +72,9 @@ class TrainableModel(Protocol):
     input_size: tuple[int, int]  # (H, W) of its images: what measured_chunk_size probes with
 
     def forward_frozen(self, images: Tensor) -> Tensor: ...
-    def forward_norm_tuned(self, features: Tensor) -> Tensor: ...
+    def forward_affine_tuned(self, features: Tensor) -> Tensor: ...
     def forward_trainable(self, features: Tensor) -> tuple[Tensor, Tensor]: ...
-    def norm_tuned_layer_norms(self) -> dict[str, nn.LayerNorm]: ...
+    def affine_tuned_modules(self) -> dict[str, nn.Module]: ...
     def loss(self, logits_x: Tensor, logits_y: Tensor, joints: Tensor, weight: Tensor) -> Tensor: ...
     def trainable_parameters(self) -> dict[str, nn.Parameter]: ...
 
@@ -204,29 +207,47 @@ def _sample_loss_fn(model: TrainableModel, start: str):
     return sample_loss
 
 
-class _LayerNormRecord:
-    """One call of a trainable channels-last LayerNorm: its normalised input x̂ and its output y."""
+#: the modules whose parameters :class:`_AffineRecord` attributes to samples, by layout of their
+#: output: channels last (rows, …, C) or channels first (rows, C, H, W). Exact types: timm's
+#: LayerNorm2d (a channels-first nn.LayerNorm) or fedpose's LoRALinear are not these.
+_CHANNELS_LAST: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.Linear)
+_CHANNELS_FIRST: tuple[type[nn.Module], ...] = (nn.Conv2d, nn.BatchNorm2d)
 
-    def __init__(self, name: str, module: nn.LayerNorm, inputs: Tensor, output: Tensor) -> None:
+
+class _AffineRecord:
+    """One call of a module of the affine-tuned part: its output y (and, for a LayerNorm, its
+    normalised input x̂), from which its bias's and LayerNorm affine's per-sample gradients follow
+    (module docstring)."""
+
+    def __init__(self, name: str, module: nn.Module, inputs: Tensor, output: Tensor) -> None:
+        if type(module) not in _CHANNELS_LAST + _CHANNELS_FIRST:
+            raise TypeError(f"{name}: per-sample gradients of a {type(module).__name__}'s parameters need the vmap path")
         self.name, self.module, self.output = name, module, output
-        with torch.no_grad():
-            self.normalized = F.layer_norm(inputs, module.normalized_shape, None, None, module.eps)
+        self.channels_last = type(module) in _CHANNELS_LAST
+        self.normalized: Tensor | None = None
+        if isinstance(module, nn.LayerNorm):
+            with torch.no_grad():
+                self.normalized = F.layer_norm(inputs, module.normalized_shape, None, None, module.eps)
 
     def per_sample_gradients(self, output_grad: Tensor | None, batch: int) -> dict[str, Tensor]:
         """{parameter name: (batch, C)} from ∂(Σ_i l_i)/∂y, rows grouped batch-major (module docstring)."""
-        rows, channels = self.output.shape[0], self.output.shape[-1]
+        rows = self.output.shape[0]
         if rows % batch:
             raise RuntimeError(
-                f"LayerNorm {self.name}: its input has {rows} rows for {batch} samples, so rows cannot "
-                "be attributed to samples; per-sample gradients of this model need the vmap path"
+                f"{type(self.module).__name__} {self.name}: its input has {rows} rows for {batch} samples, so "
+                "rows cannot be attributed to samples; per-sample gradients of this model need the vmap path"
             )
         if output_grad is None:  # y does not reach the loss
             output_grad = torch.zeros_like(self.output)
-        by_sample = output_grad.reshape(batch, -1, channels)
-        grads = {
-            "weight": (by_sample * self.normalized.reshape(batch, -1, channels)).sum(1),
-            "bias": by_sample.sum(1),
-        }
+        if self.channels_last:  # (rows, …, C): sum a sample's rows and positions
+            channels = self.output.shape[-1]
+            by_sample = output_grad.reshape(batch, -1, channels)
+            grads = {"bias": by_sample.sum(1)}
+            if self.normalized is not None:
+                grads["weight"] = (by_sample * self.normalized.reshape(batch, -1, channels)).sum(1)
+        else:  # (rows, C, H, W)
+            channels = self.output.shape[1]
+            grads = {"bias": output_grad.reshape(batch, rows // batch, channels, -1).sum((1, 3))}
         return {
             f"{self.name}.{key}": grad
             for key, grad in grads.items()
@@ -235,16 +256,16 @@ class _LayerNormRecord:
 
 
 @contextmanager
-def _record_layer_norms(layer_norms: dict[str, nn.LayerNorm]) -> Iterator[list[_LayerNormRecord]]:
-    records: list[_LayerNormRecord] = []
+def _record_affines(modules: dict[str, nn.Module]) -> Iterator[list[_AffineRecord]]:
+    records: list[_AffineRecord] = []
 
     def hook_for(name: str):
         def hook(module: nn.Module, args: tuple, output: Tensor) -> None:
-            records.append(_LayerNormRecord(name, module, args[0], output))  # type: ignore[arg-type]
+            records.append(_AffineRecord(name, module, args[0], output))
 
         return hook
 
-    handles = [module.register_forward_hook(hook_for(name)) for name, module in layer_norms.items()]
+    handles = [module.register_forward_hook(hook_for(name)) for name, module in modules.items()]
     try:
         yield records
     finally:
@@ -274,7 +295,7 @@ def per_sample_gradients(
 ) -> tuple[dict[str, Tensor], Tensor]:
     """({name: (b, *param.shape)}, per-sample losses (b,)) for one chunk — no clipping.
 
-    The norm-tuned LayerNorms' gradients come from one batched backward, the rest from ``vmap``
+    The affine-tuned part's gradients come from one batched backward, the rest from ``vmap``
     (module docstring).
     """
     with _vmap_safe_attention(model, features.device):  # type: ignore[arg-type]
@@ -285,25 +306,25 @@ def _per_sample_gradients(
     model: TrainableModel, features: Tensor, joints: Tensor, weight: Tensor
 ) -> tuple[dict[str, Tensor], Tensor]:
     trainable = model.trainable_parameters()
-    layer_norms = model.norm_tuned_layer_norms()
-    if not layer_norms:
+    affine_modules = model.affine_tuned_modules()
+    if not affine_modules:
         params = {name: p.detach() for name, p in trainable.items()}
         grads, losses = vmap(grad_and_value(_sample_loss_fn(model, "features")), in_dims=(None, 0, 0, 0))(
             params, features, joints, weight
         )
         return grads, losses.detach()
 
-    with torch.enable_grad(), _record_layer_norms(layer_norms) as records:
-        hidden = model.forward_norm_tuned(features)
-    norm_tuned = {
+    with torch.enable_grad(), _record_affines(affine_modules) as records:
+        hidden = model.forward_affine_tuned(features)
+    affine_tuned = {
         f"{name}.{key}"
-        for name, module in layer_norms.items()
+        for name, module in affine_modules.items()
         for key, param in module.named_parameters(recurse=False)
         if param.requires_grad
     }
-    if not norm_tuned <= trainable.keys():
-        raise RuntimeError(f"norm_tuned_layer_norms() names parameters that are not trainable: {sorted(norm_tuned - trainable.keys())}")
-    suffix_params = {name: p.detach() for name, p in trainable.items() if name not in norm_tuned}
+    if not affine_tuned <= trainable.keys():
+        raise RuntimeError(f"affine_tuned_modules() names parameters that are not trainable: {sorted(affine_tuned - trainable.keys())}")
+    suffix_params = {name: p.detach() for name, p in trainable.items() if name not in affine_tuned}
     (grads, hidden_grads), losses = vmap(
         grad_and_value(_sample_loss_fn(model, "hidden"), argnums=(0, 1)), in_dims=(None, 0, 0, 0)
     )(suffix_params, hidden.detach(), joints, weight)
@@ -311,8 +332,14 @@ def _per_sample_gradients(
     grads = dict(grads)
     for record, output_grad in zip(records, output_grads):
         for name, grad in record.per_sample_gradients(output_grad, features.shape[0]).items():
-            # a LayerNorm called more than once contributes once per call
+            # a module called more than once contributes once per call
             grads[name] = grads[name] + grad if name in grads else grad
+    called = {record.name for record in records}
+    for name in affine_tuned - grads.keys():
+        if name.rsplit(".", 1)[0] in called:
+            raise RuntimeError(f"{name}: the batched path has no per-sample gradient for this parameter")
+        # a module the forward never called: its parameters get no gradient, as under vmap
+        grads[name] = torch.zeros((features.shape[0], *trainable[name].shape), device=features.device)
     return {name: grads[name] for name in trainable}, losses.detach()
 
 
