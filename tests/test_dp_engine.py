@@ -137,6 +137,19 @@ def test_per_sample_gradients_of_every_bias_equal_a_loop_real_tinyvit() -> None:
     assert_bias_gradients_match_loop("tiny_vit_5m_224", (128, 96), 3)
 
 
+def test_a_batch_norm_on_batch_statistics_is_refused_by_the_batched_path() -> None:
+    # batch statistics would mix samples: one sample could move another's "per-sample" gradient
+    model = make_model(scenario="biases_norms")
+    batch = batch_of(TensorPoseSet(2), range(2))
+    features = frozen_features(model, batch["image"])
+    batch_norm = next(m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    batch_norm.train()  # by hand: PoseModel.train() never does this
+    with pytest.raises(RuntimeError, match="is in training mode: its batch statistics would mix samples"):
+        per_sample_gradients(model, features, batch["joints"], batch["weight"])
+    model.train()  # PoseModel.train keeps BatchNorm in eval mode
+    per_sample_gradients(model, features, batch["joints"], batch["weight"])
+
+
 def test_bias_rows_and_positions_are_summed_per_sample() -> None:
     conv = torch.nn.Conv2d(2, 3, 1)
     inputs = torch.randn(4, 2, 5, 5)  # 2 samples × 2 rows each (batch-major), 5×5 positions

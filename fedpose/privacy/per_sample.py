@@ -38,7 +38,8 @@ on the real TinyViT at a size with several padded windows per sample, for the af
 Contract with the model: ``forward_frozen(images)`` (run here under ``no_grad``),
 ``forward_affine_tuned(features)``, ``affine_tuned_modules()``, and
 ``model(x, start="features" | "hidden")``, a pure function of the parameters and buffers
-(BatchNorm in eval mode, no stochastic layers); ``loss(...)`` is per-sample. Gradients are taken
+(BatchNorm in eval mode — the batched path refuses one in training mode — no stochastic
+layers); ``loss(...)`` is per-sample; ``named_modules()`` as in ``nn.Module``. Gradients are taken
 w.r.t. ``model.trainable_parameters()``, in that order; a "flat" gradient is their concatenation
 (``flatten`` / ``unflatten``).
 
@@ -77,6 +78,7 @@ class TrainableModel(Protocol):
     def affine_tuned_modules(self) -> dict[str, nn.Module]: ...
     def loss(self, logits_x: Tensor, logits_y: Tensor, joints: Tensor, weight: Tensor) -> Tensor: ...
     def trainable_parameters(self) -> dict[str, nn.Parameter]: ...
+    def named_modules(self) -> Iterator[tuple[str, nn.Module]]: ...
 
 
 DEFAULT_CHUNK_SIZE = 16
@@ -314,6 +316,7 @@ def _per_sample_gradients(
         )
         return grads, losses.detach()
 
+    _refuse_batch_statistics(model)
     with torch.enable_grad(), _record_affines(affine_modules) as records:
         hidden = model.forward_affine_tuned(features)
     affine_tuned = {
@@ -341,6 +344,17 @@ def _per_sample_gradients(
         # a module the forward never called: its parameters get no gradient, as under vmap
         grads[name] = torch.zeros((features.shape[0], *trainable[name].shape), device=features.device)
     return {name: grads[name] for name in trainable}, losses.detach()
+
+
+def _refuse_batch_statistics(model: TrainableModel) -> None:
+    """The batched path is exact only while samples do not interact; a BatchNorm on batch statistics
+    would mix them, and one sample could then move every other sample's "per-sample" gradient past
+    the clipping bound. (:meth:`PoseModel.train` keeps BatchNorm in eval mode; this catches a model
+    that was switched by hand.)"""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+            raise RuntimeError(f"BatchNorm {name} is in training mode: its batch statistics would mix samples, so "
+                               "per-sample gradients (and the clipping bound) would be wrong; use PoseModel.train()")
 
 
 def per_sample_norms(grads: dict[str, Tensor]) -> Tensor:
