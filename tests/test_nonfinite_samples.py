@@ -3,6 +3,7 @@ zeroed before clipping, so the noisy sum stays finite and the reply's status can
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from fedpose.config import PrivacyConfig
@@ -18,8 +19,11 @@ def _poisoned_batch(bad: float) -> dict:
     return batch
 
 
-def test_a_nan_or_inf_sample_contributes_nothing_to_the_clipped_sum() -> None:
-    model = make_model()
+# biases_norms: the whole backbone takes the batched path (one backward for every sample), where a
+# non-finite sample must stay in its own rows as it does under vmap
+@pytest.mark.parametrize("scenario", ["finetune", "biases_norms"])
+def test_a_nan_or_inf_sample_contributes_nothing_to_the_clipped_sum(scenario: str) -> None:
+    model = make_model(scenario=scenario)
     clean = engine_module.collate([TensorPoseSet(4)[i] for i in (0, 1, 3)])
     features = frozen_features(model, clean["image"])
     reference, _, _ = clipped_gradient_sum(model, features, clean["joints"], clean["weight"], 1.0)
