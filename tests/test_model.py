@@ -138,7 +138,7 @@ def test_batchnorm_frozen_during_training_step(scenario: str) -> None:
         assert torch.equal(value, after[key]), key
 
 
-@pytest.mark.parametrize("scenario", ["finetune", "full"])
+@pytest.mark.parametrize("scenario", ["finetune", "full", "biases_norms"])
 def test_forward_equals_trainable_of_frozen(scenario: str) -> None:
     model = make(scenario)
     images, _, _ = batch()
