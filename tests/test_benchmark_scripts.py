@@ -207,3 +207,26 @@ def test_federated_utility_noise_override_sets_every_private_arms_sigma_and_resu
     assert sweep.seed_parts_from(saved, emulated, tmp_path / "work") == 3  # public-only, non-private federated and central
     taken = {path.name for path in (tmp_path / "work" / "parts").iterdir()}
     assert taken and not any("dpsgd" in name for name in taken)
+
+
+def test_affine_probe_times_ways_that_agree_with_fedpose():
+    """step_cost/affine_probe.py: its fully batched per-sample gradients (the head's too) equal
+    fedpose's on the test backbone, so the ways it times compute the same thing."""
+    import warnings
+
+    from fedpose.config import ModelConfig
+    from fedpose.model import build_model
+    from fedpose.privacy.per_sample import per_sample_gradients
+
+    probe = _load(BENCHMARKS / "step_cost" / "affine_probe.py", "affine_probe")
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_model(ModelConfig(backbone="tiny_vit_test", scenario="biases_norms"), (64, 64))
+    images = torch.randn(3, 3, 64, 64)
+    joints, weight = torch.rand(3, 16, 2) * 64, torch.ones(3, 16)
+    ours = probe.batched_affine_gradients(model, images, joints, weight)
+    reference, _ = per_sample_gradients(model, images, joints, weight)
+    assert ours.keys() == reference.keys()
+    for name, grad in reference.items():
+        assert torch.allclose(ours[name], grad, rtol=1e-4, atol=1e-6), name
