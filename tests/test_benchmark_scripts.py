@@ -209,24 +209,11 @@ def test_federated_utility_noise_override_sets_every_private_arms_sigma_and_resu
     assert taken and not any("dpsgd" in name for name in taken)
 
 
-def test_affine_probe_times_ways_that_agree_with_fedpose():
-    """step_cost/affine_probe.py: its fully batched per-sample gradients (the head's too) equal
-    fedpose's on the test backbone, so the ways it times compute the same thing."""
-    import warnings
-
-    from fedpose.config import ModelConfig
-    from fedpose.model import build_model
-    from fedpose.privacy.per_sample import per_sample_gradients
-
+def test_affine_probe_checks_fedpose_against_vmap_and_times_every_way():
+    """step_cost/affine_probe.py: fedpose's per-sample gradients equal the whole network under vmap
+    (on the product's backbone, a small chunk), and every way gets its timings."""
     probe = _load(BENCHMARKS / "step_cost" / "affine_probe.py", "affine_probe")
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = build_model(ModelConfig(backbone="tiny_vit_test", scenario="biases_norms"), (64, 64))
-    images = torch.randn(3, 3, 64, 64)
-    joints, weight = torch.rand(3, 16, 2) * 64, torch.ones(3, 16)
-    ours = probe.batched_affine_gradients(model, images, joints, weight)
-    reference, _ = per_sample_gradients(model, images, joints, weight)
-    assert ours.keys() == reference.keys()
-    for name, grad in reference.items():
-        assert torch.allclose(ours[name], grad, rtol=1e-4, atol=1e-6), name
+    result = probe.probe((64, 64), repeats=1, device=torch.device("cpu"), rows=2)
+    assert result["largest_relative_difference_fedpose_to_vmap_all"] < 1e-4
+    assert set(result["median_seconds"]) == {"vmap_all", "fedpose", "non_private"}
+    assert result["over_non_private"]["non_private"] == 1.0
