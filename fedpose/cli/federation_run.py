@@ -5,7 +5,8 @@ Data: every path the configs name (each site's ``data.train``/``data.val`` and p
 coordinator's held-out and public splits) is used as it is. The optional ``[synthetic]`` table
 names the synthetic dataset to generate when some of those paths are absent — only into a
 directory that holds nothing yet, or an interrupted generation of the same dataset. Nothing that
-exists is ever deleted or regenerated: another run's sites may be training on it.
+exists is ever deleted or regenerated: another run's sites may be training on it (a directory
+holding another synthetic dataset than ``[synthetic]`` describes is used with a warning).
 
 The end of a run: the final line says what the coordinator's ``report.json`` says (rounds
 completed in total, why it stopped). A run in which any site failed ends with a summary of the
@@ -42,20 +43,42 @@ def pop_synthetic(raw: dict[str, Any], source: str | Path) -> dict[str, Any] | N
     return synthetic
 
 
+def _synthetic_spec(synthetic: dict[str, Any], n_sites: int) -> dict[str, Any]:
+    """The ``[synthetic]`` table as :func:`fedpose.data.synthetic.ensure_dataset`'s parameters."""
+    return dict(sites=n_sites, per_site=int(synthetic.get("per_site", 200)), public=int(synthetic.get("public", 100)),
+                test=int(synthetic.get("test", 100)), size=tuple(synthetic.get("size", (128, 96))), seed=int(synthetic.get("seed", 0)))
+
+
 def ensure_synthetic(synthetic: dict[str, Any], n_sites: int) -> None:
     """Generate the ``[synthetic]`` dataset (``n_sites`` site splits) unless its directory holds
     data already: existing data is never deleted or replaced."""
     from fedpose.data.synthetic import SyntheticDataError, ensure_dataset
 
     try:
-        ensure_dataset(
-            synthetic["dir"], sites=n_sites, per_site=int(synthetic.get("per_site", 200)), public=int(synthetic.get("public", 100)),
-            test=int(synthetic.get("test", 100)), size=tuple(synthetic.get("size", (128, 96))), seed=int(synthetic.get("seed", 0)),
-            replace=False,
-        )
+        ensure_dataset(synthetic["dir"], **_synthetic_spec(synthetic, n_sites), replace=False)
     except SyntheticDataError as exc:
         raise UserError(f"[synthetic]: {exc} — fedpose never deletes existing data: point the configs at it, "
                         "or set synthetic.dir to a new directory") from None
+
+
+def synthetic_mismatch(synthetic: dict[str, Any], n_sites: int) -> str:
+    """How the finished synthetic dataset in ``[synthetic]``'s directory differs from the one the
+    table asks for ('' when it does not, or when none is there). More sites than asked is no
+    difference: a 3-site dataset serves a 2-site run."""
+    import json
+
+    from fedpose.data.synthetic import MANIFEST_FILE, SyntheticDataError, dataset_params
+
+    manifest = Path(synthetic["dir"]) / MANIFEST_FILE
+    if not manifest.is_file():
+        return ""
+    try:
+        stored = json.loads(manifest.read_text()).get("params", {})
+        wanted = dataset_params(**_synthetic_spec(synthetic, n_sites))
+    except (OSError, ValueError, AttributeError, SyntheticDataError) as exc:
+        return f"unreadable: {exc}"
+    return ", ".join(f"{key} {stored.get(key)!r} there, {value!r} asked" for key, value in wanted.items()
+                     if stored.get(key) != value and not (key == "sites" and isinstance(stored.get(key), int) and stored[key] >= value))
 
 
 def data_paths(sites: list[Any], coordinator: Any) -> dict[str, Path]:
@@ -72,7 +95,8 @@ def data_paths(sites: list[Any], coordinator: Any) -> dict[str, Path]:
 def ensure_federation_data(paths: dict[str, Path], synthetic: dict[str, Any] | None, n_sites: int, source: str | Path) -> None:
     """Every path in ``paths`` exists afterwards: when some is absent, or the ``[synthetic]`` dataset's
     generation was interrupted, and ``[synthetic]`` is given, that dataset is generated or completed
-    (into a directory without other data only); otherwise a UserError names the missing paths."""
+    (into a directory without other data only); otherwise a UserError names the missing paths. A
+    ``[synthetic]`` directory holding a dataset of other parameters is used, with a warning saying so."""
     from fedpose.data.synthetic import interrupted_dataset
 
     def not_found() -> str:
@@ -85,6 +109,11 @@ def ensure_federation_data(paths: dict[str, Path], synthetic: dict[str, Any] | N
             raise UserError(f"{source}: data not found: {not_found()}; {exc}") from None
     if not_found():
         raise UserError(f"{source}: data not found: {not_found()}")
+    if synthetic is not None and (differ := synthetic_mismatch(synthetic, n_sites)):
+        # not silently another dataset than [synthetic] names (e.g. after --set synthetic.seed=7)
+        print(f"warning: {synthetic['dir']} holds another synthetic dataset than [synthetic] describes ({differ}); the run "
+              "uses the data the configs point to, as it is ([synthetic] only generates data that is absent): to run on "
+              "the one described, remove that directory or set synthetic.dir to a new one", file=sys.stderr, flush=True)
 
 
 # -- resume and the end of a run -----------------------------------------------------------------------

@@ -11,6 +11,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import tomli_w
 
 from fedpose.cli import main
 from fedpose.federation.report import COORDINATOR_ERROR_PREFIX, SITE_FAILURE_EXIT
@@ -49,8 +50,11 @@ def test_deploy_with_fewer_sites_uses_each_sites_own_data_and_touches_nothing(tm
     config = tiny_federation(tmp_path, three_sites, sites=3)
     before = _snapshot(three_sites)
     assert _deploy_until_ports(config, tmp_path / "run", 2) == 2
-    assert "ports already in use" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "ports already in use" in err
     assert _snapshot(three_sites) == before  # nothing regenerated, nothing deleted
+    # used as it is, but not silently: the [synthetic] table describes other data than the directory holds
+    assert "holds another synthetic dataset than [synthetic] describes (per_site 4 there" in err
     for k in (1, 2):
         site = tomllib.loads((tmp_path / "run" / "configs" / f"site-{k}.toml").read_text())
         assert site["data"]["train"] == str(three_sites / f"site-{k}")  # the site's own config
@@ -65,7 +69,17 @@ def test_synthetic_data_is_made_only_where_nothing_is(tmp_path: Path, capsys: py
     config = tiny_federation(tmp_path, data, sites=2)
     assert _deploy_until_ports(config, tmp_path / "run", 2) == 2  # absent: generated
     assert (data / "site-2" / "annotations.json").exists()
-    capsys.readouterr()
+    assert "another synthetic dataset" not in capsys.readouterr().err  # the very dataset [synthetic] describes
+
+    # another seed asked for data that exists: used as it is, with a warning naming the difference
+    reseeded = tmp_path / "reseeded.toml"
+    raw = tomllib.loads(config.read_text())
+    raw["synthetic"]["seed"] = 7
+    reseeded.write_text(tomli_w.dumps(raw))
+    before = _snapshot(data)
+    assert _deploy_until_ports(reseeded, tmp_path / "run-reseeded", 2) == 2
+    assert "seed 0 there, 7 asked" in capsys.readouterr().err
+    assert _snapshot(data) == before
 
     # a first run stopped during generation (Ctrl-C): every directory exists, some annotations do not —
     # the next run completes it instead of failing later on a half-written split

@@ -10,6 +10,7 @@ from fedpose.data.synthetic.generate import (
     MANIFEST_FILE,
     SplitSpec,
     SyntheticDataError,
+    dataset_params,
     ensure_dataset,
     generate_dataset,
     interrupted_dataset,
@@ -20,7 +21,7 @@ from fedpose.data.synthetic.preview import gaussian_blur
 from fedpose.data.synthetic.profiles import SiteProfile, public_profile, site_profile
 
 __all__ = [
-    "GENERATOR_VERSION", "MANIFEST_FILE", "SplitSpec", "SyntheticDataError", "ensure_dataset",
+    "GENERATOR_VERSION", "MANIFEST_FILE", "SplitSpec", "SyntheticDataError", "dataset_params", "ensure_dataset",
     "generate_dataset", "interrupted_dataset", "parse_size", "render_example", "gaussian_blur", "SiteProfile",
     "public_profile", "site_profile",
 ]
