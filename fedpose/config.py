@@ -86,6 +86,9 @@ def check_augmentation_multiplicity(privacy: "PrivacyConfig", data: Augmentation
 class DataConfig(AugmentationConfig):
     train: Path | None = Field(None, description="dataset directory with annotations.json (training split)")
     val: Path | None = Field(None, description="dataset directory used for periodic validation")
+    val_flip_test: bool = Field(
+        True, description="validate with flip test: each crop's and its mirror's SimCC distributions averaged "
+        "(post-processing of the model, no privacy cost; twice the forward passes)")
     input_size: tuple[int, int] = Field((256, 192), description="model input (height, width)")
 
     @model_validator(mode="after")

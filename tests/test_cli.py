@@ -246,6 +246,31 @@ def test_a_checkpoint_argument_takes_a_file_a_run_dir_or_an_export_dir(private_r
     assert scores[0] == scores[1] == scores[2]
 
 
+def test_eval_and_predict_use_flip_test_unless_told_not_to(private_run: Path, synth: Path, tmp_path: Path, capsys) -> None:
+    """Flip test is the default and is stated in the output; --no-flip-test scores the crops alone,
+    the way evaluate(flip_test=False) does."""
+    from fedpose.data.dataset import PoseDataset, load_records
+    from fedpose.model import model_from_checkpoint
+    from fedpose.train.evaluate import evaluate
+
+    scores = {}
+    for flag in ([], ["--no-flip-test"]):
+        assert main(["eval", "--checkpoint", str(private_run), "--data", str(synth / "test"), "--json", *flag]) == 0
+        out = json.loads(capsys.readouterr().out)
+        scores[out["flip_test"]] = out["Mean"]
+    model, _ = model_from_checkpoint(private_run / "checkpoints" / "last.pt")
+    records, root = load_records(synth / "test")
+    dataset = PoseDataset(records, root, input_size=model.input_size, train=False)
+    for flip_test in (True, False):
+        assert scores[flip_test] == evaluate(model, dataset, flip_test=flip_test)["Mean"]
+    assert main(["eval", "--checkpoint", str(private_run), "--data", str(synth / "test"), "--no-flip-test"]) == 0
+    assert "no flip test" in capsys.readouterr().out
+    for flag, out_dir in (([], "flip"), (["--no-flip-test"], "plain")):
+        image = next(p for p in sorted((synth / "test").rglob("*")) if p.suffix in (".png", ".jpg"))
+        assert main(["predict", "--checkpoint", str(private_run), "--out", str(tmp_path / out_dir), str(image), *flag]) == 0
+        assert json.loads((tmp_path / out_dir / "predictions.json").read_text())["flip_test"] is (not flag)
+
+
 # -- item 7: with --json, stdout is one JSON document, structured all the way down -------------------
 def _json_commands() -> list[str]:
     return sorted(command for command, parser in LEAVES.items()

@@ -12,7 +12,9 @@ import torch
 from fedpose.config import ModelConfig, PrivacyConfig, RunConfig, load_config
 from fedpose.data.dataset import PoseDataset, load_records
 from fedpose.data.synthetic import generate_dataset
+from fedpose.joints import flip_permutation
 from fedpose.model import build_model, load_checkpoint
+from fedpose.model.pose_model import PoseModel
 from fedpose.privacy.engine import build_engine
 from fedpose.train import build_optimizer, build_scheduler, evaluate, train_steps
 from fedpose.train.central import run_training
@@ -65,15 +67,23 @@ def test_lr_schedule_warmup_then_cosine() -> None:
 
 class OracleModel(torch.nn.Module):
     """Wraps a real PoseModel but answers with the ground-truth SimCC targets of each crop, in
-    dataset order: exercises decode → crop_to_original → PCKh end to end."""
+    dataset order, and with the mirrored targets for the mirror of the batch it just answered
+    (flip test): exercises decode (and unmirror) → crop_to_original → PCKh end to end."""
+
+    predict_crops = PoseModel.predict_crops  # the real method, calling this oracle's forward
 
     def __init__(self, model, targets: list[torch.Tensor]) -> None:
         super().__init__()
-        self.inner, self.targets, self.cursor = model, targets, 0
+        self.inner, self.targets, self.cursor, self.last = model, targets, 0, None
 
     def forward(self, images):
-        joints = torch.stack(self.targets[self.cursor:self.cursor + len(images)])
-        self.cursor += len(images)
+        if self.last is not None and torch.equal(images, self.last[0].flip(-1)):
+            joints = self.last[1][:, flip_permutation()].clone()
+            joints[..., 0] = images.shape[-1] - 1 - joints[..., 0]  # x → W − 1 − x
+        else:
+            joints = torch.stack(self.targets[self.cursor:self.cursor + len(images)])
+            self.cursor += len(images)
+            self.last = (images, joints)
         bins_y, bins_x = self.inner.codec.bins
         return self.inner.codec.log_targets(joints[..., 0], bins_x), self.inner.codec.log_targets(joints[..., 1], bins_y)
 
@@ -87,11 +97,12 @@ class OracleModel(torch.nn.Module):
 def test_evaluate_scores_ground_truth_as_perfect(synth: Path) -> None:
     records, root = load_records(synth / "test")
     dataset = PoseDataset(records, root, input_size=SIZE, train=False)
-    oracle = OracleModel(tiny_model(label_sigma=1.0), [dataset[i]["joints"] for i in range(len(dataset))])
-    scores = evaluate(oracle, dataset, batch_size=4)
-    assert scores["Mean"] == pytest.approx(100.0)
-    assert scores["Mean@0.1"] > 90.0
-    assert scores["samples"] == len(dataset)
+    for flip_test in (True, False):
+        oracle = OracleModel(tiny_model(label_sigma=1.0), [dataset[i]["joints"] for i in range(len(dataset))])
+        scores = evaluate(oracle, dataset, batch_size=4, flip_test=flip_test)
+        assert scores["Mean"] == pytest.approx(100.0)
+        assert scores["Mean@0.1"] > 90.0
+        assert scores["samples"] == len(dataset)
 
 
 def run_config(synth: Path, out: Path, *overrides: str, val: bool = True) -> RunConfig:

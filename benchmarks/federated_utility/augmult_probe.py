@@ -83,8 +83,8 @@ def one_run(args: argparse.Namespace, settings: Any, data: Path, work: Path, see
     privacy = summary["privacy"]
     return {
         "seed": seed, "augmentation_multiplicity": copies,
-        "scores": sweep.evaluate_splits(model, {"mixture": splits["mixture"]}, tuple(args.size))["mixture"],
-        "public_only": sweep.evaluate_splits(public, {"mixture": splits["mixture"]}, tuple(args.size))["mixture"],
+        "scores": sweep.evaluate_splits(model, {"mixture": splits["mixture"]}, tuple(args.size), settings.flip_test)["mixture"],
+        "public_only": sweep.evaluate_splits(public, {"mixture": splits["mixture"]}, tuple(args.size), settings.flip_test)["mixture"],
         "epsilon_text": privacy["epsilon_text"], "noise_multiplier": privacy["noise_multiplier"],
         "sample_rate": privacy["sample_rate"], "rows_per_step": privacy["fixed_shape"]["rows_per_step"],
         "train_wall_seconds": round(wall, 1), "train_cpu_seconds": round(cpu, 1),

@@ -175,6 +175,10 @@ class Settings(BaseModel):
     #: also score each site's own model at the end of a private federated run (``local_model_scores``:
     #: post-processing, no privacy cost; evaluation only — each federated run scores 2 × sites more models)
     score_local_models: bool = False
+    #: evaluate with flip test (fedpose's default since 2026-12-05: each crop's and its mirror's SimCC
+    #: distributions averaged). Off here: every committed result of this sweep was scored without it, and a
+    #: resumed sweep must not mix the two protocols
+    flip_test: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,13 +250,13 @@ def test_splits(data: Path, settings: Settings) -> dict[str, Any]:
     return splits
 
 
-def evaluate_splits(model: Any, splits: dict[str, Any], size: tuple[int, int]) -> dict[str, dict[str, float]]:
+def evaluate_splits(model: Any, splits: dict[str, Any], size: tuple[int, int], flip_test: bool) -> dict[str, dict[str, float]]:
     from fedpose.data.dataset import PoseDataset
     from fedpose.train.evaluate import evaluate
 
     out = {}
     for name, (records, root) in splits.items():
-        scores = evaluate(model, PoseDataset(records, root, input_size=size, train=False), batch_size=32)
+        scores = evaluate(model, PoseDataset(records, root, input_size=size, train=False), batch_size=32, flip_test=flip_test)
         out[name] = {"pckh50": round(scores["Mean"], 2), "pckh10": round(scores["Mean@0.1"], 2), "samples": scores["samples"]}
     return out
 
@@ -302,7 +306,7 @@ def site_model_state(final: dict[str, Any], received: dict[str, np.ndarray], del
 
 
 def local_model_scores(model: Any, last: dict[str, tuple[dict[str, np.ndarray], dict[str, np.ndarray]]],
-                       splits: dict[str, Any], size: tuple[int, int]) -> dict[str, dict[str, dict[str, float]]]:
+                       splits: dict[str, Any], size: tuple[int, int], flip_test: bool) -> dict[str, dict[str, dict[str, float]]]:
     """α → site → scores of :func:`site_model_state` (each of ``LOCAL_BLENDS``) on the site's own test split.
     Under FedAvg (server step 1, equal weights) with every site in the last round, the blend is w_R + α(Δ_i − Δ̄)."""
     final = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
@@ -311,7 +315,7 @@ def local_model_scores(model: Any, last: dict[str, tuple[dict[str, np.ndarray], 
         per_site = {}
         for site_id, (received, delta) in sorted(last.items()):
             model.load_state_dict(site_model_state(final, received, delta, alpha), strict=True)
-            per_site[site_id] = evaluate_splits(model, {site_id: splits[site_id]}, size)[site_id]
+            per_site[site_id] = evaluate_splits(model, {site_id: splits[site_id]}, size, flip_test)[site_id]
         out[f"{alpha:g}"] = per_site
     model.load_state_dict(final, strict=True)
     return out
@@ -443,7 +447,7 @@ def run_arm(settings: Settings, arm: Arm, data: Path, work: Path) -> dict[str, A
                               "torch": torch.__version__, "python": platform.python_version()}
     if arm.kind == "public-only":
         model, _ = model_from_checkpoint(init)
-        result["scores"] = evaluate_splits(model, splits, tuple(settings.size))
+        result["scores"] = evaluate_splits(model, splits, tuple(settings.size), settings.flip_test)
     else:
         arm_dir = work / "arms" / arm.key
         shutil.rmtree(arm_dir, ignore_errors=True)  # an interrupted run starts over (its budgets were spent)
@@ -485,12 +489,12 @@ def run_arm(settings: Settings, arm: Arm, data: Path, work: Path) -> dict[str, A
         RoundRunner(run, echo=lines.append).run_rounds(recorder or transport)
         model = load_global_model(arm_dir / "coordinator").model  # its moving average when ema_decay > 0
         if recorder is not None:
-            result["local_scores"] = local_model_scores(model, recorder.last, splits, tuple(settings.size))
+            result["local_scores"] = local_model_scores(model, recorder.last, splits, tuple(settings.size), settings.flip_test)
         history = load_history(arm_dir / "coordinator")
         initial = json.loads((arm_dir / "coordinator" / "report.json").read_text()).get("initial_pckh")
         last_sites = history[-1].sites if history else {}
         result.update(
-            scores=evaluate_splits(model, splits, tuple(settings.size)),
+            scores=evaluate_splits(model, splits, tuple(settings.size), settings.flip_test),
             curve_mixture_pckh50=[initial] + [(r.pckh or {}).get("Mean") for r in history],
             curve_mixture_pckh10=[None] + [(r.pckh or {}).get("Mean@0.1") for r in history],
             rounds_completed=len(history),

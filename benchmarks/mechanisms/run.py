@@ -93,7 +93,7 @@ def pretrain(args: argparse.Namespace, public: PoseDataset, test: PoseDataset) -
     started = time.perf_counter()
     history = train_steps(model, engine, public, optimizer, args.pretrain_steps,
                           scheduler=build_scheduler(optimizer, optim_cfg, args.pretrain_steps), description="pretrain (public)")
-    metrics = evaluate(model, test, batch_size=32, max_samples=args.eval_samples)
+    metrics = evaluate(model, test, batch_size=32, max_samples=args.eval_samples, flip_test=args.flip_test)
     metrics.update(seconds=time.perf_counter() - started, final_loss=history[-1]["loss"])
     print(f"pretrained on public: PCKh@0.5 Mean {metrics['Mean']:.2f} ({metrics['seconds']:.0f} s)", flush=True)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -128,7 +128,7 @@ def finetune(args, state, site, public_views, test, mechanism: str, epsilon: flo
     seconds = time.perf_counter() - started
     # A run whose weights blew up (too much noise for the step size) is a result, not a crash: score 0.
     metrics = {"Mean": 0.0, "Mean@0.1": 0.0, "diverged": True} if diverged else evaluate(
-        model, test, batch_size=32, max_samples=args.eval_samples)
+        model, test, batch_size=32, max_samples=args.eval_samples, flip_test=args.flip_test)
     report = engine.privacy_report()
     return {
         "mechanism": mechanism, "guarantee": report["guarantee"], "target_epsilon": epsilon, "unit": unit,
@@ -262,6 +262,9 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--resume", action="store_true", help="keep finished runs from results.json")
+    parser.add_argument("--flip-test", action="store_true",
+                        help="score with flip test (fedpose's default since 2026-12-05); off: the protocol of the committed "
+                             "results, which a resumed run must not mix with it")
     parser.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                         help="merge the runs of these result files (same protocol, e.g. one process per C) into "
                              "<out-prefix>.json and re-render its table and chart; trains nothing")

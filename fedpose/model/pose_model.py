@@ -398,9 +398,22 @@ class PoseModel(nn.Module):
         """Per-sample SimCC KL loss (B,), see :meth:`SimCCCodec.loss`."""
         return self.codec.loss(logits_x, logits_y, joints, weight)
 
-    def decode(self, logits_x: Tensor, logits_y: Tensor, refine: bool = True) -> tuple[Tensor, Tensor]:
-        """→ (coords (B, J, 2) in input pixels, confidence (B, J))."""
-        return self.codec.decode(logits_x, logits_y, refine=refine)
+    def decode(
+        self, logits_x: Tensor, logits_y: Tensor, refine: bool = True, mirrored: tuple[Tensor, Tensor] | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """→ (coords (B, J, 2) in input pixels, confidence (B, J)); ``mirrored``: the logits of the
+        horizontally mirrored crops, for flip test (:meth:`SimCCCodec.decode`)."""
+        return self.codec.decode(logits_x, logits_y, refine=refine, mirrored=mirrored)
+
+    def predict_crops(self, images: Tensor, flip_test: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Crops (B, 3, H, W) → (coords (B, J, 2) in input pixels, confidence (B, J), logits_x,
+        logits_y). ``flip_test``: also run the mirrored crops and decode the mean of the two
+        distributions (post-processing of the released model: no privacy cost; twice the forward
+        passes). The logits are the unmirrored crops' (the loss is the training objective's)."""
+        logits_x, logits_y = self(images)
+        mirrored = self(images.flip(-1)) if flip_test else None
+        coords, confidence = self.decode(logits_x, logits_y, mirrored=mirrored)
+        return coords, confidence, logits_x, logits_y
 
     def describe(self) -> dict[str, object]:
         return {

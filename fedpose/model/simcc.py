@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from timm.layers import LayerNorm2d
 from torch import Tensor, nn
 
+from fedpose.joints import flip_permutation
+
 
 class SimCCHead(nn.Module):
     """Final-stage features (B, C, h, w) → per-joint x/y bin logits.
@@ -110,17 +112,42 @@ class SimCCCodec:
         kl_y = _kl(self.log_targets(joints[..., 1], bins_y), torch.log_softmax(logits_y, dim=-1))
         return ((kl_x + kl_y) * weight).mean(dim=-1)
 
-    def decode(self, logits_x: Tensor, logits_y: Tensor, refine: bool = True) -> tuple[Tensor, Tensor]:
+    def decode(
+        self, logits_x: Tensor, logits_y: Tensor, refine: bool = True, mirrored: tuple[Tensor, Tensor] | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """Logits → (coords (B, J, 2) in input pixels, confidence (B, J)).
 
         Coordinate = argmax / k, optionally refined to the probability-weighted mean of the
         bins within ``refine_radius`` of the argmax. Confidence = the smaller of the two axes'
         peak probabilities (a joint is only as certain as its least certain coordinate).
+        ``mirrored`` (flip test): the logits of the same crops mirrored horizontally; the decoded
+        distribution is then the mean of the crop's and the mirror's mapped back (:meth:`unmirror`).
         """
         prob_x, prob_y = logits_x.softmax(dim=-1), logits_y.softmax(dim=-1)
+        if mirrored is not None:
+            back_x, back_y = self.unmirror(mirrored[0].softmax(dim=-1), mirrored[1].softmax(dim=-1))
+            prob_x, prob_y = (prob_x + back_x) / 2, (prob_y + back_y) / 2
         x, conf_x = self._decode_axis(prob_x, refine)
         y, conf_y = self._decode_axis(prob_y, refine)
         return torch.stack([x, y], dim=-1) / self.split_factor, torch.minimum(conf_x, conf_y)
+
+    def unmirror(self, prob_x: Tensor, prob_y: Tensor) -> tuple[Tensor, Tensor]:
+        """Distributions (B, J, bins) predicted on horizontally mirrored crops → the same
+        distributions in the unmirrored crops' frame.
+
+        The mirror maps x → W − 1 − x (:func:`fedpose.data.transforms.flip_matrix`), so bin b
+        (x = b / k) is the mirror's bin k(W − 1) − b: the x bins reversed and moved k − 1 bins
+        towards 0; the last k − 1 bins have no source and get probability 0. Left and right joints
+        swap (:data:`fedpose.joints.FLIP_PAIRS`); y is unchanged.
+        """
+        if prob_x.shape[-2] != len(flip_permutation()):
+            raise ValueError(f"flip test needs the {len(flip_permutation())} MPII joints, got {prob_x.shape[-2]}")
+        swap = flip_permutation()
+        reversed_x = prob_x[..., swap, :].flip(-1)
+        shift = self.split_factor - 1
+        back_x = torch.zeros_like(reversed_x)
+        back_x[..., : reversed_x.shape[-1] - shift] = reversed_x[..., shift:]
+        return back_x, prob_y[..., swap, :]
 
     def _decode_axis(self, prob: Tensor, refine: bool) -> tuple[Tensor, Tensor]:
         peak, index = prob.max(dim=-1)

@@ -388,7 +388,8 @@ def run_training(
             log(describe_divergence(event))
         last = step == end_step
         if val_set is not None and (step % cfg.train.eval_every == 0 or last):
-            scores = evaluate(model, val_set, batch_size=max(1, cfg.train.batch_size), max_samples=cfg.train.eval_samples)
+            scores = evaluate(model, val_set, batch_size=max(1, cfg.train.batch_size), max_samples=cfg.train.eval_samples,
+                              flip_test=cfg.data.val_flip_test)
             state.val.append({"step": step, **scores})
             log(f"step {step}: val PCKh@0.5 Mean {scores['Mean']:.2f} (Mean@0.1 {scores['Mean@0.1']:.2f}), loss {scores['loss']:.4f}")
         if step % cfg.train.checkpoint_every == 0 or last:

@@ -156,7 +156,8 @@ class RoundRunner:
         self.device_text = describe_device(self.device)
         parts = [*(["warm start"] if self.warm_starts else []),
                  *(["basis"] if self.serves_basis else [])]
-        jobs = f"{', '.join(parts)} and evaluation" if parts else "evaluation"
+        evaluation = "evaluation (flip test)" if self.cfg.data.val_flip_test else "evaluation (no flip test)"
+        jobs = f"{', '.join(parts)} and {evaluation}" if parts else evaluation
         basis_note = "" if self.serves_basis or self.cfg.public_data is None else " (no basis service: projecting sites compute their own)"
         self.echo(f"coordinator: {jobs} on {self.device_text}{basis_note}")
         resuming = resume and (self.dir / GLOBAL_CHECKPOINT).exists()
@@ -252,7 +253,8 @@ class RoundRunner:
         return model.to(self.device)
 
     def evaluate(self) -> dict[str, float] | None:
-        """PCKh of the global model — its moving average when coordinator.ema is on — on the held-out split (``coordinator.data.val``)."""
+        """PCKh of the global model — its moving average when coordinator.ema is on — on the held-out split
+        (``coordinator.data.val``; flip test unless ``coordinator.data.val_flip_test`` is off)."""
         if self.cfg.data.val is None:
             return None
         from fedpose.train.evaluate import evaluate
@@ -262,7 +264,9 @@ class RoundRunner:
 
             records, root = load_records(self.cfg.data.val)
             self._eval_dataset = PoseDataset(records, root, input_size=self.state.model_spec.input_size, train=False)
-        return {k: float(v) for k, v in evaluate(self.global_model(self.ema.weights if self.ema else None), self._eval_dataset, batch_size=16).items() if isinstance(v, (int, float))}
+        model = self.global_model(self.ema.weights if self.ema else None)
+        scores = evaluate(model, self._eval_dataset, batch_size=16, flip_test=self.cfg.data.val_flip_test)
+        return {k: float(v) for k, v in scores.items() if isinstance(v, (int, float))}
 
     # -- selection ------------------------------------------------------------------------------------
     def exhausted_sites(self) -> set[str]:
@@ -637,6 +641,7 @@ class RoundRunner:
         path = write_report(self.dir, {"run_id": self.run.run_id, "stopped_reason": self.state.stopped_reason,
                                        "aggregation": self.cfg.aggregation.strategy, "model_spec": self.state.model_spec.model_dump(mode="json"),
                                        "initial_pckh": self.state.initial_pckh, "coordinator_device": self.device_text,
+                                       "flip_test": self.cfg.data.val_flip_test,
                                        # which model each round's PCKh is of: the iterate, or its moving average
                                        "evaluated_model": self.ema.meta() | {"file": EMA_CHECKPOINT} if self.ema else "global iterate"},
                             self.history, summary)
