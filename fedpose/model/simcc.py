@@ -140,9 +140,9 @@ class SimCCCodec:
         towards 0; the last k − 1 bins have no source and get probability 0. Left and right joints
         swap (:data:`fedpose.joints.FLIP_PAIRS`); y is unchanged.
         """
-        if prob_x.shape[-2] != len(flip_permutation()):
-            raise ValueError(f"flip test needs the {len(flip_permutation())} MPII joints, got {prob_x.shape[-2]}")
         swap = flip_permutation()
+        if prob_x.shape[-2] != len(swap):
+            raise ValueError(f"flip test needs the {len(swap)} MPII joints, got {prob_x.shape[-2]}")
         reversed_x = prob_x[..., swap, :].flip(-1)
         shift = self.split_factor - 1
         back_x = torch.zeros_like(reversed_x)
