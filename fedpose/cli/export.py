@@ -346,8 +346,8 @@ def model_card(model: Any, report: dict[str, Any], evaluation: dict[str, Any] | 
             return "n/a" if math.isnan(evaluation[key]) else f"{evaluation[key]:.2f}"
 
         keys = ("Head", "Shoulder", "Elbow", "Wrist", "Hip", "Knee", "Ankle", "Mean", "Mean@0.1")
-        lines += [f"PCKh@0.5 on {evaluation['name']} ({evaluation['samples']} people, MPII protocol, head boxes; "
-                  "Mean@0.1 is PCKh@0.1):", "",
+        lines += [f"PCKh@0.5 on {evaluation['name']} ({evaluation['samples']} people, MPII protocol, head boxes, flip test: "
+                  "each crop's and its mirror's predictions averaged; Mean@0.1 is PCKh@0.1):", "",
                   "| " + " | ".join(keys) + " |", "|" + " --- |" * len(keys), "| " + " | ".join(score(k) for k in keys) + " |", "",
                   "A score on a private set is itself a release no guarantee above covers; publish scores on public data."]
     lines += ["", "## Intended use", "",
