@@ -65,20 +65,15 @@ def synthetic_mismatch(synthetic: dict[str, Any], n_sites: int) -> str:
     """How the finished synthetic dataset in ``[synthetic]``'s directory differs from the one the
     table asks for ('' when it does not, or when none is there). More sites than asked is no
     difference: a 3-site dataset serves a 2-site run."""
-    import json
+    from fedpose.data.synthetic import MANIFEST_FILE, SyntheticDataError, dataset_params, params_differ
 
-    from fedpose.data.synthetic import MANIFEST_FILE, SyntheticDataError, dataset_params
-
-    manifest = Path(synthetic["dir"]) / MANIFEST_FILE
-    if not manifest.is_file():
+    if not (Path(synthetic["dir"]) / MANIFEST_FILE).is_file():
         return ""
     try:
-        stored = json.loads(manifest.read_text()).get("params", {})
         wanted = dataset_params(**_synthetic_spec(synthetic, n_sites))
-    except (OSError, ValueError, AttributeError, SyntheticDataError) as exc:
+    except SyntheticDataError as exc:
         return f"unreadable: {exc}"
-    return ", ".join(f"{key} {stored.get(key)!r} there, {value!r} asked" for key, value in wanted.items()
-                     if stored.get(key) != value and not (key == "sites" and isinstance(stored.get(key), int) and stored[key] >= value))
+    return params_differ(synthetic["dir"], wanted, more_sites_serve=True)
 
 
 def data_paths(sites: list[Any], coordinator: Any) -> dict[str, Path]:

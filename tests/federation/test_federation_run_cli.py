@@ -54,7 +54,7 @@ def test_deploy_with_fewer_sites_uses_each_sites_own_data_and_touches_nothing(tm
     assert "ports already in use" in err
     assert _snapshot(three_sites) == before  # nothing regenerated, nothing deleted
     # used as it is, but not silently: the [synthetic] table describes other data than the directory holds
-    assert "holds another synthetic dataset than [synthetic] describes (per_site 4 there" in err
+    assert "holds another synthetic dataset than [synthetic] describes (per_site: 4 → " in err
     for k in (1, 2):
         site = tomllib.loads((tmp_path / "run" / "configs" / f"site-{k}.toml").read_text())
         assert site["data"]["train"] == str(three_sites / f"site-{k}")  # the site's own config
@@ -78,7 +78,7 @@ def test_synthetic_data_is_made_only_where_nothing_is(tmp_path: Path, capsys: py
     reseeded.write_text(tomli_w.dumps(raw))
     before = _snapshot(data)
     assert _deploy_until_ports(reseeded, tmp_path / "run-reseeded", 2) == 2
-    assert "seed 0 there, 7 asked" in capsys.readouterr().err
+    assert "seed: 0 → 7)" in capsys.readouterr().err
     assert _snapshot(data) == before
 
     # a first run stopped during generation (Ctrl-C): every directory exists, some annotations do not —

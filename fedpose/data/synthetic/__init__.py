@@ -14,6 +14,7 @@ from fedpose.data.synthetic.generate import (
     ensure_dataset,
     generate_dataset,
     interrupted_dataset,
+    params_differ,
     parse_size,
     render_example,
 )
@@ -22,6 +23,6 @@ from fedpose.data.synthetic.profiles import SiteProfile, public_profile, site_pr
 
 __all__ = [
     "GENERATOR_VERSION", "MANIFEST_FILE", "SplitSpec", "SyntheticDataError", "dataset_params", "ensure_dataset",
-    "generate_dataset", "interrupted_dataset", "parse_size", "render_example", "gaussian_blur", "SiteProfile",
+    "generate_dataset", "interrupted_dataset", "params_differ", "parse_size", "render_example", "gaussian_blur", "SiteProfile",
     "public_profile", "site_profile",
 ]

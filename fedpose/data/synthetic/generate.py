@@ -185,15 +185,22 @@ def interrupted_dataset(out: str | Path) -> bool:
     return (out / PROGRESS_FILE).exists() and not (out / MANIFEST_FILE).exists()
 
 
-def _params_differ(out: Path, params: dict[str, Any]) -> str:
-    """'key: stored → wanted' for each parameter in which ``out``'s dataset differs from ``params``."""
+def params_differ(out: str | Path, params: dict[str, Any], more_sites_serve: bool = False) -> str:
+    """'key: stored → wanted' for each parameter in which ``out``'s dataset differs from ``params``
+    ('' for none). ``more_sites_serve``: a dataset with more sites than asked is no difference
+    (a federation of fewer sites uses the first ones)."""
     for marker in (MANIFEST_FILE, PROGRESS_FILE):
         try:
-            stored = json.loads((out / marker).read_text())
+            stored = json.loads((Path(out) / marker).read_text())
         except (OSError, json.JSONDecodeError):
             continue
         stored = stored.get("params", stored)
-        return ", ".join(f"{k}: {stored.get(k)!r} → {v!r}" for k, v in params.items() if stored.get(k) != v)
+
+        def same(key: str, wanted: Any) -> bool:
+            have = stored.get(key)
+            return have == wanted or (more_sites_serve and key == "sites" and isinstance(have, int) and have >= wanted)
+
+        return ", ".join(f"{k}: {stored.get(k)!r} → {v!r}" for k, v in params.items() if not same(k, v))
     return "unreadable manifest"
 
 
@@ -366,7 +373,7 @@ def _ensure_locked(out: Path, params: dict[str, Any], sites: int, per_site: int,
     if status == "foreign":
         raise SyntheticDataError(f"{out} contains files that are not a fedpose synthetic dataset; refusing to touch it")
     if status == "other" and not replace:
-        raise SyntheticDataError(f"{out} holds a different synthetic dataset ({_params_differ(out, params)}); not replacing it")
+        raise SyntheticDataError(f"{out} holds a different synthetic dataset ({params_differ(out, params)}); not replacing it")
     if status == "partial":
         return generate_dataset(out, resume=True, **kwargs)
     return generate_dataset(out, overwrite=status == "other", **kwargs)
