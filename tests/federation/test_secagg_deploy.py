@@ -191,21 +191,26 @@ class Deployment:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
-        # what Flower started in sessions of its own (the SuperLink's SuperExec and ServerApps) carries our FLWR_HOME
-        for pid in _pids_with(f"FLWR_HOME={self.env['FLWR_HOME']}".encode()):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        # what Flower started in sessions of its own (the SuperLink's SuperExec and ServerApps) carries our
+        # FLWR_HOME; SIGKILL takes effect asynchronously, so close() returns once none of them still runs
+        deadline = time.monotonic() + 10
+        while (pids := _pids_with(f"FLWR_HOME={self.env['FLWR_HOME']}".encode())) and time.monotonic() < deadline:
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
 
 
 def _pids_with(variable: bytes) -> list[int]:
-    """Live processes whose environment holds ``variable`` (NAME=value)."""
+    """Running processes (zombies excluded) whose environment holds ``variable`` (NAME=value)."""
     pids = []
     for proc_dir in Path("/proc").glob("[0-9]*"):
         try:
             if variable in (proc_dir / "environ").read_bytes().split(b"\0"):
-                pids.append(int(proc_dir.name))
+                if (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    pids.append(int(proc_dir.name))
         except OSError:
             continue
     return pids
