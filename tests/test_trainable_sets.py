@@ -25,10 +25,10 @@ from fedpose.model import (
     save_checkpoint,
 )
 from fedpose.model.checkpoint import load_checkpoint, model_spec, save_safetensors
-from fedpose.model.pose_model import AFFINE_PARAMETERS, LORA_TARGETS, LoRALinear, is_adapter_key
+from fedpose.model.pose_model import LORA_TARGETS, LoRALinear, is_adapter_key
 from fedpose.privacy import engine as engine_module
 from fedpose.privacy.engine import build_engine
-from fedpose.privacy.per_sample import flatten, frozen_features, per_sample_gradients
+from fedpose.privacy.per_sample import AFFINE_MODULES, flatten, frozen_features, per_sample_gradients
 from fedpose.train.optim import build_optimizer
 
 SIZE = (64, 64)
@@ -97,7 +97,7 @@ def test_each_new_scenario_trains_the_documented_set() -> None:
             stages = len(model.backbone.stages)
             assert model.affine_tuned_part == ["backbone.patch_embed", "backbone.stages.0"] + [
                 f"backbone.stages.{i}.{unit}" for i in range(1, stages) for unit in ("downsample", "blocks")]
-            assert {type(m) for m in model.affine_tuned_modules().values()} <= set(AFFINE_PARAMETERS)
+            assert {type(m) for m in model.affine_tuned_modules().values()} <= set(AFFINE_MODULES)
             assert not any(n.endswith(".weight") and n not in norms for n in model.trainable_parameters())
             continue
         # the frozen prefix is what it is for finetune: nothing before stage 1's blocks trains

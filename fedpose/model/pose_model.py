@@ -68,6 +68,7 @@ from torch import Tensor, nn
 from fedpose.config import Scenario
 from fedpose.joints import NUM_JOINTS
 from fedpose.model.simcc import SimCCCodec, SimCCHead
+from fedpose.privacy.per_sample import affine_of
 
 SCENARIOS: tuple[str, ...] = typing.get_args(Scenario)
 #: the linears of each last-stage block that get adapters under scenario "lora"
@@ -82,39 +83,15 @@ def _is_layer_norm(module: nn.Module) -> bool:
     return isinstance(module, nn.LayerNorm)  # includes timm LayerNorm2d
 
 
-def _is_channels_last_layer_norm(module: nn.Module) -> bool:
-    """A plain ``nn.LayerNorm`` over the last dimension (timm's LayerNorm2d is a subclass that is not)."""
-    return type(module) is nn.LayerNorm and len(module.normalized_shape) == 1
-
-
-#: module types whose trainable parameters may be in the affine-tuned part, and which of their
-#: parameters: per-sample gradients of these are sums over a sample's rows of the module's output
-#: gradient (times the normalised input, for a LayerNorm's weight), see fedpose.privacy.per_sample.
-#: Exact types: a subclass may use its parameters differently (LoRALinear adds an adapter path,
-#: timm's LayerNorm2d normalises channels-first).
-AFFINE_PARAMETERS: dict[type, tuple[str, ...]] = {
-    nn.LayerNorm: ("weight", "bias"),
-    nn.Linear: ("bias",),
-    nn.Conv2d: ("bias",),
-    nn.BatchNorm2d: ("bias",),
-}
-
-
 def _affine_tuned(unit: nn.Module) -> bool:
-    """True if every trainable parameter of ``unit`` is one of :data:`AFFINE_PARAMETERS` (a
-    LayerNorm's over the last dimension only)."""
+    """True if every trainable parameter of ``unit`` is an affine the batched per-sample path
+    attributes to samples (:data:`fedpose.privacy.per_sample.AFFINE_MODULES`)."""
     trainable = {id(p) for p in unit.parameters() if p.requires_grad}
     affines = {
-        id(getattr(m, name)) for m in unit.modules() if _is_affine_owner(m)
-        for name in AFFINE_PARAMETERS[type(m)] if getattr(m, name, None) is not None
+        id(getattr(m, name)) for m in unit.modules() if (affine := affine_of(m)) is not None
+        for name in affine.parameters if getattr(m, name, None) is not None
     }
     return trainable <= affines
-
-
-def _is_affine_owner(module: nn.Module) -> bool:
-    if type(module) is nn.LayerNorm:
-        return _is_channels_last_layer_norm(module)
-    return type(module) in AFFINE_PARAMETERS
 
 
 def _is_batch_norm(module: nn.Module) -> bool:
@@ -307,7 +284,7 @@ class PoseModel(nn.Module):
 
     def affine_tuned_modules(self) -> dict[str, nn.Module]:
         """The modules with trainable parameters in the affine-tuned part, by module name: every
-        one of them an owner of :data:`AFFINE_PARAMETERS`."""
+        one of them a type in :data:`~fedpose.privacy.per_sample.AFFINE_MODULES`."""
         start = self._frozen_units
         inside = {id(m) for _, unit in self._units[start: start + self._affine_tuned_units] for m in unit.modules()}
         return {

@@ -57,6 +57,7 @@ clipping factors are float32 there, whatever matmul precision the device uses.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator, Protocol
 
 import torch
@@ -209,11 +210,34 @@ def _sample_loss_fn(model: TrainableModel, start: str):
     return sample_loss
 
 
-#: the modules whose parameters :class:`_AffineRecord` attributes to samples, by layout of their
-#: output: channels last (rows, …, C) or channels first (rows, C, H, W). Exact types: timm's
-#: LayerNorm2d (a channels-first nn.LayerNorm) or fedpose's LoRALinear are not these.
-_CHANNELS_LAST: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.Linear)
-_CHANNELS_FIRST: tuple[type[nn.Module], ...] = (nn.Conv2d, nn.BatchNorm2d)
+@dataclass(frozen=True)
+class Affine:
+    """What the batched path knows of a module type: which of its parameters are per-channel scales
+    or shifts of its output, and whether that output is channels last (rows, …, C) or channels
+    first (rows, C, H, W)."""
+
+    parameters: tuple[str, ...]
+    channels_last: bool
+
+
+#: the module types whose :class:`Affine` parameters the batched path attributes to samples — the
+#: one list: the model's affine-tuned part may hold trainable parameters of these only
+#: (:func:`affine_of`). Exact types: a subclass may use its parameters differently (fedpose's
+#: LoRALinear adds an adapter path, timm's LayerNorm2d normalises channels first).
+AFFINE_MODULES: dict[type[nn.Module], Affine] = {
+    nn.LayerNorm: Affine(("weight", "bias"), channels_last=True),
+    nn.Linear: Affine(("bias",), channels_last=True),
+    nn.Conv2d: Affine(("bias",), channels_last=False),
+    nn.BatchNorm2d: Affine(("bias",), channels_last=False),
+}
+
+
+def affine_of(module: nn.Module) -> Affine | None:
+    """``module``'s entry in :data:`AFFINE_MODULES`; None where the batched path cannot attribute its
+    parameters (a type not listed, or a LayerNorm over more than its last dimension)."""
+    if type(module) is nn.LayerNorm and len(module.normalized_shape) != 1:
+        return None
+    return AFFINE_MODULES.get(type(module))
 
 
 class _AffineRecord:
@@ -222,10 +246,11 @@ class _AffineRecord:
     (module docstring)."""
 
     def __init__(self, name: str, module: nn.Module, inputs: Tensor, output: Tensor) -> None:
-        if type(module) not in _CHANNELS_LAST + _CHANNELS_FIRST:
+        affine = affine_of(module)
+        if affine is None:
             raise TypeError(f"{name}: per-sample gradients of a {type(module).__name__}'s parameters need the vmap path")
         self.name, self.module, self.output = name, module, output
-        self.channels_last = type(module) in _CHANNELS_LAST
+        self.channels_last = affine.channels_last
         self.normalized: Tensor | None = None
         if isinstance(module, nn.LayerNorm):
             with torch.no_grad():
