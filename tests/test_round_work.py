@@ -13,7 +13,7 @@ import pytest
 import torch
 from scipy import stats
 
-from fedpose.privacy.engine import build_engine
+from fedpose.privacy.engine import SPARE_ROWS_KEY, build_engine
 from fedpose.privacy.fixed_shape import (
     OVERFLOW_PROBABILITY,
     RoundWork,
@@ -29,6 +29,11 @@ from test_fixed_shape_steps import dp, model, patients  # noqa: F401 (model: the
 
 def chunks_of(units: np.ndarray, units_per_chunk: int) -> np.ndarray:
     return np.maximum(1, -(-units // units_per_chunk))
+
+
+def step_rows(batch: dict) -> int:
+    """Rows a step computes: its own batch's and, on a round's last step, the spare it runs chunk by chunk."""
+    return int(batch["image"].shape[0]) + len(batch.get(SPARE_ROWS_KEY, ()))
 
 
 # -- the budget -------------------------------------------------------------------------------------------
@@ -113,17 +118,21 @@ def test_every_round_does_the_same_work_whatever_was_sampled(model) -> None:
     for _ in range(25):
         rows = []
         real = 0
-        for _ in range(work.steps):
+        for position in range(work.steps):
             batch = next(batches)
             size = batch["image"].shape[0]
             assert size % work.chunk_rows == 0 and size == len(batch["row_mask"]) == len(batch["unit_index"])
+            spare = batch.get(SPARE_ROWS_KEY)
+            if spare is not None:  # the round's last step only; whole chunks; padding in slots after the step's own
+                assert position == work.steps - 1 and len(spare) % work.chunk_rows == 0
+                assert spare.slots is not None and min(spare.slots) > int(batch["unit_index"].max())
             # a slot: one unit's records first (at most 3 of the large patient), then padding
             for slot in range(size // 3):
                 block = batch["row_mask"][slot * 3: slot * 3 + 3].tolist()
                 assert block == sorted(block, reverse=True)
                 records = batch["index"][slot * 3: slot * 3 + 3][batch["row_mask"][slot * 3: slot * 3 + 3]].tolist()
                 assert len({unit_of_record[r] for r in records}) <= 1
-            rows.append(size)
+            rows.append(step_rows(batch))
             real += int(batch["row_mask"].sum())
         assert sum(rows) == work.slots * 3  # the round's work: fixed
         splits.add(tuple(rows))
@@ -193,8 +202,46 @@ def test_a_public_views_own_sample_does_the_rounds_fixed_work_too(model) -> None
         private, public = [], []
         for _ in range(work.steps):
             batch = next(batches)
-            private.append(batch["image"].shape[0])
-            public.append(batch["public_sample"]["image"].shape[0])
+            private.append(step_rows(batch))
+            public.append(step_rows(batch["public_sample"]))
             engine.step(model, batch)
         assert sum(private) == sum(public) == work.slots * 3
         assert all(rows % work.chunk_rows == 0 for rows in private + public)
+
+
+def test_the_last_step_loads_and_runs_the_spare_one_chunk_at_a_time(model) -> None:
+    """The round's spare is never one batch: the last step's batch holds its own rows only, and the
+    step loads each spare chunk right before its frozen forward — at most one chunk of it held."""
+    engine, dataset, _ = round_engine(model, [1] * 12, steps=4, sample_rate=0.1)
+    work = engine.round
+    loaded: list[int] = []
+
+    class Counting:
+        def __len__(self) -> int:
+            return len(dataset)
+
+        def __getitem__(self, index: int) -> dict:
+            loaded.append(index)
+            return dataset[index]
+
+    at_forward: list[tuple[int, int]] = []  # (records loaded so far, rows of this frozen forward)
+    forward = model.forward_frozen
+    model.forward_frozen = lambda images: (at_forward.append((len(loaded), images.shape[0])), forward(images))[1]
+    try:
+        batches = engine.batches(Counting())
+        for _ in range(work.steps - 1):
+            engine.step(model, next(batches))
+        loaded.clear()
+        at_forward.clear()
+        last = next(batches)
+        own = int(last["image"].shape[0])
+        spare = last[SPARE_ROWS_KEY]
+        assert len(loaded) == own and len(spare) >= work.chunk_rows  # spare not loaded yet
+        engine.step(model, last)
+    finally:
+        del model.forward_frozen
+    chunks = len(spare) // work.chunk_rows
+    assert [rows for _, rows in at_forward] == [work.chunk_rows] * (own // work.chunk_rows + chunks)
+    spare_forwards = at_forward[own // work.chunk_rows:]
+    assert [count for count, _ in spare_forwards] == [own + (j + 1) * work.chunk_rows for j in range(chunks)]
+    assert loaded[own:] == list(spare.records)

@@ -98,7 +98,7 @@ def hook_for(mode: str, step_seconds: list[float], real_rows: list[int], rows: l
             metrics = step(model, batch)
             step_seconds.append(time.perf_counter() - started + getattr(timed_batches, "loading", 0.0))
             real_rows.append(int(metrics["batch_size"]))
-            rows.append(int(batch["image"].shape[0]))
+            rows.append(int(batch["image"].shape[0]) + len(batch.get("spare_rows", ())))  # the last step's spare too
             return metrics
 
         engine.batches, engine.step = timed_batches, timed_step

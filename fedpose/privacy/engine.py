@@ -76,6 +76,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -117,6 +118,37 @@ log = logging.getLogger(__name__)
 _SAMPLING_STREAM, _NOISE_STREAM, _PUBLIC_SAMPLING_STREAM = 1, 2, 3
 #: the batch key of a public-view mechanism's public sample (a batch of its own, see _poisson_batches)
 PUBLIC_SAMPLE_KEY = "public_sample"
+#: the batch key of a round's last step's spare rows (:class:`SpareRows`), in a batch and in its public sample
+SPARE_ROWS_KEY = "spare_rows"
+
+
+@dataclass(frozen=True)
+class SpareRows:
+    """The rows a round's last step computes beyond its own slots so that the round does its fixed
+    work (:mod:`fedpose.privacy.fixed_shape`): padding only — each a record drawn uniformly with the
+    CSPRNG, weight 0 — in whole chunks. The step loads, augments and runs them through the same
+    forward and per-sample backward as its own rows, one chunk at a time, and discards them: it
+    holds one chunk of them, never the whole spare (≈ 12 800 rows at 64 patients of 4 images a step
+    and 50 steps a round: 7.5 GB of 256×192 images had the step collated them as one batch)."""
+
+    records: tuple[int, ...]
+    #: each row's unit slot (continuing the step's own), None for a public view's sample
+    slots: tuple[int, ...] | None
+    chunk_rows: int
+    dataset: Dataset
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def chunks(self) -> Iterator[dict]:
+        """The spare, ``chunk_rows`` rows at a time, each part a batch like the step's own."""
+        for start in range(0, len(self.records), self.chunk_rows):
+            records = self.records[start: start + self.chunk_rows]
+            part = collate([self.dataset[i] for i in records])
+            if self.slots is not None:
+                part["unit_index"] = torch.as_tensor(self.slots[start: start + len(records)], dtype=torch.long)
+            part["row_mask"] = torch.zeros(len(records), dtype=torch.bool)
+            yield part
 
 
 def collate(samples: Sequence[dict], template: dict | None = None) -> dict:
@@ -316,35 +348,47 @@ class GradientEngine:
             draw = max(self._batches_drawn, self.steps_done)
             self._batches_drawn = draw + 1
             self.noise.reseed(_SAMPLING_STREAM, draw)
-            records, slots, real = self._laid_out_sample(draw, 0)
-            batch = collate([dataset[i] for i in records])  # never empty: the fixed shape has rows
-            batch["unit_index"] = torch.as_tensor(slots, dtype=torch.long)
-            batch["row_mask"] = torch.as_tensor(real, dtype=torch.bool)
+            batch = self._load(dataset, *self._laid_out_sample(draw, 0))
             if self.mechanism.public_view is not None:
                 # The public gradient is released without noise: were it taken on the private sample,
                 # it would show who was sampled. Its own draw (own stream, same q and shape) shows
                 # only itself; the records' public parts are shared by both neighbours anyway.
                 self.noise.reseed(_PUBLIC_SAMPLING_STREAM, draw)
-                records, _, real = self._laid_out_sample(draw, 1)
-                public = collate([dataset[i] for i in records])
-                public["row_mask"] = torch.as_tensor(real, dtype=torch.bool)
-                batch[PUBLIC_SAMPLE_KEY] = public
+                records, _, real, own = self._laid_out_sample(draw, 1)
+                batch[PUBLIC_SAMPLE_KEY] = self._load(dataset, records, None, real, own)
             yield batch
 
-    def _laid_out_sample(self, draw: int, sample: int) -> tuple[list[int], list[int], list[bool]]:
+    def _load(self, dataset: Dataset, records: list[int], slots: list[int] | None, real: list[bool], own: int) -> dict:
+        """The batch of a laid-out draw's first ``own`` rows (never empty: a step has whole chunks);
+        the rest, a round's spare, stay unloaded in :class:`SpareRows` until the step runs them."""
+        batch = collate([dataset[i] for i in records[:own]])
+        if slots is not None:
+            batch["unit_index"] = torch.as_tensor(slots[:own], dtype=torch.long)
+        batch["row_mask"] = torch.as_tensor(real[:own], dtype=torch.bool)
+        if own < len(records):
+            assert self.round is not None and not any(real[own:])  # only a round's spare follows the step's own rows
+            batch[SPARE_ROWS_KEY] = SpareRows(tuple(records[own:]), None if slots is None else tuple(slots[own:]),
+                                              self.round.chunk_rows, dataset)
+        return batch
+
+    def _laid_out_sample(self, draw: int, sample: int) -> tuple[list[int], list[int], list[bool], int]:
         """Step ``draw``'s Poisson draw (``sample`` 0: the private one, 1: a public view's) laid out in
         the step's fixed shape or, in a round of fixed work, in whole chunks — the round's last step
-        also taking the slots its earlier steps left (:meth:`RoundWork.slots_for`)."""
+        also taking the slots its earlier steps left (:meth:`RoundWork.slots_for`) — and how many of
+        its rows are the step's own: the rest, padding only, are that spare (:class:`SpareRows`)."""
         rows, unit_of_row = self.sample_units()
         if self.round is None:
-            return self.fixed_shape_rows(rows, unit_of_row)
+            records, slots, real = self.fixed_shape_rows(rows, unit_of_row)
+            return records, slots, real, len(records)
         position = draw % self.round.steps
         if position == 0:
             self._round_slots_used[sample] = 0
-        num_slots = self.round.slots_for(max(unit_of_row, default=-1) + 1, self._round_slots_used[sample],
-                                         last_step=position == self.round.steps - 1)
+        sampled, used = max(unit_of_row, default=-1) + 1, self._round_slots_used[sample]
+        num_slots = self.round.slots_for(sampled, used, last_step=position == self.round.steps - 1)
+        own_slots = self.round.slots_for(sampled, used, last_step=False)
         self._round_slots_used[sample] += num_slots
-        return self.fixed_shape_rows(rows, unit_of_row, num_slots)
+        records, slots, real = self.fixed_shape_rows(rows, unit_of_row, num_slots)
+        return records, slots, real, own_slots * self.shape.rows_per_slot
 
     def sample_units(self) -> tuple[list[int], list[int]]:
         """One step's Poisson draw over units: (record indices, position of each row's unit among
@@ -609,19 +653,8 @@ class GradientEngine:
                                  "hold a whole multiple of that many rows (each record once per augmentation)")
             real = _real_rows(batch, size, device)
             metrics["batch_size"] = float(real.sum())
-            if int(torch.unique(unit_index).numel()) == size:  # one record per unit: the per-sample path
-                clipped_sum, norms, losses = clipped_gradient_sum(
-                    model, features[:size], batch["joints"], batch["weight"], clip, chunk, row_mask=real
-                )
-                sample_nonfinite = ~torch.isfinite(norms) & real
-                unit_real = real
-            else:
-                clipped_sum, norms, losses, sample_nonfinite = clipped_unit_gradient_sum(
-                    model, features[:size], batch["joints"], batch["weight"], unit_index, clip, chunk, row_mask=real,
-                    augmentations=self.augmentations,
-                )
-                labels = torch.unique(unit_index.to(device))  # ascending, like the returned norms
-                unit_real = torch.isin(labels, unit_index.to(device)[real])
+            clipped_sum, norms, losses, sample_nonfinite, unit_real = self._clipped_sum(
+                model, features[:size], batch["joints"], batch["weight"], unit_index, real, chunk)
             # diagnostics over real rows and units only; site-local (rounds.jsonl), never sent
             norms = norms[unit_real]
             finite = torch.isfinite(norms)
@@ -637,6 +670,7 @@ class GradientEngine:
                                                                public_sample["weight"], row_mask=public_real, chunk_size=chunk)
                 metrics["public_loss"] = (float(public_losses[public_real].mean()) if bool(public_real.any())
                                           else float("nan"))
+            self._run_spare(model, batch.get(SPARE_ROWS_KEY), public_sample, chunk, device)
 
         if self.canary_gradients is not None:
             self.audit_data_release = self._release(clipped_sum, public_gradient)
@@ -653,6 +687,36 @@ class GradientEngine:
         self.accountant.step(self.noise_multiplier, self.sample_rate)
         metrics["noise_std"] = noise_std / self.expected_batch_size
         return gradient
+
+    def _clipped_sum(self, model: TrainableModel, features: Tensor, joints: Tensor, weight: Tensor, unit_index: Tensor,
+                     real: Tensor, chunk: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """(clipped sum, units' norms, per-sample losses, non-finite real samples, which units are real)."""
+        clip, device = self.privacy.max_grad_norm, features.device
+        if int(torch.unique(unit_index).numel()) == len(unit_index):  # one record per unit: the per-sample path
+            clipped_sum, norms, losses = clipped_gradient_sum(model, features, joints, weight, clip, chunk, row_mask=real)
+            return clipped_sum, norms, losses, ~torch.isfinite(norms) & real, real
+        clipped_sum, norms, losses, sample_nonfinite = clipped_unit_gradient_sum(
+            model, features, joints, weight, unit_index, clip, chunk, row_mask=real, augmentations=self.augmentations)
+        labels = torch.unique(unit_index.to(device))  # ascending, like the returned norms
+        return clipped_sum, norms, losses, sample_nonfinite, torch.isin(labels, unit_index.to(device)[real])
+
+    def _run_spare(self, model: TrainableModel, spare: SpareRows | None, public_sample: dict | None, chunk: int,
+                   device: torch.device) -> None:
+        """A round's last step's spare (:class:`SpareRows`), of the private sample and of a public
+        view's: the work its own rows do, chunk by chunk — load, ψ, the frozen forward, the
+        per-sample or public gradient — every result discarded (each row has weight 0 anyway)."""
+        if spare is not None:
+            for part in spare.chunks():
+                part = batch_to_device(part, device)
+                features = frozen_features(model, part["image"], chunk)
+                self._clipped_sum(model, features, part["joints"], part["weight"], part["unit_index"], part["row_mask"], chunk)
+        public_spare = None if public_sample is None else public_sample.get(SPARE_ROWS_KEY)
+        if public_spare is not None:
+            view = PUBLIC_VIEW_FUNCTIONS[self.mechanism.public_view]
+            for part in public_spare.chunks():
+                part = batch_to_device(part, device)
+                features = frozen_features(model, view(part, self.privacy), chunk)
+                mean_gradient(model, features, part["joints"], part["weight"], row_mask=part["row_mask"], chunk_size=chunk)
 
     def _release(self, noisy_sum: Tensor, public_gradient: Tensor | None) -> Tensor:
         """The step's gradient from its noisy clipped sum: ÷ B, projected onto V (pdp, fpdp), plus the

@@ -187,7 +187,8 @@ def capacity_warning(shape: StepShape, num_units: int, unit: str, where: str) ->
 # round of 8 steps computes 1.6 B·T slots where per-step padding computes 2.7 B·T — the same
 # guarantee (nothing changes in what is sampled or released) and the same timing protection for
 # what leaves the site, at 60 % of the work. A step of a round is never truncated either; the
-# round's last step holds its spare rows in memory (per-sample work stays in chunks).
+# round's last step loads and runs its spare one chunk at a time (fedpose.privacy.engine.SpareRows),
+# so no step holds more than its own rows and one chunk.
 
 #: pmf entries below this are dropped while convolving; their total mass is added to the tail bound
 _NEGLIGIBLE_MASS = 1e-30

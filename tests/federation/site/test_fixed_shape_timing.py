@@ -98,6 +98,7 @@ class WorkLog:
             log.steps.append({
                 "loaded": len(log._loaded),
                 "batch": {k: tuple(v.shape) for k, v in batch.items() if hasattr(v, "shape")},
+                "spare_rows": len(batch.get("spare_rows", ())),  # the round's spare, run chunk by chunk in the step
                 "inputs": inputs,
                 "chunk": engine.chunk_for(next(iter(params.values())).device, sum(p.numel() for p in params.values())),
             })
@@ -124,7 +125,7 @@ def total(work: WorkLog) -> dict[str, Any]:
     """What the round's duration is a function of: every record loaded, every module input, the chunk."""
     return {
         "loaded": sum(step["loaded"] for step in work.steps),
-        "rows": sum(step["batch"]["image"][0] for step in work.steps),
+        "rows": sum(step["batch"]["image"][0] + step["spare_rows"] for step in work.steps),
         "inputs": Counter(shape for step in work.steps for shape in step["inputs"]),
         "chunks": {step["chunk"] for step in work.steps},
     }
