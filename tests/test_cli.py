@@ -364,6 +364,14 @@ def all_parsers():
     return list(walk(build_parser(), []))
 
 
+def test_a_description_opens_with_its_help_capitalised_but_never_a_symbol() -> None:
+    """The description a subcommand's --help opens with is its one-line help as a sentence: a
+    letter capitalised, a symbol as written (ε and Ε are different quantities)."""
+    parsers = dict(all_parsers())
+    assert parsers["privacy epsilon"].description.startswith("ε of T Poisson-subsampled Gaussian steps")
+    assert parsers["data"].description == "Create and inspect datasets."
+
+
 def test_every_command_and_argument_is_described_in_plain_text() -> None:
     import argparse
 

@@ -76,7 +76,8 @@ class _SubcommandsAction(argparse._SubParsersAction):
     def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
         if kwargs.get("description") is None and kwargs.get("help"):
             help_text = str(kwargs["help"]).replace("%%", "%")
-            kwargs["description"] = help_text[:1].upper() + help_text[1:] + "."
+            first = help_text[:1]  # a sentence's first letter; a symbol keeps its case ("ε of T …", not "Ε of T …")
+            kwargs["description"] = (first.upper() if first.isascii() else first) + help_text[1:] + "."
         return super().add_parser(name, **kwargs)
 
 
