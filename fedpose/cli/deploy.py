@@ -6,7 +6,9 @@ Everything goes into ``--run-dir``: ``certs/`` (``fedpose certs``), ``configs/``
 TOML and one site TOML per site), ``flwr-home/`` (the SuperLink connection for ``flwr``),
 ``logs/`` (one log per process), ``sites/<id>/`` (each site's persisted budget), ``coordinator/``
 (global model, server-optimizer state, ledger, history, report) and ``commands.sh`` (every
-command that was run — the same commands a multi-machine deployment uses).
+command that was run — the same commands a multi-machine deployment uses). It prints each round's
+line and, while a round runs, an indented line a minute with each site's steps done (from the
+sites' ``progress.json``, which this command can read: it runs every site here).
 
 Sites are the first ``--sites`` ``[[sites]]`` entries of the federation TOML, each with its own
 ``data.train`` (only ``state_dir`` moves into the run dir). ``[synthetic]`` is generated only when
@@ -40,7 +42,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from fedpose.cli.common import UserError, positive_float
-from fedpose.cli.federation_run import add_run_args, conclude_run, data_paths, ensure_federation_data, finished_run, pop_synthetic
+from fedpose.cli.federation_run import (add_run_args, conclude_run, data_paths, ensure_federation_data, finished_run, pop_synthetic,
+                                        printing_progress, site_progress)
 from fedpose.cli.process_sweep import DEPLOY_TOKEN_ENV, start_watchdog, stop_tagged
 from fedpose.federation.report import COORDINATOR_ERROR_PREFIX, REPORT_FILE
 from fedpose.federation.run_guard import REFUSED, directory_lock, exclusive, probe, refuse_fresh_start
@@ -340,7 +343,8 @@ def _deploy(args: argparse.Namespace, repo: Path, run_dir: Path, lock_fd: int) -
         print(f"run {run_id} submitted: {args.sites} sites, logs in {run_dir / 'logs'}", flush=True)
         (run_dir / "run_id").write_text(run_id)
         try:
-            status, details = _follow(group, run_id, checkpoint_dir, started, args.timeout, superlink, args.superlink_timeout)
+            with printing_progress(site_progress(federation)):
+                status, details = _follow(group, run_id, checkpoint_dir, started, args.timeout, superlink, args.superlink_timeout)
         except SuperLinkLost as exc:  # `flwr log` needs the SuperLink too: the coordinator's log is gone with it
             group.stop_all()  # before saying so
             print(f"fedpose: error: lost the SuperLink (127.0.0.1:{fleet}, control API :{control}): {exc}; everything "

@@ -8,6 +8,9 @@ directory that holds nothing yet, or an interrupted generation of the same datas
 exists is ever deleted or regenerated: another run's sites may be training on it (a directory
 holding another synthetic dataset than ``[synthetic]`` describes is used with a warning).
 
+While a round runs, a line a minute says how far each site is (:func:`site_progress`, from the
+sites' own progress files: both commands run every site's state dir on this machine).
+
 The end of a run: the final line says what the coordinator's ``report.json`` says (rounds
 completed in total, why it stopped). A run in which any site failed ends with a summary of the
 failures and exit code :data:`SITE_FAILURE_EXIT`, unless ``--allow-site-failures``.
@@ -17,6 +20,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +115,39 @@ def ensure_federation_data(paths: dict[str, Path], synthetic: dict[str, Any] | N
         print(f"warning: {synthetic['dir']} holds another synthetic dataset than [synthetic] describes ({differ}); the run "
               "uses the data the configs point to, as it is ([synthetic] only generates data that is absent): to run on "
               "the one described, remove that directory or set synthetic.dir to a new one", file=sys.stderr, flush=True)
+
+
+# -- progress while a round runs ------------------------------------------------------------------------
+#: seconds between two looks at the sites' progress files
+PROGRESS_POLL_S = 5.0
+
+
+def site_progress(federation: Any) -> Any:
+    """The :class:`~fedpose.federation.site_progress.ProgressLines` of a federation whose sites' state
+    dirs are on this machine, counting progress written from now on."""
+    from fedpose.federation.site_progress import ProgressLines
+
+    return ProgressLines(federation.run_id, [(site.site_id, site.state_dir) for site in federation.sites])
+
+
+@contextmanager
+def printing_progress(lines: Any, poll_s: float = PROGRESS_POLL_S) -> Iterator[None]:
+    """Print ``lines.line()`` whenever it has one, from a thread, for the duration of the block."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(poll_s):
+            if (line := lines.line()) is not None:
+                sys.stdout.write(line + "\n")  # one write: the coordinator's round lines come from another thread
+                sys.stdout.flush()
+
+    thread = threading.Thread(target=watch, name="fedpose-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 # -- resume and the end of a run -----------------------------------------------------------------------

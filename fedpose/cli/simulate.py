@@ -6,7 +6,8 @@ the synthetic dataset to generate when data the configs point to is absent: ``di
 ``per_site``, ``public``, ``test``, ``size = [H, W]``, ``seed`` (it writes ``<dir>/site-<k>``,
 ``<dir>/test`` and ``<dir>/public``). Existing data is never deleted or regenerated; a first generation that was
 interrupted (Ctrl-C) is completed by the next run.
-Flower's log goes to ``<checkpoint_dir>/simulation.log``, and so do the notices Ray prints (e.g. a
+While a round runs, an indented line a minute says how many of its steps each site has done (from
+each site's ``<state_dir>/progress.json``). Flower's log goes to ``<checkpoint_dir>/simulation.log``, and so do the notices Ray prints (e.g. a
 worker that died); Ray keeps its workers' output in its session logs.
 """
 
@@ -27,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from fedpose.cli.common import UserError, add_config_args
-from fedpose.cli.federation_run import add_run_args, conclude_run, data_paths, ensure_federation_data, finished_run, pop_synthetic
+from fedpose.cli.federation_run import (add_run_args, conclude_run, data_paths, ensure_federation_data, finished_run, pop_synthetic,
+                                        printing_progress, site_progress)
 from fedpose.federation.report import REPORT_FILE
 
 SIMULATION_LOG = "simulation.log"  #: Flower's log and Python warnings, in the coordinator's checkpoint_dir
@@ -187,7 +189,7 @@ def _handle(args: argparse.Namespace) -> int:
     try:
         # Flower's log (its tracebacks of failed ClientApps included) goes to the log file; the
         # coordinator's round lines still reach the console
-        with flower_log_to(log_path):
+        with flower_log_to(log_path), printing_progress(site_progress(federation)):
             run_federation_simulation(federation, resolved, gpus_per_site=gpus, resume=args.resume, worker_output_to_console=False)
     except Exception:  # noqa: BLE001 - the coordinator printed its error line; the traceback goes to the log
         with log_path.open("a", encoding="utf-8") as log:

@@ -439,8 +439,10 @@ def train_site_round(
 
     optimizer = build_optimizer(model, site.optim)
     scheduler = build_scheduler(optimizer, site.optim, local_steps)
+    on_step = _progress_recorder(site, run_id, round_id, local_steps)
     try:
-        history = train_steps(model, engine, dataset, optimizer, local_steps, scheduler=scheduler, progress=False)
+        history = train_steps(model, engine, dataset, optimizer, local_steps, scheduler=scheduler, progress=False,
+                              on_step=on_step)
     except TrainingDiverged as failure:
         # Spent (recorded above) but nothing released: say so, with the spend, instead of vanishing.
         log.warning("site %s round %d: %s", site.site_id, round_id, failure)
@@ -524,6 +526,22 @@ def _with_capacity_warning(note: str, engine: Any) -> str:
     whose status stays what it would be for any N (a status one unit could flip would tell membership)."""
     warning = engine.capacity_warning
     return "; ".join(text for text in (note, warning) if text)
+
+
+def _progress_recorder(site: SiteConfig, run_id: str, round_id: int, steps: int) -> Callable[[int, dict[str, Any]], None]:
+    """Record that the round's training begins (0 steps done) and return the ``on_step`` callback that
+    records each step done, in the site's progress file and its log (site-local, never sent:
+    :mod:`fedpose.federation.site_progress`)."""
+    from fedpose.federation.site_progress import RoundProgress, record_progress
+
+    began = RoundProgress(run_id=run_id, round=int(round_id), steps_done=0, steps=int(steps), started=time.time())
+    record_progress(site.state_dir, began)
+
+    def on_step(step: int, record: dict[str, Any]) -> None:
+        record_progress(site.state_dir, began.model_copy(update={"steps_done": int(step)}))
+        log.info("site %s round %d: step %d/%d done", site.site_id, round_id, step, steps)
+
+    return on_step
 
 
 def _log_round(site: SiteConfig, run_id: str, round_id: int, outcome: str, started: float | None,

@@ -148,6 +148,12 @@ def test_deployment_grpc_tls_auth_results_ledgers_and_budget_stop(tmp_path: Path
         reported = max(e.epsilon for e in rows if e.site_id == site_id)
         assert reported == pytest.approx(epsilon_after_rounds(statuses.count("spent")), rel=1e-6)
 
+    # each site's progress file, where deploy local's progress lines read it (site-2 refused round 2: no training)
+    from fedpose.federation.site_progress import read_progress
+
+    progress = [read_progress(run_dir / "sites" / site_id) for site_id in ("site-1", "site-2")]
+    assert [(p.run_id, p.round, p.steps_done, p.finished) for p in progress if p] == [("itest", 2, 2, True), ("itest", 1, 2, True)]
+
     # every message that left a site: only parameter-shaped Δ arrays, protocol metrics and strings
     from fedpose.federation import protocol
 

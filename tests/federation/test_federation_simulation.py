@@ -20,6 +20,7 @@ from flwr.app import Array, ArrayRecord
 
 from fedpose.federation import protocol
 from fedpose.federation.report import SITE_FAILURE_EXIT
+from fedpose.federation.site_progress import read_progress
 from federation_helpers import corrupt_image, epsilon_after_rounds, history, ledger_rows, site_budget, tiny_federation
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -306,6 +307,9 @@ def test_a_killed_site_worker_is_blamed_on_its_site_only_and_the_next_round_runs
 
     rounds = history(tmp_path)
     assert [r["sites"]["site-2"]["status"] for r in rounds] == ["ok", "missing", "ok"]
+    for site_id in ("site-1", "site-2"):  # the Ray workers wrote each site's progress where the CLI reads it
+        progress = read_progress(tmp_path / "sites" / site_id)
+        assert progress is not None and (progress.round, progress.finished) == (3, True), (site_id, progress)
     assert all(r["sites"]["site-1"]["status"] == "ok" and r["aggregated"] for r in rounds)
     rows = {(e.site_id, e.round): e for e in ledger_rows(tmp_path)}
     assert rows[("site-2", 2)].status == "missing" and "worker died" in rows[("site-2", 2)].reason
