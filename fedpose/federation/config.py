@@ -92,11 +92,6 @@ class SiteOptimConfig(OptimConfig):
 
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up over each round's first local steps")
     cosine: bool = Field(False, description="cosine decay to 0 over each round's local steps (else constant)")
-    average_last_steps: int = Field(
-        1, ge=1,
-        description="release the mean of the round's last k iterates of the trained weights instead of the last one "
-        "(tail averaging: post-processing of the private iterates, the same (ε, δ)); 1: the last iterate",
-    )
 
 
 class SiteDataConfig(AugmentationConfig):

@@ -439,13 +439,7 @@ def train_site_round(
 
     optimizer = build_optimizer(model, site.optim)
     scheduler = build_scheduler(optimizer, site.optim, local_steps)
-    record_progress = _progress_recorder(site, run_id, round_id, local_steps)
-    tail = _TailAverage(model, local_steps, site.optim.average_last_steps)
-
-    def on_step(step: int, record: dict[str, Any]) -> None:
-        tail.add(step)
-        record_progress(step, record)
-
+    on_step = _progress_recorder(site, run_id, round_id, local_steps)
     try:
         history = train_steps(model, engine, dataset, optimizer, local_steps, scheduler=scheduler, progress=False,
                               on_step=on_step)
@@ -455,7 +449,7 @@ def train_site_round(
         _log_round(site, run_id, round_id, "failed", started, note=_with_capacity_warning(str(failure), engine),
                    device=describe_device(device))
         return SiteRoundResult(reply("failed", "training-diverged", affordable))
-    update = {name: (p - start_weights[name]).cpu().numpy() for name, p in tail.weights().items()}
+    update = {name: (p.detach() - start_weights[name]).cpu().numpy() for name, p in model.trainable_parameters().items()}
     if secure:
         assert secagg is not None
         # The coordinator cannot check a masked Δ: the site checks its own, as the coordinator would a clear one.
@@ -532,33 +526,6 @@ def _with_capacity_warning(note: str, engine: Any) -> str:
     whose status stays what it would be for any N (a status one unit could flip would tell membership)."""
     warning = engine.capacity_warning
     return "; ".join(text for text in (note, warning) if text)
-
-
-class _TailAverage:
-    """The mean of a round's last ``count`` iterates of the trained weights (``optim.average_last_steps``).
-
-    Every iterate is a function of the global weights and the round's privatized gradients, so their
-    mean — and the Δ released from it — is post-processing: the same (ε, δ) as the last iterate."""
-
-    def __init__(self, model: Any, steps: int, count: int) -> None:
-        self.model, self.steps, self.first = model, steps, steps - min(count, steps) + 1
-        self.sum: dict[str, Any] | None = None
-        self.averaged = 0
-
-    def add(self, step: int) -> None:
-        """Fold in the iterate after ``step`` (1-based) if it is one of the last ``count``."""
-        if step < self.first or self.first == self.steps:  # one iterate: the last one is what the model holds
-            return
-        weights = {name: p.detach().double() for name, p in self.model.trainable_parameters().items()}
-        self.sum = weights if self.sum is None else {name: self.sum[name] + w for name, w in weights.items()}
-        self.averaged += 1
-
-    def weights(self) -> dict[str, Any]:
-        """The released weights: the last iterate, or the mean of the last ``count``."""
-        trained = {name: p.detach() for name, p in self.model.trainable_parameters().items()}
-        if self.averaged <= 1 or self.sum is None:
-            return trained
-        return {name: (self.sum[name] / self.averaged).to(trained[name].dtype) for name in trained}
 
 
 def _progress_recorder(site: SiteConfig, run_id: str, round_id: int, steps: int) -> Callable[[int, dict[str, Any]], None]:

@@ -12,6 +12,9 @@ the sites keep receiving the iterate w_r; the EMA is what the coordinator evalua
 Why the coordinator and not each site's own iterates within a round: a round is a handful of local
 steps from the global weights, so a site-side average would mostly lag (shrink Δ) rather than
 smooth, and the noise that matters for the model people use is the one left after aggregation.
+Measured on the main job's tuning data: sites releasing the mean of their last 8 of 16 iterates
+moved the published model by +0.20 on average over three data sets, within run-to-run spread
+(``benchmarks/federated_utility/tail_average_main_job.json``).
 
 Start: the average begins at the first round's model and is the plain running mean of the rounds
 so far until that mean's weight on the newest round, 1/n, falls to 1 − decay; from then on
