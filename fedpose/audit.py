@@ -392,7 +392,13 @@ def audit_site_round(
             holder["engine"] = engine
 
         log(f"audit: one round of site '{site.site_id}' ({site.local_steps} local steps)")
-        result = train_site_round(audited, "audit", 1, global_state, model_spec(model), site.local_steps, engine_hook=attach)
+
+        def progress(step: int) -> None:  # as the central audit: about ten lines
+            if step % max(1, site.local_steps // 10) == 0:
+                log(f"audit step {step}/{site.local_steps}")
+
+        result = train_site_round(audited, "audit", 1, global_state, model_spec(model), site.local_steps, engine_hook=attach,
+                                  on_step=progress)
         if result.reply.status != "ok":
             raise RuntimeError(f"the audited site round ended with status {result.reply.status!r} ({result.reply.reason})")
         canary_set: CanarySet = holder["canaries"]

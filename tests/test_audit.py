@@ -261,8 +261,10 @@ def test_site_round_audit_through_the_real_site_code(data_root, tmp_path) -> Non
     assert not (tmp_path / "leaky").exists()  # the audit spent a scratch budget, not the site's
     # Correct noise: below the site's own claim for the round.
     sound = site_config(data_root, tmp_path / "sound", noise_multiplier=1.0, eps_max=50.0, local_steps=STEPS)
-    result = audit_site_round(sound, coordinator_config(), canaries=1000).to_dict()
+    lines: list[str] = []
+    result = audit_site_round(sound, coordinator_config(), canaries=1000, log=lines.append).to_dict()
     assert result["epsilon_lower"] <= result["epsilon"] and result["accountant"] == "pld"
+    assert [line for line in lines if line.startswith("audit step")] == [f"audit step {s}/{STEPS}" for s in range(1, STEPS + 1)]
     assert math.isfinite(result["epsilon"])
 
 

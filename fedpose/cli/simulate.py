@@ -7,8 +7,9 @@ the synthetic dataset to generate when data the configs point to is absent: ``di
 ``<dir>/test`` and ``<dir>/public``). Existing data is never deleted or regenerated; a first generation that was
 interrupted (Ctrl-C) is completed by the next run.
 While a round runs, an indented line a minute says how many of its steps each site has done (from
-each site's ``<state_dir>/progress.json``). Flower's log goes to ``<checkpoint_dir>/simulation.log``, and so do the notices Ray prints (e.g. a
-worker that died); Ray keeps its workers' output in its session logs.
+each site's ``<state_dir>/progress.json``). Flower's log goes to ``<checkpoint_dir>/simulation.log``,
+and so do the notices Ray prints (e.g. a worker that died); Ray keeps its workers' output in its
+session logs.
 """
 
 from __future__ import annotations

@@ -248,6 +248,7 @@ def train_site_round(
     ledger_records: Sequence[SpendRecord] = (),
     secagg: SiteSecAggSession | None = None,
     secagg_inbox: SecAggShareInbox | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> SiteRoundResult:
     """Guard the budget, run ``local_steps`` private steps from the global weights, return Δ — its
     reply entered in the site's audit log first (:func:`_recorded_in_audit_log`).
@@ -257,6 +258,9 @@ def train_site_round(
 
     ``engine_hook`` (``fedpose audit`` only; never set by the ClientApp) receives the round's
     gradient engine before the first step, to attach audit canaries.
+
+    ``on_step`` (``fedpose audit``'s console; never set by the ClientApp) is called with each step
+    done, after the site's own progress file (:mod:`fedpose.federation.site_progress`) says so.
 
     ``ledger_records``: the instruction's record of the site's spends in this run (the coordinator's
     ledger as a witness, :mod:`fedpose.federation.witness`). A budget that lacks a spend on record
@@ -439,10 +443,10 @@ def train_site_round(
 
     optimizer = build_optimizer(model, site.optim)
     scheduler = build_scheduler(optimizer, site.optim, local_steps)
-    on_step = _progress_recorder(site, run_id, round_id, local_steps)
+    record_progress = _progress_recorder(site, run_id, round_id, local_steps, on_step)
     try:
         history = train_steps(model, engine, dataset, optimizer, local_steps, scheduler=scheduler, progress=False,
-                              on_step=on_step)
+                              on_step=record_progress)
     except TrainingDiverged as failure:
         # Spent (recorded above) but nothing released: say so, with the spend, instead of vanishing.
         log.warning("site %s round %d: %s", site.site_id, round_id, failure)
@@ -528,10 +532,11 @@ def _with_capacity_warning(note: str, engine: Any) -> str:
     return "; ".join(text for text in (note, warning) if text)
 
 
-def _progress_recorder(site: SiteConfig, run_id: str, round_id: int, steps: int) -> Callable[[int, dict[str, Any]], None]:
+def _progress_recorder(site: SiteConfig, run_id: str, round_id: int, steps: int,
+                       observer: Callable[[int], None] | None = None) -> Callable[[int, dict[str, Any]], None]:
     """Record that the round's training begins (0 steps done) and return the ``on_step`` callback that
     records each step done, in the site's progress file and its log (site-local, never sent:
-    :mod:`fedpose.federation.site_progress`)."""
+    :mod:`fedpose.federation.site_progress`), then tells ``observer``."""
     from fedpose.federation.site_progress import RoundProgress, record_progress
 
     began = RoundProgress(run_id=run_id, round=int(round_id), steps_done=0, steps=int(steps), started=time.time())
@@ -540,6 +545,8 @@ def _progress_recorder(site: SiteConfig, run_id: str, round_id: int, steps: int)
     def on_step(step: int, record: dict[str, Any]) -> None:
         record_progress(site.state_dir, began.model_copy(update={"steps_done": int(step)}))
         log.info("site %s round %d: step %d/%d done", site.site_id, round_id, step, steps)
+        if observer is not None:
+            observer(step)
 
     return on_step
 
