@@ -43,6 +43,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import torch  # noqa: E402
 
 from fedpose.federation.local_training import run_site_round  # noqa: E402
+from fedpose.privacy.engine import SPARE_ROWS_KEY  # noqa: E402
 from site_round_helpers import INPUT_SIZE, global_model, site_config  # noqa: E402
 
 LARGE_PATIENT = 48
@@ -98,7 +99,7 @@ def hook_for(mode: str, step_seconds: list[float], real_rows: list[int], rows: l
             metrics = step(model, batch)
             step_seconds.append(time.perf_counter() - started + getattr(timed_batches, "loading", 0.0))
             real_rows.append(int(metrics["batch_size"]))
-            rows.append(int(batch["image"].shape[0]) + len(batch.get("spare_rows", ())))  # the last step's spare too
+            rows.append(int(batch["image"].shape[0]) + len(batch.get(SPARE_ROWS_KEY, ())))  # the last step's spare too
             return metrics
 
         engine.batches, engine.step = timed_batches, timed_step

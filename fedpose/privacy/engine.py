@@ -143,12 +143,20 @@ class SpareRows:
     def chunks(self) -> Iterator[dict]:
         """The spare, ``chunk_rows`` rows at a time, each part a batch like the step's own."""
         for start in range(0, len(self.records), self.chunk_rows):
-            records = self.records[start: start + self.chunk_rows]
-            part = collate([self.dataset[i] for i in records])
-            if self.slots is not None:
-                part["unit_index"] = torch.as_tensor(self.slots[start: start + len(records)], dtype=torch.long)
-            part["row_mask"] = torch.zeros(len(records), dtype=torch.bool)
-            yield part
+            end = start + self.chunk_rows
+            records = self.records[start:end]
+            yield load_rows(self.dataset, records, None if self.slots is None else self.slots[start:end],
+                            [False] * len(records))
+
+
+def load_rows(dataset: Dataset, records: Sequence[int], slots: Sequence[int] | None, real: Sequence[bool]) -> dict:
+    """The batch of laid-out rows: the records collated, each row's unit slot (``unit_index``; None
+    for a public view's sample) and whether it is a sampled record (``row_mask``) or padding."""
+    batch = collate([dataset[i] for i in records])
+    if slots is not None:
+        batch["unit_index"] = torch.as_tensor(slots, dtype=torch.long)
+    batch["row_mask"] = torch.as_tensor(real, dtype=torch.bool)
+    return batch
 
 
 def collate(samples: Sequence[dict], template: dict | None = None) -> dict:
@@ -361,10 +369,7 @@ class GradientEngine:
     def _load(self, dataset: Dataset, records: list[int], slots: list[int] | None, real: list[bool], own: int) -> dict:
         """The batch of a laid-out draw's first ``own`` rows (never empty: a step has whole chunks);
         the rest, a round's spare, stay unloaded in :class:`SpareRows` until the step runs them."""
-        batch = collate([dataset[i] for i in records[:own]])
-        if slots is not None:
-            batch["unit_index"] = torch.as_tensor(slots[:own], dtype=torch.long)
-        batch["row_mask"] = torch.as_tensor(real[:own], dtype=torch.bool)
+        batch = load_rows(dataset, records[:own], None if slots is None else slots[:own], real[:own])
         if own < len(records):
             assert self.round is not None and not any(real[own:])  # only a round's spare follows the step's own rows
             batch[SPARE_ROWS_KEY] = SpareRows(tuple(records[own:]), None if slots is None else tuple(slots[own:]),
