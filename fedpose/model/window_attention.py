@@ -25,7 +25,7 @@ afresh on every call (timm caches it in eval mode, which breaks a second backwar
 ``torch.func``; shared/FACTS.md) and everything is a pure function of parameters and input, so the
 block works under ``vmap`` like the original.
 
-Measured (tiny_vit_5m_224, 128×96, 32 images, biases_norms, 1 thread, one forward and backward):
+Measured (tiny_vit_5m_224, 128×96, a 16-row chunk, biases_norms, 1 thread):
 DP per-sample gradients 2.08× faster, a non-private step 1.86×; at 256×192 1.28× / 1.20×
 (benchmarks/step_cost/window_attention.json).
 """
