@@ -28,6 +28,9 @@ Cost per DP-SGD step (tiny_vit_5m_224, 128×96, 16 rows, 1 thread, process-CPU s
 the noise. ``biases_norms`` takes its per-sample gradients entirely from the batched path below:
 1.04 times a non-private forward and backward of the same 16 rows, against 1.18 with the whole
 network under ``vmap`` (1.04 against 1.48 at 256×192; benchmarks/step_cost/affine_probe.py).
+These were measured with timm's attention blocks; fedpose's skip the window padding's work
+(:mod:`fedpose.model.window_attention`): a ``biases_norms`` DP step at 128×96 now costs about half
+(1.03 times non-private; benchmarks/step_cost/window_attention.json).
 
 BatchNorm is frozen in every scenario: its modules always run in eval mode (running statistics,
 never batch statistics — batch statistics would mix samples and break per-sample DP). Its

@@ -14,11 +14,12 @@ Where the trainable part starts with units whose only trainable parameters are a
 model's *affine-tuned* part: LayerNorm affines and the biases of linear, convolution and BatchNorm
 layers — stages 1–2 under ``finetune``, the whole backbone under ``biases_norms``), running them
 under ``vmap`` too is slow: vmap backpropagates through their convolutions and attention sample by
-sample (at 256×192, batch 16, finetune: a dpsgd step took 1.90 s that way against 1.75 s as
-below, with 1.54 s for a non-private step; benchmarks/step_cost). Their per-sample gradients need
-far less. A bias b of a layer with output y = … + b has sample i's gradient Σ_t ∂l_i/∂y_t over that
-sample's rows t (and, for a convolution or BatchNorm, its positions); a LayerNorm y = γ ⊙ x̂ + β
-has Σ_t ∂l_i/∂y_t ⊙ x̂_t for γ and Σ_t ∂l_i/∂y_t for β. So :func:`per_sample_gradients`
+sample (at 256×192, batch 16, finetune, timm's attention blocks: a dpsgd step took 1.90 s that
+way against 1.75 s as below, with 1.54 s for a non-private step; benchmarks/step_cost). Their
+per-sample gradients need far less. A bias b of a layer with output y = … + b has sample i's
+gradient Σ_t ∂l_i/∂y_t over that sample's rows t (and, for a convolution or BatchNorm, its
+positions); a LayerNorm y = γ ⊙ x̂ + β has Σ_t ∂l_i/∂y_t ⊙ x̂_t for γ and Σ_t ∂l_i/∂y_t for β. So
+:func:`per_sample_gradients`
 
 1. runs the affine-tuned part once, batched, with autograd, recording each trainable module's
    output (and a LayerNorm's x̂) (:class:`_AffineRecord`);
