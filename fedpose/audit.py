@@ -118,6 +118,12 @@ def _finite_or_none(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def _log_step(log: Callable[[str], None], steps_done: int, steps: int) -> None:
+    """An audit's progress: a line after every tenth of its steps (about ten lines)."""
+    if steps_done % max(1, steps // 10) == 0:
+        log(f"audit step {steps_done}/{steps}")
+
+
 def _released_gradient(model: Any) -> torch.Tensor:
     """What the engine released this step: the gradient it set on the trainable parameters."""
     grads = [p.grad for p in model.trainable_parameters().values()]
@@ -259,8 +265,7 @@ def _white_box_central(cfg: RunConfig, canaries: int | None, confidence: float, 
         if twin is not None:
             released = released - twin.step()
         scores += canary_set.scores(released, step)
-        if (step + 1) % max(1, cfg.train.steps // 10) == 0:
-            log(f"audit step {step + 1}/{cfg.train.steps}")
+        _log_step(log, step + 1, cfg.train.steps)
     # in units of one canary contribution per sampled step (release = sum / B)
     scores *= cfg.train.batch_size / cfg.privacy.max_grad_norm
     guess = best_lower_bound(scores, canary_set.included, cfg.privacy.delta, confidence)
@@ -344,8 +349,7 @@ def _black_box_central(cfg: RunConfig, canaries: int | None, confidence: float, 
         initial = _canary_losses(run.model, canary_set)
         for step in range(cfg.train.steps):
             run.step()
-            if (step + 1) % max(1, cfg.train.steps // 10) == 0:
-                log(f"audit step {step + 1}/{cfg.train.steps}")
+            _log_step(log, step + 1, cfg.train.steps)
         scores = initial - _canary_losses(run.model, canary_set)  # how much training lowered each canary's loss
     guess = best_lower_bound(scores, included, cfg.privacy.delta, confidence)
     return AuditResult(scores, included, guess, confidence, BLACK_BOX, "central", run.privacy_report(),
@@ -392,13 +396,8 @@ def audit_site_round(
             holder["engine"] = engine
 
         log(f"audit: one round of site '{site.site_id}' ({site.local_steps} local steps)")
-
-        def progress(step: int) -> None:  # as the central audit: about ten lines
-            if step % max(1, site.local_steps // 10) == 0:
-                log(f"audit step {step}/{site.local_steps}")
-
         result = train_site_round(audited, "audit", 1, global_state, model_spec(model), site.local_steps, engine_hook=attach,
-                                  on_step=progress)
+                                  on_step=lambda step: _log_step(log, step, site.local_steps))
         if result.reply.status != "ok":
             raise RuntimeError(f"the audited site round ended with status {result.reply.status!r} ({result.reply.reason})")
         canary_set: CanarySet = holder["canaries"]
