@@ -16,7 +16,7 @@ v_p. Real query i of a window with padded slots P gives them the weight
 with b_ij the learned relative-position bias. So attention over the window's real tokens plus one
 pseudo-key (k_p, v_p) whose bias is that log-sum-exp of the padded slots' biases is the same softmax
 as timm's (the same numerator and the same denominator), up to float rounding. Outputs at padded
-slots were discarded anyway. tests/model/test_window_attention.py checks outputs and gradients
+slots were discarded anyway. tests/test_window_attention.py checks outputs and gradients
 against timm's block at several input sizes.
 
 Windows of one map have at most four real shapes (full windows, the last row, the last column,
