@@ -90,25 +90,31 @@ def test_the_padded_slots_matter() -> None:
     assert _relative_error(dropped, folded) > 1e-2
 
 
-def test_per_sample_gradients_under_vmap_equal_timms_block() -> None:
+def _per_sample_gradients(net: PoseModel, images: torch.Tensor) -> dict[str, torch.Tensor]:
+    params = {k: v.detach() for k, v in net.named_parameters() if v.requires_grad}
+    buffers = dict(net.named_buffers())
+
+    def loss(p: dict[str, torch.Tensor], image: torch.Tensor) -> torch.Tensor:
+        logits_x, logits_y = functional_call(net, (p, buffers), (image.unsqueeze(0),))
+        return logits_x.square().mean() + logits_y.square().mean()
+
+    return vmap(grad(loss), in_dims=(None, 0))(params, images)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_per_sample_gradients_under_vmap_equal_timms_block(fused: bool) -> None:
     """Under ``finetune`` stage 3's blocks run inside the engine's vmap: per-sample gradients there
-    must be timm's."""
+    must be timm's. On a GPU the engine runs them with the explicit softmax instead of SDPA
+    (``fused_attn`` off, fedpose.privacy.per_sample): that branch is checked here too, on the CPU."""
     size = (128, 96)
     model = _model("tiny_vit_5m_224", size, scenario="finetune")
     reference = _timm_twin(model)
+    for net in (model, reference):
+        for module in net.modules():
+            if hasattr(module, "fused_attn"):
+                module.fused_attn = fused
     images = torch.randn(2, 3, *size)
-
-    def per_sample(net: PoseModel) -> dict[str, torch.Tensor]:
-        params = {k: v.detach() for k, v in net.named_parameters() if v.requires_grad}
-        buffers = dict(net.named_buffers())
-
-        def loss(p: dict[str, torch.Tensor], image: torch.Tensor) -> torch.Tensor:
-            logits_x, logits_y = functional_call(net, (p, buffers), (image.unsqueeze(0),))
-            return logits_x.square().mean() + logits_y.square().mean()
-
-        return vmap(grad(loss), in_dims=(None, 0))(params, images)
-
-    got, want = per_sample(model), per_sample(reference)
+    got, want = _per_sample_gradients(model, images), _per_sample_gradients(reference, images)
     assert got.keys() == want.keys()
     for name in got:
         assert _relative_error(got[name], want[name]) < TOLERANCE, name
