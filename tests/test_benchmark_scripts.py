@@ -9,7 +9,6 @@ step the script times, for every mechanism, at a small size.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 import tomllib
@@ -18,25 +17,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmark_modules import BENCHMARKS, load_benchmark_module
 from fedpose.privacy.engine import build_engine
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 STEP_COST = BENCHMARKS / "step_cost" / "run.py"
 PUBLIC_BASE_BUILD = BENCHMARKS / "public_base" / "build.py"
 FEDERATED_UTILITY = BENCHMARKS / "federated_utility" / "run.py"
 
 
 def _load_step_cost():
-    return _load(STEP_COST, "step_cost_run")
-
-
-def _load(path: Path, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve their annotations through the module's entry
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_module(STEP_COST, "step_cost_run")
 
 
 def test_step_cost_times_one_step_of_every_mechanism():
@@ -97,7 +87,7 @@ def test_federated_utility_scores_each_sites_own_model_from_what_it_was_sent_and
     from fedpose.federation.server.rounds import RoundRunner
     from site_round_helpers import INPUT_SIZE, make_site_data, site_config
 
-    sweep = _load(FEDERATED_UTILITY, "federated_utility_run")
+    sweep = load_benchmark_module(FEDERATED_UTILITY, "federated_utility_run")
     data = make_site_data(tmp_path / "data")
     one = site_config(data, tmp_path / "site-1")
     two = one.model_copy(update={"site_id": "site-2", "state_dir": str(tmp_path / "site-2"),
@@ -127,7 +117,7 @@ def test_federated_utility_scores_each_sites_own_model_from_what_it_was_sent_and
 def test_federated_utility_summary_reads_every_cell_it_names():
     """summary.py lays the sweep's parts side by side; a renamed folder or a missing arm fails here,
     not in a reader's hands."""
-    summary = _load(FEDERATED_UTILITY.parent / "summary.py", "federated_utility_summary")
+    summary = load_benchmark_module(FEDERATED_UTILITY.parent / "summary.py", "federated_utility_summary")
     rows = [summary.summarise(cell) for cell in summary.CELLS]
     assert {(r["sites"], r["mechanism"], r["epsilon"]) for r in rows} >= {(10, "pdp", 2.0), (10, "pdp", 8.0), (3, "pdp", 8.0)}
     for row in rows:
@@ -141,8 +131,8 @@ def test_main_job_grid_reproduces_the_main_jobs_recipe_and_pairs_variants_by_dat
     """The grid's 'shipped' variant is configs/demo.toml's recipe (its σ recalibrated from the demo's
     ε lands on the demo's σ), and a variant is compared with the shipped runs of the same data seed."""
     sys.path.insert(0, str(FEDERATED_UTILITY.parent))  # the grid imports run.py as its neighbour
-    grid = _load(FEDERATED_UTILITY.parent / "main_job_grid.py", "main_job_grid")
-    run = _load(FEDERATED_UTILITY, "run")
+    grid = load_benchmark_module(FEDERATED_UTILITY.parent / "main_job_grid.py", "main_job_grid")
+    run = load_benchmark_module(FEDERATED_UTILITY, "run")
     settings = run.Settings.model_validate(grid.demo_settings(7))
     demo = tomllib.loads((grid.REPO / "configs" / "demo.toml").read_text())  # read here as written, not as the grid reads it
     privacy = demo["sites"][0]["privacy"]
@@ -172,7 +162,7 @@ def test_main_job_grid_reproduces_the_main_jobs_recipe_and_pairs_variants_by_dat
 def test_main_job_simulate_reads_the_curve_the_readme_shows_and_uses_its_seed_overrides():
     """main_job_simulate.py reads the round lines ``fedpose simulate`` prints (the README's block, a
     moving-average line included) and passes the README's seed-S overrides."""
-    script = _load(FEDERATED_UTILITY.parent / "main_job_simulate.py", "main_job_simulate")
+    script = load_benchmark_module(FEDERATED_UTILITY.parent / "main_job_simulate.py", "main_job_simulate")
     readme = (BENCHMARKS.parent / "README.md").read_text()
     printed = readme[readme.index("round   0 | PCKh@0.5"):readme.index("federation finished")]
     curve = script.printed_curve(printed)
@@ -190,7 +180,7 @@ def test_federated_utility_noise_override_sets_every_private_arms_sigma_and_resu
     non-private runs, never its private ones (another σ is another run)."""
     import json
 
-    sweep = _load(FEDERATED_UTILITY, "federated_utility_run")
+    sweep = load_benchmark_module(FEDERATED_UTILITY, "federated_utility_run")
     calibrated = sweep.Settings(mechanisms=["dpsgd"], epsilons=[8.0], seeds=[0])
     emulated = calibrated.model_copy(update={"noise_multiplier": 1.269})
     private, public = sweep.Arm(0, "dpsgd", 8.0, "central"), sweep.Arm(0, "none", None, "central")
@@ -212,7 +202,7 @@ def test_federated_utility_noise_override_sets_every_private_arms_sigma_and_resu
 def test_affine_probe_checks_fedpose_against_vmap_and_times_every_way():
     """step_cost/affine_probe.py: fedpose's per-sample gradients equal the whole network under vmap
     (on the product's backbone, a small chunk), and every way gets its timings."""
-    probe = _load(BENCHMARKS / "step_cost" / "affine_probe.py", "affine_probe")
+    probe = load_benchmark_module(BENCHMARKS / "step_cost" / "affine_probe.py", "affine_probe")
     result = probe.probe((64, 64), repeats=1, device=torch.device("cpu"), rows=2)
     assert result["largest_relative_difference_fedpose_to_vmap_all"] < 1e-4
     assert set(result["median_seconds"]) == {"vmap_all", "fedpose", "non_private"}

@@ -9,29 +9,23 @@ against the accountant it claims to reduce to.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from benchmark_modules import BENCHMARKS, load_benchmark_module
 from fedpose.federation.config import SiteOptimConfig
 from fedpose.privacy.accountant import epsilon_for, noise_multiplier_for
 from fedpose.train.optim import build_optimizer
 
-BANDED = Path(__file__).resolve().parents[1] / "benchmarks" / "correlated_noise" / "banded.py"
+BANDED = BENCHMARKS / "correlated_noise" / "banded.py"
 
 
 @pytest.fixture(scope="module")
 def banded():
-    spec = importlib.util.spec_from_file_location("correlated_noise_banded", BANDED)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_module(BANDED, "correlated_noise_banded")
 
 
 class _Weights(torch.nn.Module):
@@ -104,3 +98,17 @@ def test_cyclic_poisson_noise_is_dpsgd_accounting_of_fewer_denser_steps(banded):
     assert three_bands > one_band  # less amplification: the price of the band
     with pytest.raises(ValueError, match="would exceed 1"):
         banded.cyclic_poisson_noise_multiplier(target, rate, steps, 11, delta)
+
+
+def test_the_script_prices_the_main_job_read_from_its_config():
+    """run.py reads the main job from configs/demo.toml and prices every band width against b = 1."""
+    script = load_benchmark_module(BENCHMARKS / "correlated_noise" / "run.py", "correlated_noise_run")
+    main_job = script.settings()[-1]
+    assert (main_job["rounds"], main_job["local_steps"], main_job["momentum"], main_job["targets"]) == (2, 16, 0.9, [1.0])
+    assert main_job["sample_rate"] == pytest.approx(32 / 480)
+    priced = script.price({"setting": "small", "sample_rate": 0.5, "rounds": 2, "local_steps": 3, "momentum": 0.9,
+                           "targets": [4.0]}, 4.0)
+    assert [row["bands"] for row in priced["rows"]] == [1, 2]  # b·q ≤ 1
+    first = priced["rows"][0]
+    assert first["every_iterate"]["vs_dpsgd"] == first["final_model"]["vs_dpsgd"] == 1.0
+    assert priced["best"]["every_iterate"]["vs_dpsgd"] <= 1.0

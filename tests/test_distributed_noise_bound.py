@@ -8,26 +8,20 @@ two shifted one-dimensional Skellam distributions summed over their support (for
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy.special import ive, logsumexp
 
+from benchmark_modules import BENCHMARKS, load_benchmark_module
 from fedpose.privacy.accountants.rdp import add_remove_rdp
 
-SKELLAM = Path(__file__).resolve().parents[1] / "benchmarks" / "distributed_noise" / "skellam.py"
+SKELLAM = BENCHMARKS / "distributed_noise" / "skellam.py"
 
 
 @pytest.fixture(scope="module")
 def skellam():
-    spec = importlib.util.spec_from_file_location("distributed_noise_skellam", SKELLAM)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_module(SKELLAM, "distributed_noise_skellam")
 
 
 @pytest.mark.parametrize("sigma", [0.8, 1.5, 3.0])
