@@ -69,8 +69,8 @@ def price(setting: dict, target: float) -> dict:
             row[name] = {"factor_error": round(error, 3), "rms_noise": sigma * error}
         rows.append(row)
     for name in workloads:
+        dpsgd = rows[0][name]["rms_noise"]  # before the loop rounds it
         for row in rows:
-            dpsgd = rows[0][name]["rms_noise"]
             row[name]["vs_dpsgd"] = round(row[name]["rms_noise"] / dpsgd, 3)
             row[name]["rms_noise"] = round(row[name]["rms_noise"], 2)
     best = {name: min(rows, key=lambda r: r[name]["vs_dpsgd"]) for name in workloads}
