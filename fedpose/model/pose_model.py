@@ -246,8 +246,14 @@ class PoseModel(nn.Module):
             return layer_norms | head
         if scenario == "norms":
             return layer_norms | {name for name in head if not name.startswith("head.joint_conv.")}
+        biases = {name for name in names if name.endswith(".bias")}
         if scenario == "biases_norms":
-            return layer_norms | {name for name in names if name.endswith(".bias")}
+            return layer_norms | biases
+        if scenario == "affines":
+            batch_norm_scales = {
+                f"{name}.weight" for name, module in self.named_modules() if _is_batch_norm(module)
+            }
+            return layer_norms | biases | batch_norm_scales
         if scenario == "lora":
             return layer_norms | head | {name for name in names if is_adapter_key(name)}
         raise ValueError(f"model.scenario must be one of {', '.join(SCENARIOS)}, got {scenario!r}")
