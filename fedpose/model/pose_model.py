@@ -15,6 +15,10 @@ smaller set can pay at a fixed ε (counts for tiny_vit_5m_224: ``model.scenario`
   noise (norm ∝ √p) stays small without a projection. Measured on the sweep's tuning data
   (benchmarks/federated_utility/noise_or_subspace.json): with σ = 0 it keeps 80 % of what
   ``finetune`` gains; PDP's public projection of ``finetune`` (k 4–48) keeps under 25 %.
+- ``affines``: ``biases_norms`` plus every BatchNorm's scale γ (4.9 k more in tiny_vit_5m_224): the
+  per-channel gain of each convolution in TinyViT's convolutional parts (the stem, stage 0, the
+  patch mergings, every block's depthwise local conv), which ``biases_norms`` can shift but not
+  rescale. Its per-sample gradients come from the same batched backward.
 - ``lora``: low-rank adapters (:class:`LoRALinear`) on the last stage's attention qkv/proj and MLP
   fc1/fc2, every LayerNorm and the head; every base weight frozen. The last stage only: it is
   the stage ``finetune`` trains, and adapters in stages 1–2 would end their affine-tuned fast path
