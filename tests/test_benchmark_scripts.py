@@ -207,3 +207,21 @@ def test_affine_probe_checks_fedpose_against_vmap_and_times_every_way():
     assert result["largest_relative_difference_fedpose_to_vmap_all"] < 1e-4
     assert set(result["median_seconds"]) == {"vmap_all", "fedpose", "non_private"}
     assert result["over_non_private"]["non_private"] == 1.0
+
+
+def test_gradient_share_splits_every_trainable_tensor_into_parts_whose_shares_add_up():
+    """federated_utility/gradient_share.py: every trainable parameter is counted in exactly one part,
+    and the squared-norm and mean-gradient shares over the parts each add up to 1."""
+    from fedpose.config import ModelConfig
+    from fedpose.model import build_model
+    from test_dp_engine import TensorPoseSet
+
+    share = load_benchmark_module(BENCHMARKS / "federated_utility" / "gradient_share.py", "gradient_share")
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(backbone="tiny_vit_test", scenario="biases_norms"), (64, 64))
+    parts = share.shares(model, TensorPoseSet(20), samples=20)
+    assert sum(part["parameters"] for part in parts.values()) == model.num_trainable()
+    for key in ("parameter_share", "squared_norm_share", "mean_gradient_share"):
+        assert abs(sum(part[key] for part in parts.values()) - 1) < 1e-9
+    assert {"stem BatchNorm shift", "stage 1 LayerNorm scale", "stage 1 bias"} <= set(parts)
+    assert list(parts) == sorted(parts, key=lambda p: -parts[p]["squared_norm_share"])
