@@ -1,4 +1,4 @@
-"""Trainable-parameter sets (issue 26): norms_head, norms, biases_norms, affines and lora next to finetune.
+"""Trainable-parameter sets (issue 26): norms_head, norms, biases_norms and lora next to finetune.
 
 What each scenario trains, that the DP engine noises exactly that set and nothing else moves,
 that per-sample gradients stay exact through the adapters, that a fresh lora model computes its
@@ -32,7 +32,7 @@ from fedpose.privacy.per_sample import AFFINE_MODULES, flatten, frozen_features,
 from fedpose.train.optim import build_optimizer
 
 SIZE = (64, 64)
-NEW_SCENARIOS = ("norms_head", "norms", "biases_norms", "affines", "lora")
+NEW_SCENARIOS = ("norms_head", "norms", "biases_norms", "lora")
 
 
 def make(scenario: str, seed: int = 0, **kwargs) -> torch.nn.Module:
@@ -76,10 +76,6 @@ def layer_norm_parameters(model: torch.nn.Module) -> set[str]:
             for p, _ in module.named_parameters(recurse=False)}
 
 
-def batch_norm_scales(model: torch.nn.Module) -> set[str]:
-    return {f"{name}.weight" for name, module in model.named_modules() if isinstance(module, torch.nn.BatchNorm2d)}
-
-
 # -- what each set is -------------------------------------------------------------------------------
 def test_each_new_scenario_trains_the_documented_set() -> None:
     for scenario in NEW_SCENARIOS:
@@ -91,20 +87,18 @@ def test_each_new_scenario_trains_the_documented_set() -> None:
             "norms_head": norms | head,
             "norms": norms | {n for n in head if not n.startswith("head.joint_conv.")},
             "biases_norms": norms | {n for n in names if n.endswith(".bias")},
-            "affines": norms | {n for n in names if n.endswith(".bias")} | batch_norm_scales(model),
             "lora": norms | head | adapters,
         }[scenario]
         assert set(model.trainable_parameters()) == expected, scenario
         assert bool(adapters) == (scenario == "lora")
-        if scenario in ("biases_norms", "affines"):  # biases from the first convolution on: nothing is frozen in front
+        if scenario == "biases_norms":  # biases from the first convolution on: nothing is frozen in front
             assert model.frozen_prefix == []
             # ... and every backbone unit trains affines only: one batched backward, vmap runs the head only
             stages = len(model.backbone.stages)
             assert model.affine_tuned_part == ["backbone.patch_embed", "backbone.stages.0"] + [
                 f"backbone.stages.{i}.{unit}" for i in range(1, stages) for unit in ("downsample", "blocks")]
             assert {type(m) for m in model.affine_tuned_modules().values()} <= set(AFFINE_MODULES)
-            scales = norms | (batch_norm_scales(model) if scenario == "affines" else set())
-            assert not any(n.endswith(".weight") and n not in scales for n in model.trainable_parameters())
+            assert not any(n.endswith(".weight") and n not in norms for n in model.trainable_parameters())
             continue
         # the frozen prefix is what it is for finetune: nothing before stage 1's blocks trains
         assert model.frozen_prefix == ["backbone.patch_embed", "backbone.stages.0", "backbone.stages.1.downsample"]
@@ -120,11 +114,9 @@ def test_each_new_scenario_trains_the_documented_set() -> None:
 
 
 def test_smaller_sets_are_smaller() -> None:
-    counts = {s: make(s).num_trainable()
-              for s in ("full", "finetune", "lora", "norms_head", "norms", "affines", "biases_norms")}
-    assert (counts["full"] > counts["finetune"] > counts["lora"] > counts["norms_head"] > counts["norms"]
-            > counts["affines"] > counts["biases_norms"])
-    assert counts["affines"] < 0.01 * counts["full"]
+    counts = {s: make(s).num_trainable() for s in ("full", "finetune", "lora", "norms_head", "norms", "biases_norms")}
+    assert counts["full"] > counts["finetune"] > counts["lora"] > counts["norms_head"] > counts["norms"] > counts["biases_norms"]
+    assert counts["biases_norms"] < 0.01 * counts["full"]
     lora = make("lora", lora_rank=2)
     adapters = sum(p.numel() for n, p in lora.named_parameters() if is_adapter_key(n))
     assert lora.num_trainable() == counts["norms_head"] + adapters

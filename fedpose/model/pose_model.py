@@ -15,10 +15,6 @@ smaller set can pay at a fixed ε (counts for tiny_vit_5m_224: ``model.scenario`
   noise (norm ∝ √p) stays small without a projection. Measured on the sweep's tuning data
   (benchmarks/federated_utility/noise_or_subspace.json): with σ = 0 it keeps 80 % of what
   ``finetune`` gains; PDP's public projection of ``finetune`` (k 4–48) keeps under 25 %.
-- ``affines``: ``biases_norms`` plus every BatchNorm's scale γ (4.9 k more in tiny_vit_5m_224): the
-  per-channel gain of each convolution in TinyViT's convolutional parts (the stem, stage 0, the
-  patch mergings, every block's depthwise local conv), which ``biases_norms`` can shift but not
-  rescale. Its per-sample gradients come from the same batched backward.
 - ``lora``: low-rank adapters (:class:`LoRALinear`) on the last stage's attention qkv/proj and MLP
   fc1/fc2, every LayerNorm and the head; every base weight frozen. The last stage only: it is
   the stage ``finetune`` trains, and adapters in stages 1–2 would end their affine-tuned fast path
@@ -250,14 +246,8 @@ class PoseModel(nn.Module):
             return layer_norms | head
         if scenario == "norms":
             return layer_norms | {name for name in head if not name.startswith("head.joint_conv.")}
-        biases = {name for name in names if name.endswith(".bias")}
         if scenario == "biases_norms":
-            return layer_norms | biases
-        if scenario == "affines":
-            batch_norm_scales = {
-                f"{name}.weight" for name, module in self.named_modules() if _is_batch_norm(module)
-            }
-            return layer_norms | biases | batch_norm_scales
+            return layer_norms | {name for name in names if name.endswith(".bias")}
         if scenario == "lora":
             return layer_norms | head | {name for name in names if is_adapter_key(name)}
         raise ValueError(f"model.scenario must be one of {', '.join(SCENARIOS)}, got {scenario!r}")

@@ -18,18 +18,17 @@ sample (at 256×192, batch 16, finetune, timm's attention blocks: a dpsgd step t
 way against 1.75 s as below, with 1.54 s for a non-private step; benchmarks/step_cost). Their
 per-sample gradients need far less. A bias b of a layer with output y = … + b has sample i's
 gradient Σ_t ∂l_i/∂y_t over that sample's rows t (and, for a convolution or BatchNorm, its
-positions); a LayerNorm y = γ ⊙ x̂ + β has Σ_t ∂l_i/∂y_t ⊙ x̂_t for γ and Σ_t ∂l_i/∂y_t for β, and so
-has a BatchNorm's scale γ (scenario ``affines``), x̂ normalised by its frozen statistics. So
+positions); a LayerNorm y = γ ⊙ x̂ + β has Σ_t ∂l_i/∂y_t ⊙ x̂_t for γ and Σ_t ∂l_i/∂y_t for β. So
 :func:`per_sample_gradients`
 
 1. runs the affine-tuned part once, batched, with autograd, recording each trainable module's
-   output (and, where its scale γ trains, a LayerNorm's or BatchNorm's x̂) (:class:`_AffineRecord`);
+   output (and a LayerNorm's x̂) (:class:`_AffineRecord`);
 2. takes per-sample gradients of the suffix *and of its input* with ``vmap`` (as above);
 3. backpropagates those input gradients through the affine-tuned part in one batched backward,
    which yields ∂l/∂y for every recorded output: the gradient of Σ_i l_i at sample i's rows
    is ∂l_i/∂y, because samples do not interact (BatchNorm runs on frozen statistics, and
    nothing else mixes the batch);
-4. sums ∂l/∂y (⊙ x̂ for a scale γ) over each sample's rows and positions.
+4. sums ∂l/∂y (⊙ x̂ for a LayerNorm's γ) over each sample's rows and positions.
 
 Rows belong to samples in batch-major order: an output of shape (B·w, …) holds sample i's rows at
 [i·w, (i+1)·w) — true of TinyViT's window folding ((B, windows, …) reshaped to (B·windows, …)),
@@ -230,7 +229,7 @@ AFFINE_MODULES: dict[type[nn.Module], Affine] = {
     nn.LayerNorm: Affine(("weight", "bias"), channels_last=True),
     nn.Linear: Affine(("bias",), channels_last=True),
     nn.Conv2d: Affine(("bias",), channels_last=False),
-    nn.BatchNorm2d: Affine(("weight", "bias"), channels_last=False),  # eval mode only: frozen statistics
+    nn.BatchNorm2d: Affine(("bias",), channels_last=False),
 }
 
 
@@ -253,15 +252,10 @@ class _AffineRecord:
             raise TypeError(f"{name}: per-sample gradients of a {type(module).__name__}'s parameters need the vmap path")
         self.name, self.module, self.output = name, module, output
         self.channels_last = affine.channels_last
-        self.normalized: Tensor | None = None  # x̂, kept only where a scale γ trains
-        scale = getattr(module, "weight", None)
-        if isinstance(module, nn.LayerNorm) and scale is not None and scale.requires_grad:
+        self.normalized: Tensor | None = None
+        if isinstance(module, nn.LayerNorm):
             with torch.no_grad():
                 self.normalized = F.layer_norm(inputs, module.normalized_shape, None, None, module.eps)
-        if isinstance(module, nn.BatchNorm2d) and scale is not None and scale.requires_grad:
-            with torch.no_grad():  # the frozen running statistics the module normalised with
-                self.normalized = F.batch_norm(inputs, module.running_mean, module.running_var, None, None,
-                                               training=False, eps=module.eps)
 
     def per_sample_gradients(self, output_grad: Tensor | None, batch: int) -> dict[str, Tensor]:
         """{parameter name: (batch, C)} from ∂(Σ_i l_i)/∂y, rows grouped batch-major (module docstring)."""
@@ -281,10 +275,7 @@ class _AffineRecord:
                 grads["weight"] = (by_sample * self.normalized.reshape(batch, -1, channels)).sum(1)
         else:  # (rows, C, H, W)
             channels = self.output.shape[1]
-            by_sample = output_grad.reshape(batch, rows // batch, channels, -1)
-            grads = {"bias": by_sample.sum((1, 3))}
-            if self.normalized is not None:
-                grads["weight"] = (by_sample * self.normalized.reshape(batch, rows // batch, channels, -1)).sum((1, 3))
+            grads = {"bias": output_grad.reshape(batch, rows // batch, channels, -1).sum((1, 3))}
         return {
             f"{self.name}.{key}": grad
             for key, grad in grads.items()
