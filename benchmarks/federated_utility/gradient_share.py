@@ -33,7 +33,8 @@ MAIN_JOB_BASE = REPO / "checkpoints" / "public" / "public-base-tiny_vit_5m_224-1
 
 
 def part_of(name: str) -> str:
-    """'stem' / 'stage N' / 'head', and the kind: BatchNorm shift, LayerNorm scale or shift, other bias."""
+    """'stem' / 'stage N' / 'head', and the kind: BatchNorm shift or scale, LayerNorm scale or shift, other bias
+    or weight."""
     parts = name.split(".")
     if parts[0] == "head":
         return f"head {parts[1]}"
@@ -43,7 +44,7 @@ def part_of(name: str) -> str:
     elif parts[-2] == "bn":
         kind = "BatchNorm scale" if name.endswith("weight") else "BatchNorm shift"
     else:
-        kind = "bias"
+        kind = "bias" if name.endswith("bias") else "weight"
     return f"{where} {kind}"
 
 

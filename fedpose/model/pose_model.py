@@ -74,8 +74,6 @@ from fedpose.model.simcc import SimCCCodec, SimCCHead
 from fedpose.privacy.per_sample import affine_of
 
 SCENARIOS: tuple[str, ...] = typing.get_args(Scenario)
-#: the image-facing convolution (3 input channels) that scenario "biases_norms_stem" trains as well
-STEM_CONVOLUTION = "backbone.patch_embed.conv1.conv.weight"
 #: the linears of each last-stage block that get adapters under scenario "lora"
 LORA_TARGETS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
 #: parameter-name suffixes of the adapters (their state-dict keys end in these)
@@ -250,8 +248,6 @@ class PoseModel(nn.Module):
             return layer_norms | {name for name in head if not name.startswith("head.joint_conv.")}
         if scenario == "biases_norms":
             return layer_norms | {name for name in names if name.endswith(".bias")}
-        if scenario == "biases_norms_stem":
-            return self._trainable_in("biases_norms") | {STEM_CONVOLUTION}
         if scenario == "lora":
             return layer_norms | head | {name for name in names if is_adapter_key(name)}
         raise ValueError(f"model.scenario must be one of {', '.join(SCENARIOS)}, got {scenario!r}")
