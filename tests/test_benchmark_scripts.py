@@ -225,3 +225,16 @@ def test_gradient_share_splits_every_trainable_tensor_into_parts_whose_shares_ad
         assert abs(sum(part[key] for part in parts.values()) - 1) < 1e-9
     assert {"stem BatchNorm shift", "stage 1 LayerNorm scale", "stage 1 bias"} <= set(parts)
     assert list(parts) == sorted(parts, key=lambda p: -parts[p]["squared_norm_share"])
+
+
+def test_main_job_simulate_records_a_failed_run_with_what_it_printed():
+    """--keep-going: a run that ``fedpose simulate`` ends with an error (a diverging variant) is kept
+    with its round lines and the error line, unscored."""
+    script = load_benchmark_module(FEDERATED_UTILITY.parent / "main_job_simulate.py", "main_job_simulate")
+    printed = ("round   0 | PCKh@0.5 = 69.98 | initial global model (no site data used)\n"
+               "round   1 | PCKh@0.5 = 69.98 | site-1: rejected (norm: ‖Δ‖₂ = 1870 exceeds the bound 1000)\n")
+    done = subprocess.CompletedProcess(["fedpose"], 3, printed, "fedpose: error: a site failed (exit code 3)\n")
+    record = script.failed_run(7, ["x=1"], done, 12.34)
+    assert record["failed"] == "fedpose simulate exited 3" and record["printed_curve_pckh50"] == [69.98, 69.98]
+    assert record["last_error"] == "fedpose: error: a site failed (exit code 3)" and len(record["round_lines"]) == 2
+    assert "published_pckh50" not in record and record["simulate_seconds_with_data"] == 12.3

@@ -3,14 +3,16 @@ with both of its models scored: the round-2 iterate (``global.npz``) and the mod
 publishes (its directory: ``global_ema.npz`` when ``coordinator.ema`` is on).
 
     python benchmarks/federated_utility/main_job_simulate.py --out FILE.json --data-seeds 10 11 12 \\
-        [--set coordinator.ema.decay=0.5 ...] [--run-seed 0] [--scratch DIR]
+        [--set coordinator.ema.decay=0.5 ...] [--run-seed 0] [--scratch DIR] [--keep-going]
 
 Each data set runs in its own scratch directory (``configs/demo.toml`` copied, ``checkpoints/`` linked,
 the data generated there by the command itself), one run at a time, and is appended to FILE.json as
 soon as it is scored, so a run cut short keeps what finished and a rerun skips the data sets done.
-``--run-seed S`` adds the README's seed overrides (``coordinator.seed=S``, site I's ``train.seed =
-100·S + I + 1``). The decision rules these runs served are in the JSON files they wrote
-(``main_job_ema_cpu.json``); this script only runs and scores.
+``--keep-going`` records a run that fails (``"failed"``, what it printed) and goes on with the next data
+set; without it the first failure stops the script (a rerun skips recorded failures too). ``--run-seed
+S`` adds the README's seed overrides (``coordinator.seed=S``, site I's ``train.seed = 100·S + I + 1``).
+The decision rules these runs served are in the JSON files they wrote (``main_job_ema_cpu.json``);
+this script only runs and scores.
 """
 
 from __future__ import annotations
@@ -55,7 +57,17 @@ def score(fedpose: Path, checkpoint: Path, data: Path) -> float:
     return float(json.loads(out)["Mean"])
 
 
-def run_one(data_seed: int, overrides: list[str], scratch: Path) -> dict[str, Any]:
+def failed_run(data_seed: int, overrides: list[str], done: subprocess.CompletedProcess, seconds: float) -> dict[str, Any]:
+    """The record of a run ``fedpose simulate`` ended with an error (a variant that diverged: every
+    update rejected by the coordinator's norm bound, say): what it printed, nothing scored."""
+    return {"data_seed": data_seed, "overrides": overrides, "failed": f"fedpose simulate exited {done.returncode}",
+            "printed_curve_pckh50": printed_curve(done.stdout),
+            "round_lines": [line for line in done.stdout.splitlines() if line.startswith("round")],
+            "last_error": next((line for line in reversed(done.stderr.splitlines()) if line.startswith("fedpose: error")), None),
+            "simulate_seconds_with_data": round(seconds, 1)}
+
+
+def run_one(data_seed: int, overrides: list[str], scratch: Path, keep_going: bool = False) -> dict[str, Any]:
     """One ``fedpose simulate`` of the main job on generator seed ``data_seed``, scored."""
     fedpose = Path(sys.executable).with_name("fedpose")
     work = scratch / f"data-seed-{data_seed}"
@@ -70,6 +82,8 @@ def run_one(data_seed: int, overrides: list[str], scratch: Path) -> dict[str, An
     done = subprocess.run(command, cwd=work, capture_output=True, text=True, env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"})
     seconds = time.perf_counter() - started
     if done.returncode != 0:
+        if keep_going:
+            return failed_run(data_seed, overrides, done, seconds)
         raise SystemExit(f"data seed {data_seed}: fedpose simulate exited {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     coordinator, test = work / "runs" / "demo" / "coordinator", work / "data" / "synthetic-hospitals" / "test"
     curve = printed_curve(done.stdout)
@@ -89,6 +103,8 @@ def main() -> int:
                         help="passed to fedpose simulate for every run (e.g. coordinator.ema.decay=0.5)")
     parser.add_argument("--run-seed", type=int, default=None, help="the README's seed-S overrides")
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/fedpose_main_job_simulate"))
+    parser.add_argument("--keep-going", action="store_true",
+                        help="record a run that fails (e.g. a diverging variant) and go on with the next data set")
     args = parser.parse_args()
     overrides = args.overrides + (seed_overrides(args.run_seed, site_count()) if args.run_seed is not None else [])
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -99,9 +115,12 @@ def main() -> int:
         if any(r["data_seed"] == data_seed and r["overrides"] == overrides for r in out["runs"]):
             print(f"data seed {data_seed}: done already", flush=True)
             continue
-        result = run_one(data_seed, overrides, args.scratch)
+        result = run_one(data_seed, overrides, args.scratch, args.keep_going)
         out["runs"].append(result)
         args.out.write_text(json.dumps(out, indent=1, ensure_ascii=False) + "\n")
+        if "failed" in result:
+            print(f"data seed {data_seed}: {result['failed']}: {result['last_error']}", flush=True)
+            continue
         print(f"data seed {data_seed}: {result['printed_curve_pckh50']} iterate {result['iterate_pckh50']} "
               f"published {result['published_pckh50']} ({result['simulate_seconds_with_data']:.0f} s)", flush=True)
     return 0
