@@ -49,12 +49,11 @@ def part_of(name: str) -> str:
 
 
 def shares(model, dataset, samples: int) -> dict[str, dict[str, float]]:
+    from fedpose.privacy.engine import collate
     from fedpose.privacy.per_sample import frozen_features, per_sample_gradients
 
-    items = [dataset[i] for i in range(samples)]
-    images = torch.stack([item["image"] for item in items])
-    joints = torch.stack([torch.as_tensor(item["joints"]) for item in items]).float()
-    weight = torch.stack([torch.as_tensor(item["weight"]) for item in items]).float()
+    batch = collate([dataset[i] for i in range(samples)])
+    images, joints, weight = batch["image"], batch["joints"], batch["weight"]
     squared: dict[str, float] = defaultdict(float)  # Σ_i ‖g_i‖² per part
     gradient_sums: dict[str, torch.Tensor] = {}  # Σ_i g_i per tensor
     for start in range(0, samples, 16):
@@ -120,7 +119,8 @@ def main() -> int:
     started = time.perf_counter()
     model = build_model(ModelConfig(backbone=args.backbone, scenario=args.scenario, init_checkpoint=args.checkpoint),
                         (128, 96))
-    result: dict = {"what": __doc__.split("\n\n")[1].replace("\n", " "),
+    what = " ".join(p.replace("\n", " ") for p in __doc__.split("\n\n") if not p.startswith("    "))  # not the usage
+    result: dict = {"what": what,
                     "settings": {"backbone": args.backbone, "scenario": args.scenario, "checkpoint": str(args.checkpoint),
                                  "site": str(args.site), "public": str(args.public), "samples": args.samples,
                                  "input_size": [128, 96], "augmentation": "training augmentation, rotation 30 (site) / 60 "

@@ -40,6 +40,11 @@ def printed_curve(log: str) -> list[float]:
     return [float(pckh) for _, pckh in sorted((int(r), p) for r, p in ROUND_PCKH.findall(log))]
 
 
+def round_lines(log: str) -> list[str]:
+    """The round lines a run printed, as printed."""
+    return [line for line in log.splitlines() if line.startswith("round")]
+
+
 def site_count(config: Path = DEMO_CONFIG) -> int:
     """How many ``[[sites]]`` the main job's config declares (each gets a seed override)."""
     return len(tomllib.loads(config.read_text())["sites"])
@@ -62,7 +67,7 @@ def failed_run(data_seed: int, overrides: list[str], done: subprocess.CompletedP
     update rejected by the coordinator's norm bound, say): what it printed, nothing scored."""
     return {"data_seed": data_seed, "overrides": overrides, "failed": f"fedpose simulate exited {done.returncode}",
             "printed_curve_pckh50": printed_curve(done.stdout),
-            "round_lines": [line for line in done.stdout.splitlines() if line.startswith("round")],
+            "round_lines": round_lines(done.stdout),
             "last_error": next((line for line in reversed(done.stderr.splitlines()) if line.startswith("fedpose: error")), None),
             "simulate_seconds_with_data": round(seconds, 1)}
 
@@ -89,7 +94,7 @@ def run_one(data_seed: int, overrides: list[str], scratch: Path, keep_going: boo
     curve = printed_curve(done.stdout)
     iterate, published = score(fedpose, coordinator / "global.npz", test), score(fedpose, coordinator, test)
     return {"data_seed": data_seed, "overrides": overrides, "printed_curve_pckh50": curve,
-            "round_lines": [line for line in done.stdout.splitlines() if line.startswith("round")],
+            "round_lines": round_lines(done.stdout),
             "iterate_pckh50": round(iterate, 2), "published_pckh50": round(published, 2),
             "published_minus_iterate": round(published - iterate, 2), "gain_published": round(published - curve[0], 2),
             "gain_iterate": round(iterate - curve[0], 2), "simulate_seconds_with_data": round(seconds, 1)}
