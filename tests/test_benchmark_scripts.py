@@ -238,3 +238,34 @@ def test_main_job_simulate_records_a_failed_run_with_what_it_printed():
     assert record["failed"] == "fedpose simulate exited 3" and record["printed_curve_pckh50"] == [69.98, 69.98]
     assert record["last_error"] == "fedpose: error: a site failed (exit code 3)" and len(record["round_lines"]) == 2
     assert "published_pckh50" not in record and record["simulate_seconds_with_data"] == 12.3
+
+
+def test_gain_by_kind_scores_grey_and_lying_images_apart(tmp_path):
+    """federated_utility/gain_by_kind.py: an image is grey only when every pixel has R = G = B (one
+    coloured pixel makes it colour), lying comes from the record, and each kind is scored on its own
+    images only (perfect predictions on the grey images, wrong ones on the colour image)."""
+    from PIL import Image
+
+    from fedpose.data.annotations import PoseRecord
+
+    by_kind = load_benchmark_module(BENCHMARKS / "federated_utility" / "gain_by_kind.py", "gain_by_kind")
+    rng = np.random.default_rng(0)
+    grey = np.repeat(rng.integers(0, 256, (24, 16, 1), dtype=np.uint8), 3, axis=2)
+    almost_grey = grey.copy()
+    almost_grey[3, 5, 2] ^= 1
+    for name, pixels in (("grey.png", grey), ("almost.png", almost_grey), ("grey2.png", grey)):
+        Image.fromarray(pixels).save(tmp_path / name)
+    joints = rng.uniform(2, 14, (16, 2)).astype(np.float32)
+    records = [PoseRecord(image=name, joints=joints, joints_vis=np.ones(16, np.float32), center=np.array([8, 12], np.float32),
+                          scale=0.2, headbox=np.array([[0, 0], [10, 10]], np.float32), extra={"lying": lying})
+               for name, lying in (("grey.png", True), ("almost.png", False), ("grey2.png", False))]
+    masks = by_kind.kind_masks(records, tmp_path)
+    assert masks["grey"].tolist() == [True, False, True] and masks["colour"].tolist() == [False, True, False]
+    assert masks["lying"].tolist() == [True, False, False] and masks["all"].all()
+    truth = np.stack([joints] * 3)
+    prediction = {"preds": truth.copy(), "joints": truth, "joints_vis": np.ones((3, 16), np.float32),
+                  "headbox": np.stack([r.headbox for r in records])}
+    prediction["preds"][1] += 50.0  # the colour image: every joint far off
+    scores = by_kind.scores_by_kind(prediction, masks)
+    assert scores["grey"] == 100.0 and scores["colour"] == 0.0 and scores["lying"] == 100.0
+    assert 0.0 < scores["all"] < 100.0
