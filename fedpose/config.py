@@ -101,9 +101,9 @@ class DataConfig(AugmentationConfig):
 
 #: Which parameters train (:mod:`fedpose.model.pose_model` defines each set). Under DP-SGD the
 #: noise's norm grows with √(trainable parameters), so a smaller set can pay at a given ε.
-Scenario = Literal["finetune", "norms_head", "norms", "biases_norms", "lora", "full", "scratch"]
+Scenario = Literal["finetune", "norms_head", "norms", "biases_norms", "grey_biases_norms", "lora", "full", "scratch"]
 #: the scenarios that keep most weights at ``model.init_checkpoint`` (random without one)
-PARTIAL_SCENARIOS: tuple[str, ...] = ("finetune", "norms_head", "norms", "biases_norms", "lora")
+PARTIAL_SCENARIOS: tuple[str, ...] = ("finetune", "norms_head", "norms", "biases_norms", "grey_biases_norms", "lora")
 #: low-rank adapters wider than this are refused (a spec from the coordinator must stay buildable)
 MAX_LORA_RANK = 128
 
@@ -117,6 +117,8 @@ class ModelConfig(Strict):
         "norms_head: every LayerNorm + the head (2.11 M | 1.70 M); "
         "norms: every LayerNorm + the head without its 3×3 joint conv (0.63 M | 0.22 M); "
         "biases_norms: every bias + every LayerNorm (BitFit; 31 k | 31 k); "
+        "grey_biases_norms: a copy of biases_norms that grey (infrared) images use and train, colour images keep the "
+        "base's (31 k | 31 k; fedpose.model.grey_copies); "
         "lora: rank-r adapters on stage 3's attention qkv/proj and MLP fc1/fc2 (base weights frozen) + every "
         "LayerNorm + the head (2.19 M | 1.78 M at r = 8, 82 k of them adapters); full: all; scratch: all, random init",
     )

@@ -274,11 +274,13 @@ def load_init_weights(model: nn.Module, path: str | Path) -> dict[str, list[str]
     different input size. Low-rank adapters (scenario "lora"): a checkpoint's adapters load as they
     are into a model with the same rank and α, and are otherwise merged into their base weights
     (what they learned is kept); a model's adapters that the file lacks keep their initialisation
-    (B = 0: the model computes the checkpoint's function). Returns {"loaded": [...], "skipped":
+    (B = 0: the model computes the checkpoint's function). Grey copies (scenario
+    "grey_biases_norms") the file lacks start as the tensors they copy. Returns {"loaded": [...], "skipped":
     [...]} (key names). Raises CheckpointError when the backbone does not match (wrong file or
     wrong backbone).
     """
     from fedpose.model.pose_model import is_adapter_key, merged_adapter_weights
+    from fedpose.model.grey_copies import is_grey_copy_key, own_key
 
     path = Path(path)
     raw = _torch_load(path)
@@ -300,12 +302,16 @@ def load_init_weights(model: nn.Module, path: str | Path) -> dict[str, list[str]
         else:
             skipped.append(key)
     backbone_keys = [k for k in target if k.startswith("backbone.") and not k.endswith("attention_bias_idxs")
-                     and not is_adapter_key(k)]  # adapters the file lacks start at their zero update
+                     and not is_adapter_key(k)  # adapters the file lacks start at their zero update
+                     and not is_grey_copy_key(k)]  # grey copies the file lacks start as their own tensor (below)
     missing = [k for k in backbone_keys if k not in set(loaded)]
     if missing:
         raise CheckpointError(
             f"{path}: does not fit backbone '{model.backbone_name}' "
             f"({len(missing)} of {len(backbone_keys)} backbone tensors missing or mis-shaped, e.g. {missing[:3]})"
         )
+    for key in set(target) - set(loaded):
+        if is_grey_copy_key(key):  # a base without grey copies: the grey images start where the colour ones are
+            target[key] = target[own_key(key)].clone()
     model.load_state_dict(target)
     return {"loaded": loaded, "skipped": skipped}

@@ -15,6 +15,9 @@ smaller set can pay at a fixed ε (counts for tiny_vit_5m_224: ``model.scenario`
   noise (norm ∝ √p) stays small without a projection. Measured on the sweep's tuning data
   (benchmarks/federated_utility/noise_or_subspace.json): with σ = 0 it keeps 80 % of what
   ``finetune`` gains; PDP's public projection of ``finetune`` (k 4–48) keeps under 25 %.
+- ``grey_biases_norms``: a grey copy of every tensor of ``biases_norms``, used by grey (infrared)
+  images and the only tensors that train; colour images keep the base's
+  (:mod:`fedpose.model.grey_copies`). As many parameters as ``biases_norms``.
 - ``lora``: low-rank adapters (:class:`LoRALinear`) on the last stage's attention qkv/proj and MLP
   fc1/fc2, every LayerNorm and the head; every base weight frozen. The last stage only: it is
   the stage ``finetune`` trains, and adapters in stages 1–2 would end their affine-tuned fast path
@@ -70,6 +73,7 @@ from torch import Tensor, nn
 
 from fedpose.config import Scenario
 from fedpose.joints import NUM_JOINTS
+from fedpose.model.grey_copies import add_grey_copies, grey_flags, is_grey_copy_key, set_flags
 from fedpose.model.simcc import SimCCCodec, SimCCHead
 from fedpose.privacy.per_sample import affine_of
 
@@ -203,6 +207,10 @@ class PoseModel(nn.Module):
         self.lora_alpha: float | None = None
         if scenario == "lora":
             self._add_adapters(lora_rank, lora_alpha)
+        #: the modules with grey copies (scenario "grey_biases_norms": part of the architecture)
+        self._grey_modules: list[nn.Module] = []
+        if scenario == "grey_biases_norms":
+            self._grey_modules = add_grey_copies(self, self._trainable_in("biases_norms"))
         self._units = self._build_units()
         self.set_scenario(scenario)
         # Random-init BatchNorm statistics that match the network (loaded weights overwrite them);
@@ -248,6 +256,8 @@ class PoseModel(nn.Module):
             return layer_norms | {name for name in head if not name.startswith("head.joint_conv.")}
         if scenario == "biases_norms":
             return layer_norms | {name for name in names if name.endswith(".bias")}
+        if scenario == "grey_biases_norms":
+            return {name for name in names if is_grey_copy_key(name)}
         if scenario == "lora":
             return layer_norms | head | {name for name in names if is_adapter_key(name)}
         raise ValueError(f"model.scenario must be one of {', '.join(SCENARIOS)}, got {scenario!r}")
@@ -259,6 +269,9 @@ class PoseModel(nn.Module):
         if (scenario == "lora") != has_adapters:
             raise ValueError(f"model.scenario {scenario!r}: this model was built "
                              f"{'with' if has_adapters else 'without'} low-rank adapters; build it for the scenario")
+        if (scenario == "grey_biases_norms") != bool(self._grey_modules):
+            raise ValueError(f"model.scenario {scenario!r}: this model was built "
+                             f"{'with' if self._grey_modules else 'without'} grey copies; build it for the scenario")
         trainable = self._trainable_in(scenario)
         self.scenario = scenario
         for name, param in self.named_parameters():
@@ -355,7 +368,16 @@ class PoseModel(nn.Module):
 
     def forward_suffix(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """The rest after the affine-tuned part, head included → (logits_x, logits_y)."""
-        return self.head(self._run(self._units[self._frozen_units + self._affine_tuned_units:], hidden))
+        if not self._grey_modules:
+            return self.head(self._run(self._units[self._frozen_units + self._affine_tuned_units:], hidden))
+        # Grey copies start at the stem, so nothing is frozen or affine-tuned in front: ``hidden`` is the images.
+        if self._frozen_units or self._affine_tuned_units:
+            raise RuntimeError("grey copies need the images: this model has a frozen or affine-tuned part in front")
+        set_flags(self._grey_modules, grey_flags(hidden))
+        try:
+            return self.head(self._run(self._units, hidden))
+        finally:
+            set_flags(self._grey_modules, None)
 
     def forward_trainable(self, features: Tensor) -> tuple[Tensor, Tensor]:
         """Everything after the frozen prefix → (logits_x (B, J, W·k), logits_y (B, J, H·k))."""

@@ -93,6 +93,7 @@ from fedpose.privacy.mechanisms import Mechanism, get_mechanism
 from fedpose.privacy.public_views import PUBLIC_VIEW_FUNCTIONS, public_view_kind, public_view_report
 from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
 from fedpose.privacy.fixed_shape import RoundWork, StepShape, capacity_warning, round_capacity_warning, round_work, step_shape
+from fedpose.model.grey_copies import is_grey_copy_key
 from fedpose.privacy.noise import make_noise
 from fedpose.privacy.per_sample import (
     TrainableModel,
@@ -879,6 +880,10 @@ def build_engine(
     params = model.trainable_parameters()
     if not params:
         raise ValueError("the model has no trainable parameters (check model.scenario)")
+    if mechanism.projects and any(is_grey_copy_key(name) for name in params):
+        # the basis spans public gradients, and public (colour) images give grey copies none
+        raise ValueError(f"privacy.mechanism '{mechanism.name}' projects onto public gradients, which are zero for "
+                         "grey copies (model.scenario 'grey_biases_norms'): use dpsgd, fdp or maskdp")
     engine = GradientEngine(privacy_cfg, mechanism, dataset_size, batch_size, planned_steps, public_dataset, seed, chunk_size,
                             units, memory_settings, ledger, round_steps)
     if mechanism.noisy:  # the chunk, from the fixed step shape, before any step (see chunk_for)
