@@ -3,7 +3,7 @@
 Hospitals' night-time cameras record infrared images: one grey channel, stored with R = G = B.
 Public photo collections are in colour, and a public base reads grey images far worse than colour
 ones. That is most of what the sites teach it: on the main job's tuning data the shipped recipe's
-published models gained +16.7 to +21 PCKh@0.5 on the grey test images and lost 0.8 to 1.4 on the
+published models gained +16.7 to +21.0 PCKh@0.5 on the grey test images and lost 0.8 to 1.7 on the
 colour ones (benchmarks/federated_utility/gain_by_kind/). Every coordinate of a shared trainable set
 carries DP noise that the colour images pay for and learn nothing from.
 
