@@ -90,9 +90,10 @@ def write_png(result: dict, path: Path) -> None:
     counts = result["images"]
     ax.set_xticks(np.arange(len(kinds)) + width * (len(labels) - 1) / 2, [f"{k}\n({counts[k]})" for k in kinds])
     ax.set_ylabel("PCKh@0.5 (flip test)")
-    ax.set_ylim(0, 100)
+    ax.set_ylim(0, 118)  # room above the bars for the legend
+    ax.set_yticks(range(0, 101, 20))
     ax.set_title("PCKh@0.5 by kind of test image", fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, ncol=len(labels), loc="upper center")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
