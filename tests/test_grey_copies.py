@@ -163,3 +163,14 @@ def test_a_base_without_copies_starts_them_as_its_own_tensors_and_checkpoints_ke
         twin = copy.deepcopy(model)  # its hooks read its own modules' flags, not the original's
         twin_out = twin(images("gg", seed=4))
         assert all(torch.equal(a, b) for a, b in zip(model(images("gg", seed=4)), twin_out))
+
+
+def test_a_federation_that_would_project_grey_copies_is_refused_before_it_runs(tmp_path: Path):
+    from fedpose.cli.simulate import resolve_federation
+
+    demo = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
+    checkpoint = f'coordinator.checkpoint_dir="{tmp_path / "coordinator"}"'
+    federation, _, _ = resolve_federation(demo, [checkpoint])
+    assert federation.coordinator.model.scenario == "grey_biases_norms"  # the main job's set
+    with pytest.raises(ValueError, match=r"sites \['site-2'\]: pdp and fpdp project onto public gradients"):
+        resolve_federation(demo, [checkpoint, "sites.1.privacy.mechanism=pdp"])

@@ -333,3 +333,13 @@ class FederationConfig(Strict):
         if len(set(states)) != len(states):
             raise ValueError("sites: every site needs its own state_dir (budgets must not be shared)")
         return self
+
+    @model_validator(mode="after")
+    def _grey_copies_are_not_projected(self) -> "FederationConfig":
+        # A site's engine refuses it too, but only when its first round starts: say it before the run.
+        if self.coordinator.model.scenario == "grey_biases_norms":
+            projecting = [s.site_id for s in self.sites if get_mechanism(s.privacy.mechanism).projects]
+            if projecting:
+                raise ValueError(f"sites {projecting}: pdp and fpdp project onto public gradients, which are zero for "
+                                 "the grey copies of coordinator.model.scenario 'grey_biases_norms'; use dpsgd, fdp or maskdp")
+        return self
