@@ -34,11 +34,15 @@ take the ``vmap`` path over the whole network: the batched affine path
 
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from timm.layers import LayerNorm2d
 from torch import Tensor, nn
+
+from fedpose.data.dataset import IMAGENET_MEAN, IMAGENET_STD
 
 #: an image is grey when the mean over its pixels of |R − G| + |G − B| (intensities in [0, 1]) is
 #: under this: one grey level of 255 per channel pair, so that a grey image stored as JPEG (whose
@@ -64,8 +68,6 @@ def own_key(grey_key: str) -> str:
 def grey_flags(images: Tensor) -> Tensor:
     """(B,) 1.0 for each ImageNet-normalised image (B, 3, H, W) without colour, 0.0 otherwise (in
     the images' dtype, so that the hooks' arithmetic works under ``vmap``)."""
-    from fedpose.data.dataset import IMAGENET_MEAN, IMAGENET_STD
-
     mean = torch.tensor(IMAGENET_MEAN, dtype=images.dtype, device=images.device).view(1, 3, 1, 1)
     std = torch.tensor(IMAGENET_STD, dtype=images.dtype, device=images.device).view(1, 3, 1, 1)
     intensity = images * std + mean
@@ -81,7 +83,7 @@ def add_grey_copies(model: nn.Module, targets: set[str]) -> list[nn.Module]:
         own = [p for p, _ in module.named_parameters(recurse=False) if (f"{name}.{p}" if name else p) in targets]
         if not own:
             continue
-        if any(p != "bias" for p in own) and type(module) not in (nn.LayerNorm, *_CHANNELS_FIRST_NORMS):
+        if any(p != "bias" for p in own) and type(module) not in (nn.LayerNorm, LayerNorm2d):
             raise TypeError(f"{name}: a grey copy of a {type(module).__name__}'s {own} (biases and LayerNorm affines only)")
         for p in own:
             module.register_parameter(f"{GREY_PREFIX}{p}", nn.Parameter(getattr(module, p).detach().clone()))
@@ -90,19 +92,22 @@ def add_grey_copies(model: nn.Module, targets: set[str]) -> list[nn.Module]:
     return modules
 
 
-def set_flags(modules: list[nn.Module], flags: Tensor | None) -> None:
-    """Give the hooks of ``modules`` this pass's per-image flags (None: the pass is over)."""
+@contextmanager
+def grey_pass(modules: list[nn.Module], images: Tensor) -> Iterator[None]:
+    """One forward pass of ``images`` (B, 3, H, W): the hooks of ``modules`` read the images' flags
+    during it and none after it. Nothing to do for a model without grey copies (no modules)."""
+    if not modules:
+        yield
+        return
+    flags = grey_flags(images)
     for module in modules:
         setattr(module, _FLAGS, flags)
+    try:
+        yield
+    finally:
+        for module in modules:
+            setattr(module, _FLAGS, None)
 
-
-def _channels_first_norms() -> tuple[type[nn.Module], ...]:
-    from timm.layers import LayerNorm2d
-
-    return (LayerNorm2d,)
-
-
-_CHANNELS_FIRST_NORMS = _channels_first_norms()
 #: modules whose output is (rows, …, C); the others' is (rows, C, H, W)
 _CHANNELS_LAST = (nn.Linear, nn.LayerNorm)
 

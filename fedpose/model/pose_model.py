@@ -73,7 +73,7 @@ from torch import Tensor, nn
 
 from fedpose.config import Scenario
 from fedpose.joints import NUM_JOINTS
-from fedpose.model.grey_copies import add_grey_copies, grey_flags, is_grey_copy_key, set_flags
+from fedpose.model.grey_copies import add_grey_copies, grey_pass, is_grey_copy_key
 from fedpose.model.simcc import SimCCCodec, SimCCHead
 from fedpose.privacy.per_sample import affine_of
 
@@ -368,16 +368,11 @@ class PoseModel(nn.Module):
 
     def forward_suffix(self, hidden: Tensor) -> tuple[Tensor, Tensor]:
         """The rest after the affine-tuned part, head included → (logits_x, logits_y)."""
-        if not self._grey_modules:
-            return self.head(self._run(self._units[self._frozen_units + self._affine_tuned_units:], hidden))
         # Grey copies start at the stem, so nothing is frozen or affine-tuned in front: ``hidden`` is the images.
-        if self._frozen_units or self._affine_tuned_units:
+        if self._grey_modules and (self._frozen_units or self._affine_tuned_units):
             raise RuntimeError("grey copies need the images: this model has a frozen or affine-tuned part in front")
-        set_flags(self._grey_modules, grey_flags(hidden))
-        try:
-            return self.head(self._run(self._units, hidden))
-        finally:
-            set_flags(self._grey_modules, None)
+        with grey_pass(self._grey_modules, hidden):
+            return self.head(self._run(self._units[self._frozen_units + self._affine_tuned_units:], hidden))
 
     def forward_trainable(self, features: Tensor) -> tuple[Tensor, Tensor]:
         """Everything after the frozen prefix → (logits_x (B, J, W·k), logits_y (B, J, H·k))."""
