@@ -15,7 +15,8 @@ accountant's ε for the same run.
   but the canaries: the DP threat model), the round's update Δ at a site (all a site sends). For
   projecting mechanisms the directions lie in the public subspace, else projection removes them.
 * **black-box** (central training, add/remove guarantees): canaries are records — out-of-distribution
-  images with keypoints at random places, so only memorising a canary lowers its loss — in the
+  images with keypoints at random places, so only memorising a canary lowers its loss; grey where
+  the model trains only grey copies, which colour images never move — in the
   training set with probability ½; scored by how much training lowered each canary's loss (the
   initial weights follow from the config's seed, so they are public). Weak by nature: it sees only
   the final model.
@@ -273,12 +274,14 @@ def _white_box_central(cfg: RunConfig, canaries: int | None, confidence: float, 
                        reference_run, time.perf_counter() - started)
 
 
-def _ood_canary_records(count: int, input_size: tuple[int, int], directory: Path, rng: np.random.Generator) -> list[Any]:
-    """``count`` black-box canaries: images of blocky colour noise (nothing like a person) with all
-    joints visible at random places. Each is its own mislabelled outlier, so training on one lowers
-    mostly its own loss; the crop (centre, scale) covers the whole image. (Joints at random corners,
-    equally far from the centre for every canary, measured weaker: 0.6–1.2 against 1.2–2.6 for the
-    σ = 0 CI case over 4 seeds.)"""
+def _ood_canary_records(count: int, input_size: tuple[int, int], directory: Path, rng: np.random.Generator,
+                        grey: bool = False) -> list[Any]:
+    """``count`` black-box canaries: images of blocky noise (nothing like a person) with all joints
+    visible at random places. Each is its own mislabelled outlier, so training on one lowers mostly
+    its own loss; the crop (centre, scale) covers the whole image. (Joints at random corners, equally
+    far from the centre for every canary, measured weaker: 0.6–1.2 against 1.2–2.6 for the σ = 0 CI
+    case over 4 seeds.) The noise is colour, or ``grey`` (R = G = B) for a model that trains only grey
+    copies: a colour image's gradient is exactly zero there, so colour canaries would measure nothing."""
     from PIL import Image
 
     from fedpose.data.annotations import PoseRecord
@@ -290,9 +293,10 @@ def _ood_canary_records(count: int, input_size: tuple[int, int], directory: Path
     directory.mkdir(parents=True, exist_ok=True)
     records = []
     for index in range(count):
-        cells = rng.integers(0, 256, size=(height // 8, width // 8, 3), dtype=np.uint8)
+        cells = rng.integers(0, 256, size=(height // 8, width // 8, 1 if grey else 3), dtype=np.uint8)
+        pixels = np.kron(cells, np.ones((8, 8, 1), dtype=np.uint8))
         path = directory / f"canary-{index:05d}.png"
-        Image.fromarray(np.kron(cells, np.ones((8, 8, 1), dtype=np.uint8))).save(path)
+        Image.fromarray(np.repeat(pixels, 3, axis=2) if grey else pixels).save(path)
         joints = rng.uniform([0.15 * width, 0.15 * height], [0.85 * width, 0.85 * height], size=(NUM_JOINTS, 2))
         records.append(PoseRecord(
             image=str(path), joints=joints.astype(np.float32), joints_vis=np.ones(NUM_JOINTS, np.float32),
@@ -333,7 +337,8 @@ def _black_box_central(cfg: RunConfig, canaries: int | None, confidence: float, 
     rng = np.random.default_rng(seed)
     records, root = load_records(_training_dir(cfg)[0])
     with tempfile.TemporaryDirectory(prefix="fedpose-audit-canaries-") as directory:
-        canary_records = _ood_canary_records(count, cfg.data.input_size, Path(directory), rng)
+        canary_records = _ood_canary_records(count, cfg.data.input_size, Path(directory), rng,
+                                             grey=cfg.model.scenario == "grey_biases_norms")
         included = rng.random(count) < 0.5
         train_set = _dataset(records + [r for r, keep in zip(canary_records, included) if keep], root, cfg, train=True)
         if cfg.privacy.sample_rate is None:
