@@ -388,15 +388,12 @@ def test_black_box_canaries_are_grey_where_only_grey_copies_train(data_root, tmp
     from PIL import Image
 
     from fedpose.audit import _ood_canary_records, audit_central
-    from fedpose.data.dataset import IMAGENET_MEAN, IMAGENET_STD
+    from fedpose.data.dataset import normalize
     from fedpose.model.grey_copies import grey_flags
 
     def flags(grey: bool) -> list[float]:
         records = _ood_canary_records(3, INPUT_SIZE, tmp_path / str(grey), np.random.default_rng(0), grey=grey)
-        pixels = np.stack([np.asarray(Image.open(r.image).convert("RGB"), np.float32) / 255 for r in records])
-        normalised = (torch.from_numpy(pixels).permute(0, 3, 1, 2) - torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)) \
-            / torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
-        return grey_flags(normalised).tolist()
+        return grey_flags(torch.stack([normalize(np.asarray(Image.open(r.image).convert("RGB"))) for r in records])).tolist()
 
     assert flags(grey=True) == [1.0] * 3 and flags(grey=False) == [0.0] * 3
     cfg = central_config(data_root, steps=10, batch_size=8, data=BLACK_BOX_DATA, noise_multiplier=0.0)
