@@ -104,8 +104,17 @@ class DataConfig(AugmentationConfig):
 Scenario = Literal["finetune", "norms_head", "norms", "biases_norms", "grey_biases_norms", "lora", "full", "scratch"]
 #: the scenarios that keep most weights at ``model.init_checkpoint`` (random without one)
 PARTIAL_SCENARIOS: tuple[str, ...] = ("finetune", "norms_head", "norms", "biases_norms", "grey_biases_norms", "lora")
+#: the trainable set of grey copies (fedpose.model.grey_copies)
+GREY_SCENARIO = "grey_biases_norms"
 #: low-rank adapters wider than this are refused (a spec from the coordinator must stay buildable)
 MAX_LORA_RANK = 128
+
+
+def grey_copies_refuse_projection(where: str) -> str:
+    """Why ``where`` (the setting that chose pdp or fpdp) cannot train grey copies: the one message of
+    the federation config's check (before a run) and the engine's (when a site's round starts)."""
+    return (f"{where}: pdp and fpdp project onto public gradients, which are zero for grey copies "
+            f"(model.scenario '{GREY_SCENARIO}': public images are colour); use dpsgd, fdp or maskdp")
 
 
 class ModelConfig(Strict):

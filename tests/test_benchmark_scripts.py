@@ -241,9 +241,10 @@ def test_main_job_simulate_records_a_failed_run_with_what_it_printed():
 
 
 def test_gain_by_kind_scores_grey_and_lying_images_apart(tmp_path):
-    """federated_utility/gain_by_kind.py: an image is grey only when every pixel has R = G = B (one
-    coloured pixel makes it colour), lying comes from the record, and each kind is scored on its own
-    images only (perfect predictions on the grey images, wrong ones on the colour image)."""
+    """federated_utility/gain_by_kind.py: an image is grey by the product's rule (the grey copies'
+    grey_flags: a grey image stored with ±1 levels of chroma noise stays grey, a faint uniform tint
+    is colour), lying comes from the record, and each kind is scored on its own images only (perfect
+    predictions on the grey images, wrong ones on the colour image)."""
     from PIL import Image
 
     from fedpose.data.annotations import PoseRecord
@@ -251,9 +252,12 @@ def test_gain_by_kind_scores_grey_and_lying_images_apart(tmp_path):
     by_kind = load_benchmark_module(BENCHMARKS / "federated_utility" / "gain_by_kind.py", "gain_by_kind")
     rng = np.random.default_rng(0)
     grey = np.repeat(rng.integers(0, 256, (24, 16, 1), dtype=np.uint8), 3, axis=2)
-    almost_grey = grey.copy()
-    almost_grey[3, 5, 2] ^= 1
-    for name, pixels in (("grey.png", grey), ("almost.png", almost_grey), ("grey2.png", grey)):
+    jpeg_like = grey.copy()
+    jpeg_like[3, 5, 2] ^= 1  # one level off in one pixel: still grey
+    tinted = grey.astype(np.int16)
+    tinted[..., 0] += 3  # a uniform tint of 3 levels: colour
+    tinted = np.clip(tinted, 0, 255).astype(np.uint8)
+    for name, pixels in (("grey.png", grey), ("almost.png", tinted), ("grey2.png", jpeg_like)):
         Image.fromarray(pixels).save(tmp_path / name)
     joints = rng.uniform(2, 14, (16, 2)).astype(np.float32)
     records = [PoseRecord(image=name, joints=joints, joints_vis=np.ones(16, np.float32), center=np.array([8, 12], np.float32),

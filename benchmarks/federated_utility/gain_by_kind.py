@@ -28,14 +28,18 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[2]
 
 #: the parts scored: (name, what it holds)
-KINDS = (("all", "every test image"), ("grey", "infrared: R = G = B in every pixel"), ("colour", "the rest"),
+KINDS = (("all", "every test image"), ("grey", "infrared: grey by the grey copies' rule (fedpose.model.grey_copies.grey_flags)"), ("colour", "the rest"),
          ("lying", "a patient in bed (extra.lying)"), ("upright", "the rest"))
 
 
 def is_grey(path: Path) -> bool:
-    """Whether the image file at ``path`` has no colour at all (every pixel R = G = B)."""
-    pixels = np.asarray(Image.open(path).convert("RGB")).astype(np.int16)
-    return bool((pixels[..., 0] == pixels[..., 1]).all() and (pixels[..., 1] == pixels[..., 2]).all())
+    """Whether the image file at ``path`` is grey by the product's rule (the one that picks the
+    grey copies: :func:`fedpose.model.grey_copies.grey_flags`)."""
+    from fedpose.data.dataset import normalize
+    from fedpose.model.grey_copies import grey_flags
+
+    pixels = np.asarray(Image.open(path).convert("RGB"))
+    return bool(grey_flags(normalize(pixels)[None]).item())
 
 
 def kind_masks(records: list, root: Path) -> dict[str, np.ndarray]:
@@ -62,16 +66,6 @@ def scores_by_kind(prediction: dict[str, np.ndarray], masks: dict[str, np.ndarra
                       prediction["headbox"][mask])
         out[kind] = round(float(scores["Mean"]), 2)
     return out
-
-
-def load_model(path: Path):
-    """A checkpoint file, or a coordinator directory / global.npz (its published model)."""
-    from fedpose.federation.global_model import global_checkpoint_path, load_global_model
-    from fedpose.model import model_from_checkpoint
-
-    if global_checkpoint_path(path) is not None:
-        return load_global_model(path).model
-    return model_from_checkpoint(path)[0]
 
 
 def write_png(result: dict, path: Path) -> None:
@@ -110,6 +104,7 @@ def main() -> None:
     if args.labels and len(args.labels) != len(args.models):
         parser.error("--labels needs one name per model")
     from fedpose.data.dataset import PoseDataset, load_records
+    from fedpose.model import load_model
     from fedpose.train.evaluate import predict
 
     started = time.time()
@@ -126,7 +121,7 @@ def main() -> None:
     }
     for index, path in enumerate(args.models):
         label = args.labels[index] if args.labels else str(path)
-        model = load_model(path)
+        model = load_model(path)  # a checkpoint file or a coordinator directory (its published model)
         prediction = predict(model, PoseDataset(records, root, input_size=model.input_size, train=False), flip_test=True)
         result["models"][label] = {"path": str(path), "pckh50": scores_by_kind(prediction, masks)}
         print(label, result["models"][label]["pckh50"], flush=True)

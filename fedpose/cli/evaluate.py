@@ -66,38 +66,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _load_model(path: Path, device_setting: str):
     """(the checkpoint's model on the ``--device``, that device in words)."""
     from fedpose.config import ConfigError
-    from fedpose.model import CheckpointError, model_from_checkpoint
+    from fedpose.federation.global_model import GlobalModelError
+    from fedpose.model import CheckpointError, load_model
     from fedpose.runtime import describe_device, resolve_device
-
-    from fedpose.federation.global_model import GlobalModelError, global_checkpoint_path, load_global_model
 
     try:
         device = resolve_device(device_setting, "--device")
-        if global_checkpoint_path(path) is not None:  # a federation's model: the coordinator's global.npz (or its dir)
-            model = load_global_model(path).model
-        else:
-            model, _ = model_from_checkpoint(_model_file(path))
-    except (CheckpointError, ConfigError, GlobalModelError) as exc:
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+    try:
+        model = load_model(path)
+    except (CheckpointError, ConfigError, GlobalModelError) as exc:  # each names the file and what is wrong
         raise UserError(str(exc)) from None
     return model.to(device), describe_device(device)
-
-
-#: what a directory given as --checkpoint may be, and the model file inside it (a coordinator
-#: directory is recognised by its global.npz)
-MODEL_IN_DIRECTORY = (("a `fedpose train` run directory", "checkpoints/last.pt"),
-                      ("a `fedpose export` directory", "model.safetensors"),
-                      ("an export from before safetensors", "model.pt"))
-
-
-def _model_file(path: Path) -> Path:
-    """--checkpoint: a checkpoint file as given; a run directory → its last checkpoint; an export directory → model.safetensors (model.pt for older exports)."""
-    if not path.is_dir():
-        return path
-    for _, name in MODEL_IN_DIRECTORY:
-        if (path / name).is_file():
-            return path / name
-    kinds = ", ".join(f"{what} ({name})" for what, name in MODEL_IN_DIRECTORY)
-    raise UserError(f"--checkpoint {path}: a directory that is none of {kinds} or a coordinator directory (global.npz)")
 
 
 def run_eval(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ from pydantic import Field, model_validator
 
 from fedpose.config import (
     DEVICE_CHOICES,
+    GREY_SCENARIO,
     AugmentationConfig,
     DataConfig,
     DeviceSetting,
@@ -36,6 +37,7 @@ from fedpose.config import (
     StepConfig,
     Strict,
     check_augmentation_multiplicity,
+    grey_copies_refuse_projection,
 )
 from fedpose.privacy.mechanisms import get_mechanism
 
@@ -337,9 +339,8 @@ class FederationConfig(Strict):
     @model_validator(mode="after")
     def _grey_copies_are_not_projected(self) -> "FederationConfig":
         # A site's engine refuses it too, but only when its first round starts: say it before the run.
-        if self.coordinator.model.scenario == "grey_biases_norms":
+        if self.coordinator.model.scenario == GREY_SCENARIO:
             projecting = [s.site_id for s in self.sites if get_mechanism(s.privacy.mechanism).projects]
             if projecting:
-                raise ValueError(f"sites {projecting}: pdp and fpdp project onto public gradients, which are zero for "
-                                 "the grey copies of coordinator.model.scenario 'grey_biases_norms'; use dpsgd, fdp or maskdp")
+                raise ValueError(grey_copies_refuse_projection(f"sites {projecting}"))
         return self

@@ -72,8 +72,40 @@ def model_from_checkpoint(path: str | Path) -> tuple[PoseModel, dict[str, Any]]:
     return model, checkpoint
 
 
+#: what a directory named as "the model" may be, and the model file inside it (a coordinator's
+#: directory is recognised by its global.npz: :func:`load_model`)
+MODEL_IN_DIRECTORY = (("a `fedpose train` run directory", "checkpoints/last.pt"),
+                      ("a `fedpose export` directory", "model.safetensors"),
+                      ("an export from before safetensors", "model.pt"))
+
+
+def model_file(path: str | Path) -> Path:
+    """A checkpoint file as given; a run directory → its last checkpoint; an export directory →
+    model.safetensors (model.pt for older exports)."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    for _, name in MODEL_IN_DIRECTORY:
+        if (path / name).is_file():
+            return path / name
+    kinds = ", ".join(f"{what} ({name})" for what, name in MODEL_IN_DIRECTORY)
+    raise CheckpointError(f"{path}: a directory that is none of {kinds} or a coordinator directory (global.npz)")
+
+
+def load_model(path: str | Path) -> PoseModel:
+    """The model at ``path``, on the CPU: a checkpoint file, a directory of :data:`MODEL_IN_DIRECTORY`,
+    or a federation's model — the coordinator's global.npz, or its checkpoint directory (the model it
+    publishes: the moving average when the run keeps one). Raises CheckpointError or
+    GlobalModelError (both ValueErrors) naming the file and what is wrong."""
+    from fedpose.federation.global_model import global_checkpoint_path, load_global_model
+
+    if global_checkpoint_path(path) is not None:
+        return load_global_model(path).model
+    return model_from_checkpoint(model_file(path))[0]
+
+
 __all__ = [
     "CheckpointError", "PoseModel", "SimCCCodec", "SimCCHead", "available_backbones", "build_model",
-    "build_model_from_spec", "create_backbone", "load_checkpoint", "load_init_weights",
-    "model_from_checkpoint", "save_checkpoint",
+    "build_model_from_spec", "create_backbone", "load_checkpoint", "load_init_weights", "load_model",
+    "model_file", "model_from_checkpoint", "save_checkpoint",
 ]

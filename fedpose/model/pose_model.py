@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from timm.models.tiny_vit import TinyVit
 from torch import Tensor, nn
 
-from fedpose.config import Scenario
+from fedpose.config import GREY_SCENARIO, Scenario
 from fedpose.joints import NUM_JOINTS
 from fedpose.model.grey_copies import add_grey_copies, grey_pass, is_grey_copy_key
 from fedpose.model.simcc import SimCCCodec, SimCCHead
@@ -209,7 +209,7 @@ class PoseModel(nn.Module):
             self._add_adapters(lora_rank, lora_alpha)
         #: the modules with grey copies (scenario "grey_biases_norms": part of the architecture)
         self._grey_modules: list[nn.Module] = []
-        if scenario == "grey_biases_norms":
+        if scenario == GREY_SCENARIO:
             self._grey_modules = add_grey_copies(self, self._trainable_in("biases_norms"))
         self._units = self._build_units()
         self.set_scenario(scenario)
@@ -256,7 +256,7 @@ class PoseModel(nn.Module):
             return layer_norms | {name for name in head if not name.startswith("head.joint_conv.")}
         if scenario == "biases_norms":
             return layer_norms | {name for name in names if name.endswith(".bias")}
-        if scenario == "grey_biases_norms":
+        if scenario == GREY_SCENARIO:
             return {name for name in names if is_grey_copy_key(name)}
         if scenario == "lora":
             return layer_norms | head | {name for name in names if is_adapter_key(name)}
@@ -269,7 +269,7 @@ class PoseModel(nn.Module):
         if (scenario == "lora") != has_adapters:
             raise ValueError(f"model.scenario {scenario!r}: this model was built "
                              f"{'with' if has_adapters else 'without'} low-rank adapters; build it for the scenario")
-        if (scenario == "grey_biases_norms") != bool(self._grey_modules):
+        if (scenario == GREY_SCENARIO) != bool(self._grey_modules):
             raise ValueError(f"model.scenario {scenario!r}: this model was built "
                              f"{'with' if self._grey_modules else 'without'} grey copies; build it for the scenario")
         trainable = self._trainable_in(scenario)

@@ -84,7 +84,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset, default_collate
 
-from fedpose.config import PrivacyConfig
+from fedpose.config import PrivacyConfig, grey_copies_refuse_projection
 from fedpose.data.units import UnitIndex
 from fedpose.privacy import projection
 from fedpose.privacy.accountant import PrivacyLedger, default_accountant, noise_multiplier_for
@@ -881,9 +881,7 @@ def build_engine(
     if not params:
         raise ValueError("the model has no trainable parameters (check model.scenario)")
     if mechanism.projects and any(is_grey_copy_key(name) for name in params):
-        # the basis spans public gradients, and public (colour) images give grey copies none
-        raise ValueError(f"privacy.mechanism '{mechanism.name}' projects onto public gradients, which are zero for "
-                         "grey copies (model.scenario 'grey_biases_norms'): use dpsgd, fdp or maskdp")
+        raise ValueError(grey_copies_refuse_projection(f"privacy.mechanism '{mechanism.name}'"))
     engine = GradientEngine(privacy_cfg, mechanism, dataset_size, batch_size, planned_steps, public_dataset, seed, chunk_size,
                             units, memory_settings, ledger, round_steps)
     if mechanism.noisy:  # the chunk, from the fixed step shape, before any step (see chunk_for)
