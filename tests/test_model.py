@@ -260,3 +260,29 @@ def test_the_mid_backbone_gives_the_engine_exact_per_sample_gradients() -> None:
         for name, param in trainable.items():
             error = (grads[name][i] - param.grad).norm() / param.grad.norm().clamp_min(1e-8)
             assert error < 1e-4, (name, error.item())
+
+
+def test_load_model_reads_every_kind_of_model_path(tmp_path) -> None:
+    """fedpose.model.load_model, which `fedpose eval` / `predict` and the benchmarks use: a checkpoint
+    file, a `fedpose train` run directory (its last checkpoint), a coordinator's directory (its
+    global.npz), and a directory that is none of these refused with a message naming each kind."""
+    from fedpose.federation.aggregation import save_array_checkpoint
+    from fedpose.model import load_model
+    from fedpose.model.checkpoint import model_spec
+
+    model = make("full")
+    images, _, _ = batch()
+    with torch.no_grad():
+        expected = model(images)[0]
+    run_dir = tmp_path / "train-run"
+    save_checkpoint(run_dir / "checkpoints" / "last.pt", model, torch.optim.SGD(model.parameters(), lr=0.1), config={}, metrics=[], step=1)
+    coordinator = tmp_path / "coordinator"
+    coordinator.mkdir()
+    arrays = {name: value.detach().numpy() for name, value in model.state_dict().items()}
+    save_array_checkpoint(coordinator / "global.npz", arrays, meta={"state": {"model_spec": model_spec(model).model_dump(mode="json")}})
+    for path in (run_dir / "checkpoints" / "last.pt", run_dir, coordinator, coordinator / "global.npz"):
+        with torch.no_grad():
+            assert torch.equal(load_model(path)(images)[0], expected), path
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match=r"empty: a directory that is none of a `fedpose train` run directory .*global\.npz"):
+        load_model(tmp_path / "empty")
