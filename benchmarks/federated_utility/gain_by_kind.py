@@ -5,8 +5,8 @@ public set lacks, against the rest.
         [--labels base published] [--out benchmarks/federated_utility/gain_by_kind.json]
 
 The synthetic sites differ from the public split in two ways (fedpose/data/synthetic/profiles.py):
-night-time infrared images (grey: R = G = B in every pixel) and patients in bed (the record's
-``extra.lying``). The test split mixes the sites' distributions, so a model's PCKh@0.5 there is a
+night-time infrared images (stored with R = G = B; counted grey by the rule that picks the grey
+copies, :func:`fedpose.model.grey_copies.grey_flags`) and patients in bed (the record's ``extra.lying``). The test split mixes the sites' distributions, so a model's PCKh@0.5 there is a
 mixture of the two kinds and the rest; this script scores each part separately (flip test, as the
 main job scores), for the base and for what private training made of it. Writes JSON and a PNG
 beside it. Tuning data only: never a reported split.
