@@ -76,7 +76,7 @@ def _load_model(path: Path, device_setting: str):
         raise UserError(str(exc)) from None
     try:
         model = load_model(path)
-    except (CheckpointError, ConfigError, GlobalModelError) as exc:  # each names the file and what is wrong
+    except (CheckpointError, GlobalModelError) as exc:  # each names the file and what is wrong
         raise UserError(str(exc)) from None
     return model.to(device), describe_device(device)
 

@@ -79,7 +79,7 @@ MODEL_IN_DIRECTORY = (("a `fedpose train` run directory", "checkpoints/last.pt")
                       ("an export from before safetensors", "model.pt"))
 
 
-def model_file(path: str | Path) -> Path:
+def _model_file(path: str | Path) -> Path:
     """A checkpoint file as given; a run directory → its last checkpoint; an export directory →
     model.safetensors (model.pt for older exports)."""
     path = Path(path)
@@ -101,11 +101,11 @@ def load_model(path: str | Path) -> PoseModel:
 
     if global_checkpoint_path(path) is not None:
         return load_global_model(path).model
-    return model_from_checkpoint(model_file(path))[0]
+    return model_from_checkpoint(_model_file(path))[0]
 
 
 __all__ = [
     "CheckpointError", "PoseModel", "SimCCCodec", "SimCCHead", "available_backbones", "build_model",
     "build_model_from_spec", "create_backbone", "load_checkpoint", "load_init_weights", "load_model",
-    "model_file", "model_from_checkpoint", "save_checkpoint",
+    "model_from_checkpoint", "save_checkpoint",
 ]
