@@ -6,7 +6,8 @@ public set lacks, against the rest.
 
 The synthetic sites differ from the public split in two ways (fedpose/data/synthetic/profiles.py):
 night-time infrared images (stored with R = G = B; counted grey by the rule that picks the grey
-copies, :func:`fedpose.model.grey_copies.grey_flags`) and patients in bed (the record's ``extra.lying``). The test split mixes the sites' distributions, so a model's PCKh@0.5 there is a
+copies, :func:`fedpose.model.grey_copies.grey_flags`) and patients in bed (the record's
+``extra.lying``). The test split mixes the sites' distributions, so a model's PCKh@0.5 there is a
 mixture of the two kinds and the rest; this script scores each part separately (flip test, as the
 main job scores), for the base and for what private training made of it. Writes JSON and a PNG
 beside it. Tuning data only: never a reported split.
@@ -28,7 +29,8 @@ from PIL import Image
 REPO = Path(__file__).resolve().parents[2]
 
 #: the parts scored: (name, what it holds)
-KINDS = (("all", "every test image"), ("grey", "infrared: grey by the grey copies' rule (fedpose.model.grey_copies.grey_flags)"), ("colour", "the rest"),
+KINDS = (("all", "every test image"),
+         ("grey", "infrared: grey by the grey copies' rule (fedpose.model.grey_copies.grey_flags)"), ("colour", "the rest"),
          ("lying", "a patient in bed (extra.lying)"), ("upright", "the rest"))
 
 
