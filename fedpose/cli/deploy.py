@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import signal
@@ -51,7 +52,12 @@ from fedpose.federation.run_guard import REFUSED, directory_lock, exclusive, pro
 CONNECTION = "fedpose-local"
 DEFAULT_CONFIG = "configs/demo.toml"
 STOP_GRACE_S = 10.0
-STATUS_POLL_S = 5.0  # each poll runs the flwr CLI (a Python process): not too often
+HISTORY_POLL_S = 1.0  #: the coordinator's history.json and report.json are read this often (file reads: cheap)
+#: `flwr ls` is a Python process (~1 s of CPU that the sites' training on the same machine would use): asked
+#: this often while the coordinator runs, every LOST_POLL_S while the SuperLink does not answer, and at
+#: every HISTORY_POLL_S once the coordinator's report.json is written (its run is ending)
+STATUS_POLL_S = 30.0
+LOST_POLL_S = 5.0
 FINISHED = "finished"
 SUPERLINK_TIMEOUT_S = 60.0  #: default --superlink-timeout: a SuperLink restart or a loaded machine's slow `flwr ls` fits
 FLWR_CLI_TIMEOUT_S = 30.0  #: at least this long for one `flwr ls` (a Python process: slow to start on a loaded machine)
@@ -380,9 +386,10 @@ def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float,
     from fedpose.federation.report import load_history, round_line
 
     printed = 0
-    status, lost_since = RunStatus(""), None
+    status, lost_since, asked = RunStatus(""), None, -math.inf
+    report, submitted = history_dir / REPORT_FILE, time.time()  # a report.json from before this run (--resume) is old
     while True:
-        time.sleep(STATUS_POLL_S)
+        time.sleep(HISTORY_POLL_S)
         try:
             rounds = load_history(history_dir)
         except (OSError, ValueError):
@@ -392,10 +399,15 @@ def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float,
         printed = max(printed, len(rounds))
         if superlink.poll() is not None:
             raise SuperLinkLost(f"it exited with code {superlink.returncode} (pid {superlink.pid})")
-        polled = time.monotonic()
+        if timeout is not None and time.monotonic() - started > timeout:
+            return RunStatus(f"timeout after {timeout:.0f} s (last status {status.status or 'unknown'})")
+        ending = report.exists() and report.stat().st_mtime >= submitted
+        if time.monotonic() - asked < (0.0 if ending else LOST_POLL_S if lost_since is not None else STATUS_POLL_S):
+            continue
+        asked = time.monotonic()
         current, problem = run_status(group, run_id, timeout=max(superlink_timeout, FLWR_CLI_TIMEOUT_S))
         if problem:
-            lost_since = polled if lost_since is None else lost_since
+            lost_since = asked if lost_since is None else lost_since
             if time.monotonic() - lost_since >= superlink_timeout:
                 raise SuperLinkLost(f"{problem} — for {time.monotonic() - lost_since:.0f} s (--superlink-timeout {superlink_timeout:g})")
         else:
@@ -404,8 +416,6 @@ def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float,
             for entry in load_history(history_dir)[printed:]:
                 print(round_line(entry), flush=True)
             return status
-        if timeout is not None and time.monotonic() - started > timeout:
-            return RunStatus(f"timeout after {timeout:.0f} s (last status {status.status or 'unknown'})")
 
 
 def report_failed_run(status: str, coordinator_log: str, log_dir: Path, details: str = "") -> int:

@@ -36,7 +36,8 @@ def _closed_port() -> int:
 
 def test_a_superlink_that_stops_answering_ends_the_follow_loop_within_the_timeout(tmp_path: Path, monkeypatch) -> None:
     """Before: `flwr ls` failed, the status read "unknown" and the loop polled for ever."""
-    monkeypatch.setattr(deploy, "STATUS_POLL_S", 0.2)
+    for poll in ("HISTORY_POLL_S", "LOST_POLL_S"):
+        monkeypatch.setattr(deploy, poll, 0.2)
     group = _group(tmp_path, f"127.0.0.1:{_closed_port()}")
     hung = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # alive, never answers (a hung SuperLink)
     try:
@@ -52,7 +53,7 @@ def test_a_superlink_that_stops_answering_ends_the_follow_loop_within_the_timeou
 
 
 def test_a_superlink_that_exits_ends_the_follow_loop_at_the_next_poll(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(deploy, "STATUS_POLL_S", 0.2)
+    monkeypatch.setattr(deploy, "HISTORY_POLL_S", 0.2)
     group = _group(tmp_path, f"127.0.0.1:{_closed_port()}")
     gone = subprocess.Popen([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
     gone.wait()
@@ -60,6 +61,43 @@ def test_a_superlink_that_exits_ends_the_follow_loop_at_the_next_poll(tmp_path: 
         with pytest.raises(deploy.SuperLinkLost, match=rf"^it exited with code -9 \(pid {gone.pid}\)$"):
             deploy._follow(group, "42", tmp_path / "coordinator", time.monotonic(), None, gone, superlink_timeout=600)
     finally:
+        group.stop_all()
+
+
+def test_flwr_ls_is_asked_rarely_while_the_coordinator_runs_and_at_once_when_its_report_is_written(tmp_path: Path, monkeypatch) -> None:
+    """Each `flwr ls` is a Python process (~1 s of CPU the sites' training needs on the same machine):
+    the follow loop reads the coordinator's files every HISTORY_POLL_S, asks the SuperLink every
+    STATUS_POLL_S, and at once when report.json is written. A report.json from before the run
+    (--resume) does not count. (The status source is the one thing replaced: no run is submitted.)"""
+    import threading
+
+    monkeypatch.setattr(deploy, "HISTORY_POLL_S", 0.05)
+    history_dir = tmp_path / "coordinator"
+    history_dir.mkdir()
+    old_report = history_dir / "report.json"
+    old_report.write_text("{}")
+    os.utime(old_report, (time.time() - 3600, time.time() - 3600))  # the previous invocation's
+    asked: list[float] = []
+
+    def run_status(group, run_id, timeout):
+        asked.append(time.monotonic())
+        return deploy.RunStatus("finished:completed" if old_report.stat().st_mtime > time.time() - 60 else "running"), ""
+
+    monkeypatch.setattr(deploy, "run_status", run_status)
+    group = _group(tmp_path, f"127.0.0.1:{_closed_port()}")
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # the SuperLink
+    writer = threading.Timer(1.5, lambda: old_report.write_text('{"written": "now"}'))
+    try:
+        started = time.monotonic()
+        writer.start()
+        status = deploy._follow(group, "42", history_dir, started, None, alive, superlink_timeout=60)
+        assert status.status == "finished:completed"
+        assert len(asked) == 2, asked  # once at the start, once when the report appeared — not every 0.05 s
+        assert asked[1] - started < 1.5 + 1.0
+    finally:
+        writer.cancel()
+        alive.kill()
+        alive.wait()
         group.stop_all()
 
 

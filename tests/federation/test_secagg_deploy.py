@@ -150,13 +150,24 @@ class Deployment:
 
     def run(self, config: Path, app_dir: Path = REPO, timeout: float = 900) -> tuple[str, float]:
         """Submit one run with ``flwr run``, wait for it to finish; (the coordinator's output, seconds)."""
-        started = time.monotonic()
+        started, submitted = time.monotonic(), time.time()
         out = subprocess.run([_bin("flwr"), "run", str(app_dir), CONNECTION, "--run-config", f'coordinator-config="{config}"',
                               "--format", "json"], env=self.env, capture_output=True, text=True, timeout=180, cwd=app_dir)
         assert out.returncode == 0, out.stdout + out.stderr
         run_id = str(json.loads(out.stdout[out.stdout.index("{"):])["run-id"])
-        wait_for(lambda: self._status(run_id).startswith("finished"), timeout, f"run {run_id} ({config.stem}) to finish",
-                 self.superlink, poll=3.0)
+        report = Path(tomllib.loads(config.read_text())["coordinator"]["checkpoint_dir"]) / "report.json"
+        asked = [started]
+
+        def finished() -> bool:
+            # `flwr ls` is a Python process (~1 s of CPU the sites need): asked once the coordinator's
+            # report.json is written (the run is ending), and every 30 s in case it died before that
+            ending = report.exists() and report.stat().st_mtime >= submitted
+            if not ending and time.monotonic() - asked[0] < 30:
+                return False
+            asked[0] = time.monotonic()
+            return self._status(run_id).startswith("finished")
+
+        wait_for(finished, timeout, f"run {run_id} ({config.stem}) to finish", self.superlink, poll=0.5)
         seconds = time.monotonic() - started
         status = self._status(run_id)
         shown = subprocess.run([_bin("flwr"), "log", run_id, CONNECTION, "--show"], env=self.env, capture_output=True, text=True,
