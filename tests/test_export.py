@@ -301,7 +301,7 @@ def test_a_damaged_or_foreign_global_model_is_named(tmp_path: Path, capsys: pyte
     partial = tmp_path / "partial" / "global.npz"
     save_array_checkpoint(partial, weights, {"state": {"model_spec": spec.model_dump(mode="json")}})
     assert main(["eval", "--checkpoint", str(partial.parent), "--data", mpii]) != 0
-    assert f"{partial}: its arrays do not fit its model spec" in capsys.readouterr().err
+    assert f"{partial}: its weights do not fit its model spec" in capsys.readouterr().err
 
     assert main(["eval", "--checkpoint", str(tmp_path / "nothing.npz"), "--data", mpii]) != 0
     assert "no coordinator model here" in capsys.readouterr().err

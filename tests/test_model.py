@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -286,3 +287,35 @@ def test_load_model_reads_every_kind_of_model_path(tmp_path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match=r"empty: a directory that is none of a `fedpose train` run directory .*global\.npz"):
         load_model(tmp_path / "empty")
+
+
+def test_a_model_file_whose_spec_or_weights_do_not_build_is_named_not_a_traceback(tmp_path) -> None:
+    """A checkpoint or coordinator model from another version, or damaged: an invalid model spec, an
+    unknown backbone, weights that do not fit the spec, no weights at all — each a CheckpointError
+    (GlobalModelError for a coordinator's model) naming the file, which `fedpose eval` / `predict` /
+    `export` print as a one-line error."""
+    from fedpose.federation.aggregation import save_array_checkpoint
+    from fedpose.federation.global_model import GlobalModelError
+    from fedpose.model import load_model
+    from fedpose.model.checkpoint import model_spec
+
+    model = make("full")
+    spec = model_spec(model).model_dump(mode="json")
+    path = tmp_path / "model.pt"
+    save_checkpoint(path, model, torch.optim.SGD(model.parameters(), lr=0.1), config={}, metrics=[], step=1)
+    good = torch.load(path, weights_only=False)
+    cases = {
+        "spec": ({**good, "model_spec": {**spec, "scenario": "everything"}}, r"its model spec is not one this fedpose builds \(scenario: "),
+        "backbone": ({**good, "model_spec": {**spec, "backbone": "resnet"}}, r"its model spec is not one .*unknown backbone 'resnet'"),
+        "weights": ({**good, "model": {k: v for k, v in good["model"].items() if "head" not in k}},
+                    r"its weights do not fit its model spec \(Missing key"),
+        "none": ({**good, "model": None}, r"holds no weights"),
+    }
+    for name, (checkpoint, message) in cases.items():
+        torch.save(checkpoint, tmp_path / f"{name}.pt")
+        with pytest.raises(CheckpointError, match=rf"^{re.escape(str(tmp_path / name))}\.pt: {message}"):
+            load_model(tmp_path / f"{name}.pt")
+    arrays = {name: value.detach().numpy() for name, value in model.state_dict().items()}
+    save_array_checkpoint(tmp_path / "global.npz", arrays, meta={"state": {"model_spec": {**spec, "input_size": [64]}}})
+    with pytest.raises(GlobalModelError, match=r"global\.npz: its model spec is not one this fedpose builds \(input_size\.1: Field required\)$"):
+        load_model(tmp_path / "global.npz")

@@ -60,7 +60,7 @@ def load_global_model(path: str | Path) -> GlobalModel:
     import torch
 
     from fedpose.federation.aggregation import load_array_checkpoint
-    from fedpose.model import build_model_from_spec
+    from fedpose.model import model_with_weights
 
     file = global_checkpoint_path(path)
     if file is None or not file.is_file():
@@ -72,10 +72,6 @@ def load_global_model(path: str | Path) -> GlobalModel:
     state = meta.get("state") or {}
     if not state.get("model_spec"):
         raise GlobalModelError(f"{file}: holds no model spec (not written by a fedpose coordinator)")
-    model = build_model_from_spec(state["model_spec"])
-    try:
-        model.load_state_dict({name: torch.from_numpy(np.array(value)) for name, value in arrays.items()})
-    except RuntimeError as exc:  # missing / unexpected / mis-shaped tensors
-        first = str(exc).splitlines()[0]
-        raise GlobalModelError(f"{file}: its arrays do not fit its model spec ({first})") from None
+    weights = {name: torch.from_numpy(np.array(value)) for name, value in arrays.items()}
+    model = model_with_weights(state["model_spec"], weights, file, error=GlobalModelError)
     return GlobalModel(model, file, int(state.get("round") or 0), str(meta.get("run_id") or ""), meta.get("ema"))

@@ -67,9 +67,29 @@ def build_model_from_spec(spec: ModelSpec | Mapping[str, Any]) -> PoseModel:
 def model_from_checkpoint(path: str | Path) -> tuple[PoseModel, dict[str, Any]]:
     """(model with the checkpoint's weights, the checkpoint dict)."""
     checkpoint = load_checkpoint(path)
-    model = build_model_from_spec(checkpoint["model_spec"])
-    model.load_state_dict(checkpoint["model"])
-    return model, checkpoint
+    return model_with_weights(checkpoint.get("model_spec"), checkpoint.get("model"), path), checkpoint
+
+
+def model_with_weights(spec: Any, weights: Any, where: str | Path, error: type[ValueError] = CheckpointError) -> PoseModel:
+    """The model ``spec`` describes, with ``weights`` loaded — both read from the file ``where``.
+    Raises ``error`` naming the file when the spec is not one this fedpose builds (a damaged file, or
+    one from another version) or the weights do not fit it."""
+    from pydantic import ValidationError
+
+    try:
+        model = build_model_from_spec(spec or {})
+    except ValueError as exc:  # pydantic's ValidationError is one, and so is an unknown backbone
+        problem = ("; ".join(f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in exc.errors())
+                   if isinstance(exc, ValidationError) else str(exc))
+        raise error(f"{where}: its model spec is not one this fedpose builds ({problem})") from None
+    if not isinstance(weights, Mapping):
+        raise error(f"{where}: holds no weights")
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as exc:  # torch: "Error(s) in loading state_dict …:" then the missing / unexpected / mis-shaped tensors
+        problem = " ".join(" ".join(str(exc).splitlines()[1:]).split())
+        raise error(f"{where}: its weights do not fit its model spec ({problem[:300]})") from None
+    return model
 
 
 #: what a directory named as "the model" may be, and the model file inside it (a coordinator's
@@ -107,5 +127,5 @@ def load_model(path: str | Path) -> PoseModel:
 __all__ = [
     "CheckpointError", "PoseModel", "SimCCCodec", "SimCCHead", "available_backbones", "build_model",
     "build_model_from_spec", "create_backbone", "load_checkpoint", "load_init_weights", "load_model",
-    "model_from_checkpoint", "save_checkpoint",
+    "model_from_checkpoint", "model_with_weights", "save_checkpoint",
 ]
