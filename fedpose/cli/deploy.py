@@ -54,10 +54,11 @@ DEFAULT_CONFIG = "configs/demo.toml"
 STOP_GRACE_S = 10.0
 HISTORY_POLL_S = 1.0  #: the coordinator's history.json and report.json are read this often (file reads: cheap)
 #: `flwr ls` is a Python process (~1 s of CPU that the sites' training on the same machine would use): asked
-#: this often while the coordinator runs, every LOST_POLL_S while the SuperLink does not answer, and at
-#: every HISTORY_POLL_S once the coordinator's report.json is written (its run is ending)
+#: this often while the coordinator runs, every LOST_POLL_S while the SuperLink does not answer, and every
+#: ENDING_POLL_S once the coordinator's report.json is written (its run is ending)
 STATUS_POLL_S = 30.0
 LOST_POLL_S = 5.0
+ENDING_POLL_S = 2.0
 FINISHED = "finished"
 SUPERLINK_TIMEOUT_S = 60.0  #: default --superlink-timeout: a SuperLink restart or a loaded machine's slow `flwr ls` fits
 FLWR_CLI_TIMEOUT_S = 30.0  #: at least this long for one `flwr ls` (a Python process: slow to start on a loaded machine)
@@ -402,7 +403,7 @@ def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float,
         if timeout is not None and time.monotonic() - started > timeout:
             return RunStatus(f"timeout after {timeout:.0f} s (last status {status.status or 'unknown'})")
         ending = report.exists() and report.stat().st_mtime >= submitted
-        if time.monotonic() - asked < (0.0 if ending else LOST_POLL_S if lost_since is not None else STATUS_POLL_S):
+        if time.monotonic() - asked < (ENDING_POLL_S if ending else LOST_POLL_S if lost_since is not None else STATUS_POLL_S):
             continue
         asked = time.monotonic()
         current, problem = run_status(group, run_id, timeout=max(superlink_timeout, FLWR_CLI_TIMEOUT_S))
