@@ -47,7 +47,7 @@ from fedpose.cli.federation_run import (add_run_args, conclude_run, data_paths, 
                                         printing_progress, site_progress)
 from fedpose.cli.process_sweep import DEPLOY_TOKEN_ENV, start_watchdog, stop_tagged
 from fedpose.federation.report import COORDINATOR_ERROR_PREFIX, REPORT_FILE
-from fedpose.federation.run_guard import REFUSED, directory_lock, exclusive, probe, refuse_fresh_start
+from fedpose.federation.run_guard import REFUSED, directory_lock, exclusive, probe, read_holder, refuse_fresh_start
 
 CONNECTION = "fedpose-local"
 DEFAULT_CONFIG = "configs/demo.toml"
@@ -55,7 +55,7 @@ STOP_GRACE_S = 10.0
 HISTORY_POLL_S = 1.0  #: the coordinator's history.json and report.json are read this often (file reads: cheap)
 #: `flwr ls` is a Python process (~1 s of CPU that the sites' training on the same machine would use): asked
 #: this often while the coordinator runs, every LOST_POLL_S while the SuperLink does not answer, and every
-#: ENDING_POLL_S once the coordinator's report.json is written (its run is ending)
+#: ENDING_POLL_S once the coordinator has ended (its report.json written, or its process gone: a crash)
 STATUS_POLL_S = 30.0
 LOST_POLL_S = 5.0
 ENDING_POLL_S = 2.0
@@ -388,7 +388,7 @@ def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float,
 
     printed = 0
     status, lost_since, asked = RunStatus(""), None, -math.inf
-    report, submitted = history_dir / REPORT_FILE, time.time()  # a report.json from before this run (--resume) is old
+    coordinator = _Coordinator(history_dir)
     while True:
         time.sleep(HISTORY_POLL_S)
         try:
@@ -402,8 +402,8 @@ def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float,
             raise SuperLinkLost(f"it exited with code {superlink.returncode} (pid {superlink.pid})")
         if timeout is not None and time.monotonic() - started > timeout:
             return RunStatus(f"timeout after {timeout:.0f} s (last status {status.status or 'unknown'})")
-        ending = report.exists() and report.stat().st_mtime >= submitted
-        if time.monotonic() - asked < (ENDING_POLL_S if ending else LOST_POLL_S if lost_since is not None else STATUS_POLL_S):
+        wait = ENDING_POLL_S if coordinator.ended() else LOST_POLL_S if lost_since is not None else STATUS_POLL_S
+        if time.monotonic() - asked < wait:
             continue
         asked = time.monotonic()
         current, problem = run_status(group, run_id, timeout=max(superlink_timeout, FLWR_CLI_TIMEOUT_S))
@@ -417,6 +417,35 @@ def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float,
             for entry in load_history(history_dir)[printed:]:
                 print(round_line(entry), flush=True)
             return status
+
+
+class _Coordinator:
+    """Whether the run's coordinator (its ServerApp, on this machine) has ended, from its files alone:
+    its report.json written since this run was submitted (a report from before a --resume is older),
+    or the process that held its checkpoint_dir's lock seen and gone (a crash: no report)."""
+
+    def __init__(self, checkpoint_dir: Path):
+        self.report, self.lock, self.submitted = checkpoint_dir / REPORT_FILE, directory_lock(checkpoint_dir), time.time()
+        self.seen: int | None = None  # the pid of the coordinator that held the lock
+
+    def ended(self) -> bool:
+        if self.report.exists() and self.report.stat().st_mtime >= self.submitted:
+            return True
+        holder = read_holder(self.lock)  # a lock record left by an earlier, killed coordinator names a dead pid
+        if holder is not None and holder.role == "coordinator" and holder.host == socket.gethostname() and _alive(holder.pid):
+            self.seen = holder.pid
+            return False
+        return self.seen is not None and not _alive(self.seen)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def report_failed_run(status: str, coordinator_log: str, log_dir: Path, details: str = "") -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -64,41 +65,55 @@ def test_a_superlink_that_exits_ends_the_follow_loop_at_the_next_poll(tmp_path: 
         group.stop_all()
 
 
-def test_flwr_ls_is_asked_rarely_while_the_coordinator_runs_and_at_once_when_its_report_is_written(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("ending", ["report", "crash"])
+def test_flwr_ls_is_asked_rarely_while_the_coordinator_runs_and_soon_after_it_ends(tmp_path: Path, monkeypatch, ending: str) -> None:
     """Each `flwr ls` is a Python process (~1 s of CPU the sites' training needs on the same machine):
-    the follow loop reads the coordinator's files every HISTORY_POLL_S, asks the SuperLink every
-    STATUS_POLL_S, and within ENDING_POLL_S once report.json is written. A report.json from before the run
-    (--resume) does not count. (The status source is the one thing replaced: no run is submitted.)"""
-    import threading
-
+    the follow loop reads the coordinator's files every HISTORY_POLL_S and asks the SuperLink every
+    STATUS_POLL_S — and within ENDING_POLL_S once the coordinator has ended: its report.json written
+    (one from before the run, a --resume's, does not count), or the process holding its checkpoint_dir's
+    lock killed (a crash writes no report). The coordinator here is a process that takes that lock as
+    the real one does; the status source is the one thing replaced (no run is submitted)."""
     monkeypatch.setattr(deploy, "HISTORY_POLL_S", 0.05)
     history_dir = tmp_path / "coordinator"
     history_dir.mkdir()
-    old_report = history_dir / "report.json"
-    old_report.write_text("{}")
-    os.utime(old_report, (time.time() - 3600, time.time() - 3600))  # the previous invocation's
+    report = history_dir / "report.json"
+    report.write_text("{}")
+    os.utime(report, (time.time() - 3600, time.time() - 3600))  # the previous invocation's
+    holds_lock = ("import sys, time\nfrom fedpose.federation.run_guard import directory_lock, exclusive\n"
+                  "with exclusive(directory_lock(sys.argv[1]), 'its checkpoint_dir', 'coordinator'):\n"
+                  "    print('held', flush=True)\n    time.sleep(600)\n")
+    coordinator = subprocess.Popen([sys.executable, "-c", holds_lock, str(history_dir)], stdout=subprocess.PIPE, text=True)
+    assert coordinator.stdout.readline().strip() == "held"
     asked: list[float] = []
+    ended: list[float] = []
 
     def run_status(group, run_id, timeout):
         asked.append(time.monotonic())
-        return deploy.RunStatus("finished:completed" if old_report.stat().st_mtime > time.time() - 60 else "running"), ""
+        return deploy.RunStatus("finished:completed" if ended else "running"), ""
+
+    def end() -> None:
+        ended.append(time.monotonic())  # first: from here on the SuperLink would say the run finished
+        if ending == "report":
+            report.write_text('{"written": "now"}')
+        else:
+            coordinator.kill()
+            coordinator.wait()
 
     monkeypatch.setattr(deploy, "run_status", run_status)
     group = _group(tmp_path, f"127.0.0.1:{_closed_port()}")
-    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # the SuperLink
-    written: list[float] = []
-    writer = threading.Timer(1.5, lambda: (old_report.write_text('{"written": "now"}'), written.append(time.monotonic())))
+    superlink = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    ender = threading.Timer(1.5, end)
     try:
-        started = time.monotonic()
-        writer.start()
-        status = deploy._follow(group, "42", history_dir, started, None, alive, superlink_timeout=60)
+        ender.start()
+        status = deploy._follow(group, "42", history_dir, time.monotonic(), None, superlink, superlink_timeout=60)
         assert status.status == "finished:completed"
-        assert len(asked) == 2, asked  # once at the start, once when the report appeared — not every 0.05 s
-        assert asked[1] - written[0] < deploy.ENDING_POLL_S + 1.0
+        assert len(asked) == 2, asked  # once at the start, once after the coordinator ended — not every 0.05 s
+        assert asked[1] - ended[0] < deploy.ENDING_POLL_S + 1.0
     finally:
-        writer.cancel()
-        alive.kill()
-        alive.wait()
+        ender.cancel()
+        for proc in (superlink, coordinator):
+            proc.kill()
+            proc.wait()
         group.stop_all()
 
 
