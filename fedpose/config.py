@@ -441,6 +441,12 @@ def _list_entry(entries: list[Any], part: str, item: str, where: str) -> dict[st
     return entry
 
 
+def validation_problems(exc: ValidationError) -> str:
+    """Each of pydantic's problems as ``field.path: message``, on one line (for values read from a
+    file or a message rather than a config: no ``got`` value, which may be private or long)."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in exc.errors())
+
+
 def format_validation_error(exc: ValidationError, source: str) -> str:
     lines = [f"invalid configuration in {source}:"]
     for err in exc.errors():

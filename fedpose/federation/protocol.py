@@ -43,7 +43,7 @@ from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from fedpose.config import ModelSpec
+from fedpose.config import ModelSpec, validation_problems
 
 MESSAGE_TYPE_TRAIN = "train"
 
@@ -217,11 +217,7 @@ def decode_reply(record: Mapping[str, Any]) -> SiteReply:
     try:
         return SiteReply.model_validate_json(raw)
     except ValidationError as exc:
-        raise ProtocolError(f"malformed site reply: {_problems(exc)}") from None
-
-
-def _problems(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in exc.errors())
+        raise ProtocolError(f"malformed site reply: {validation_problems(exc)}") from None
 
 
 # -- coordinator → site -----------------------------------------------------------------------------
@@ -275,7 +271,7 @@ def decode_instruction(record: Mapping[str, Any]) -> TrainInstruction:
     try:
         return TrainInstruction.model_validate_json(raw)
     except ValidationError as exc:
-        raise ProtocolError(f"malformed train instruction: {_problems(exc)}") from None
+        raise ProtocolError(f"malformed train instruction: {validation_problems(exc)}") from None
 
 
 # -- secure aggregation (SecAgg+ over the full graph: fedpose.federation.secagg) ---------------------
@@ -479,7 +475,7 @@ def _decode_secagg(record: Mapping[str, Any], envelope: type[_BytesWire], what: 
     try:
         return envelope.model_validate_json(record[SECAGG_KEY]).message  # type: ignore[attr-defined]
     except ValidationError as exc:
-        raise ProtocolError(f"malformed {what}: {_problems(exc)}") from None
+        raise ProtocolError(f"malformed {what}: {validation_problems(exc)}") from None
 
 
 def decode_secagg_request(record: Mapping[str, Any]) -> SecAggSetup | SecAggKeyDirectory | SecAggShareInbox | SecAggUnmaskRequest:

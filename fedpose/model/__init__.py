@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fedpose.config import PARTIAL_SCENARIOS, ModelConfig, ModelSpec
+from fedpose.config import PARTIAL_SCENARIOS, ModelConfig, ModelSpec, validation_problems
 from fedpose.model.backbones import available_backbones, create_backbone
 from fedpose.model.checkpoint import (
     CheckpointError,
@@ -79,8 +79,7 @@ def model_with_weights(spec: Any, weights: Any, where: str | Path, error: type[V
     try:
         model = build_model_from_spec(spec or {})
     except ValueError as exc:  # pydantic's ValidationError is one, and so is an unknown backbone
-        problem = ("; ".join(f"{'.'.join(map(str, e['loc'])) or '(root)'}: {e['msg']}" for e in exc.errors())
-                   if isinstance(exc, ValidationError) else str(exc))
+        problem = validation_problems(exc) if isinstance(exc, ValidationError) else str(exc)
         raise error(f"{where}: its model spec is not one this fedpose builds ({problem})") from None
     if not isinstance(weights, Mapping):
         raise error(f"{where}: holds no weights")
