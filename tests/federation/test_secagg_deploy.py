@@ -150,19 +150,20 @@ class Deployment:
 
     def run(self, config: Path, app_dir: Path = REPO, timeout: float = 900) -> tuple[str, float]:
         """Submit one run with ``flwr run``, wait for it to finish; (the coordinator's output, seconds)."""
-        started, submitted = time.monotonic(), time.time()
+        from fedpose.cli.deploy import _Coordinator
+
+        started = time.monotonic()
+        coordinator = _Coordinator(Path(tomllib.loads(config.read_text())["coordinator"]["checkpoint_dir"]))  # before the run
         out = subprocess.run([_bin("flwr"), "run", str(app_dir), CONNECTION, "--run-config", f'coordinator-config="{config}"',
                               "--format", "json"], env=self.env, capture_output=True, text=True, timeout=180, cwd=app_dir)
         assert out.returncode == 0, out.stdout + out.stderr
         run_id = str(json.loads(out.stdout[out.stdout.index("{"):])["run-id"])
-        report = Path(tomllib.loads(config.read_text())["coordinator"]["checkpoint_dir"]) / "report.json"
         asked = [started]
 
         def finished() -> bool:
-            # `flwr ls` is a Python process (~1 s of CPU the sites need): asked once the coordinator's
-            # report.json is written (the run is ending), and every 30 s in case it died before that
-            ending = report.exists() and report.stat().st_mtime >= submitted
-            if not ending and time.monotonic() - asked[0] < 30:
+            # `flwr ls` is a Python process (~1 s of CPU the sites need): asked once the coordinator has
+            # ended (as deploy local tells: its report written, or its process gone), else every 30 s
+            if not coordinator.ended() and time.monotonic() - asked[0] < 30:
                 return False
             asked[0] = time.monotonic()
             return self._status(run_id).startswith("finished")
