@@ -217,6 +217,11 @@ class BasisConfig(Strict):
         description="degrees: the basis sees each public image turned by a fixed angle drawn uniformly in ± this "
         "(0: upright). For sites whose patients lie tilted beyond public photos (in bed); public data only, no privacy cost",
     )
+    public_grey: float = Field(
+        0.0, ge=0, le=1,
+        description="share of the public images the basis sees in grey (one luminance channel, as a night-time infrared "
+        "camera records), a fixed public draw. For sites with infrared cameras; public data only, no privacy cost",
+    )
 
 
 class BlurConfig(Strict):

@@ -370,3 +370,36 @@ def test_basis_view_turns_each_public_image_by_a_fixed_angle_about_the_crop_cent
     assert all(abs(x) <= 60.0 for x in angles) and len(set(angles)) == len(angles) and max(map(abs, angles)) > 10.0
     with pytest.raises(ValueError, match="fixed_rotations"):
         PoseDataset(*load_records(directory), input_size=(128, 96), train=True, fixed_rotations=[0.0] * len(upright))
+
+
+def test_basis_view_shows_a_fixed_share_of_public_images_grey_and_leaves_the_rest_alone() -> None:
+    """public_basis_dataset (privacy.basis.public_grey): the same images grey on every construction;
+    a grey image is its colour view's luminance in all three channels (a night camera's one channel),
+    with the same labels; the others are the colour view itself; the rotations are those of
+    public_rotation alone (the grey draw does not move them); 0 is the plain view, 1 all grey."""
+    from fedpose.data.dataset import IMAGENET_MEAN, IMAGENET_STD, public_basis_dataset
+
+    directory = DATA / "mpii-real"
+    mean, std = (torch.tensor(v, dtype=torch.float32)[:, None, None] for v in (IMAGENET_MEAN, IMAGENET_STD))
+
+    def pixels(sample: dict) -> torch.Tensor:  # back to 0..255 RGB
+        return (sample["image"] * std + mean) * 255
+
+    turned = public_basis_dataset(directory, (128, 96), public_rotation=60.0)
+    mixed, again = (public_basis_dataset(directory, (128, 96), public_rotation=60.0, public_grey=0.5) for _ in range(2))
+    every = public_basis_dataset(directory, (128, 96), public_rotation=60.0, public_grey=1.0)
+    assert mixed.fixed_grey == again.fixed_grey and every.fixed_grey == [True] * len(every)
+    assert 0 < sum(mixed.fixed_grey) < len(mixed) and public_basis_dataset(directory, (128, 96)).fixed_grey is None
+    for i in range(len(turned)):
+        colour, grey = turned[i], every[i]
+        assert grey["rotation"] == colour["rotation"] == mixed[i]["rotation"]
+        assert torch.equal(grey["joints"], colour["joints"]) and torch.equal(grey["weight"], colour["weight"])
+        rgb, g = pixels(colour), pixels(grey)
+        assert torch.allclose(g[0], g[1], atol=1e-3) and torch.allclose(g[1], g[2], atol=1e-3)
+        luminance = 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2]
+        assert (g[0] - luminance).abs().max() <= 1.0 + 1e-3  # PIL rounds ITU-R 601 luma to whole levels
+        assert not torch.allclose(rgb[0], rgb[1], atol=1.0)  # the public photo is in colour
+        expected = grey if mixed.fixed_grey[i] else colour
+        assert torch.equal(mixed[i]["image"], expected["image"])
+    with pytest.raises(ValueError, match="fixed_grey"):
+        PoseDataset(*load_records(directory), input_size=(128, 96), train=True, fixed_grey=[True] * len(turned))

@@ -129,6 +129,8 @@ class Settings(BaseModel):
     site_rotation_clip: float = 1.0
     #: privacy.basis.public_rotation of a site-computed basis (degrees; 0: upright public images)
     basis_public_rotation: float = 60.0
+    #: privacy.basis.public_grey of a site-computed basis (share of the public images seen grey)
+    basis_public_grey: float = 0.0
     public_view_factor: int = 8
     public_view_bits: int = 3
     #: privacy.public_gradient_weight: λ on fdp / fpdp's noise-free ψ(x) gradient
@@ -400,7 +402,8 @@ def site_config(settings: Settings, arm: Arm, site_id: str, train: Path, public:
                        max_batch_units=settings.max_batch_units)
         if settings.site_basis_refresh_steps is not None:
             privacy["basis"] = {"k": settings.k, "public_samples": settings.public_samples,
-                                "refresh_every": settings.site_basis_refresh_steps, "public_rotation": settings.basis_public_rotation}
+                                "refresh_every": settings.site_basis_refresh_steps, "public_rotation": settings.basis_public_rotation,
+                                "public_grey": settings.basis_public_grey}
     return SiteConfig.model_validate({
         "site_id": site_id, "data": {"train": str(train), "rotation_clip": settings.site_rotation_clip}, "public_data": str(public),
         "state_dir": str(state), "eps_max": (arm.epsilon or 1.0) * (1 + 1e-6), "local_steps": settings.local_steps,
@@ -655,7 +658,7 @@ def devices_of(parts: Iterable[dict[str, Any]]) -> list[str]:
 #: step sizes are compared run by run): a sweep that changes these reuses another's public-only and non-private runs
 PRIVATE_RECIPE = frozenset({
     "scenario", "lora_rank", "lora_alpha", "max_grad_norm", "k", "public_samples", "refresh_every_rounds",
-    "site_basis_refresh_steps", "basis_public_rotation", "public_view_factor", "public_view_bits",
+    "site_basis_refresh_steps", "basis_public_rotation", "basis_public_grey", "public_view_factor", "public_view_bits",
     "public_gradient_weight", "augmentation_multiplicity", "delta", "unit", "max_records_per_unit", "noise_multiplier",
 })
 

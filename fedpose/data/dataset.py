@@ -198,7 +198,8 @@ def _round_down_f32(values: np.ndarray) -> np.ndarray:
 BASIS_VIEW_SEED = 0
 
 
-def public_basis_dataset(path: str | Path, input_size: tuple[int, int], public_rotation: float = 0.0) -> "PoseDataset":
+def public_basis_dataset(path: str | Path, input_size: tuple[int, int], public_rotation: float = 0.0,
+                         public_grey: float = 0.0) -> "PoseDataset":
     """S_pub as the projection basis sees it (``privacy.basis``): un-augmented crops, each image turned
     by a fixed angle drawn uniformly in ±``public_rotation`` degrees (0: upright).
 
@@ -210,10 +211,14 @@ def public_basis_dataset(path: str | Path, input_size: tuple[int, int], public_r
     and a fixed seed: V stays a function of public data only, so it costs no privacy.
     """
     records, root = load_records(path)
+    rng = np.random.default_rng(BASIS_VIEW_SEED)
     rotations = None
     if public_rotation > 0:
-        rotations = np.random.default_rng(BASIS_VIEW_SEED).uniform(-public_rotation, public_rotation, len(records))
-    return PoseDataset(records, root, input_size=input_size, train=False, fixed_rotations=rotations)
+        rotations = rng.uniform(-public_rotation, public_rotation, len(records))
+    grey = None
+    if public_grey > 0:  # a share of the images seen as a night camera does: one grey channel
+        grey = np.random.default_rng([BASIS_VIEW_SEED, 1]).random(len(records)) < public_grey
+    return PoseDataset(records, root, input_size=input_size, train=False, fixed_rotations=rotations, fixed_grey=grey)
 
 
 class PoseDataset(Dataset):
@@ -235,6 +240,7 @@ class PoseDataset(Dataset):
         reduced_decode: bool = True,
         fixed_rotations: Sequence[float] | None = None,
         rotation_range: float | None = None,
+        fixed_grey: Sequence[bool] | None = None,
     ) -> None:
         if len(input_size) != 2 or min(input_size) <= 0:
             raise ValueError(f"input_size must be (H, W) with positive sides, got {input_size}")
@@ -248,6 +254,10 @@ class PoseDataset(Dataset):
         self.root = Path(root)
         #: a deterministic view's per-record rotation in degrees (privacy.basis.public_rotation)
         self.fixed_rotations = None if fixed_rotations is None else [float(a) for a in fixed_rotations]
+        if fixed_grey is not None and (train or len(fixed_grey) != len(records)):
+            raise ValueError("fixed_grey: one flag per record, for a deterministic view (train=False) only")
+        #: a deterministic view's per-record grey flag (privacy.basis.public_grey)
+        self.fixed_grey = None if fixed_grey is None else [bool(g) for g in fixed_grey]
         self.input_size = (int(input_size[0]), int(input_size[1]))
         self.train = train
         self.flip = flip
@@ -386,6 +396,8 @@ class PoseDataset(Dataset):
         image, reduction = self._image(index, zoom if self.reduced_decode else 1.0)
         image_matrix = matrix if reduction == 1 else compose(matrix, invert(reduction_matrix(reduction)))
         crop = warp_affine(image, image_matrix, self.input_size)
+        if self.fixed_grey is not None and self.fixed_grey[index]:
+            crop = crop.convert("L").convert("RGB")
         joints = affine_points(record.joints, matrix)
         vis = np.asarray(record.joints_vis, dtype=np.float32)
         if aug.flip:

@@ -421,7 +421,8 @@ def train_site_round(
         # no coordinator basis: the engine computes its own from the site's copy of S_pub
         from fedpose.data.dataset import public_basis_dataset
 
-        public_dataset = public_basis_dataset(site.public_data, model_spec.input_size, site.privacy.basis.public_rotation)
+        public_dataset = public_basis_dataset(site.public_data, model_spec.input_size, site.privacy.basis.public_rotation,
+                                              site.privacy.basis.public_grey)
     if units is None and budget is not None:
         units = site_units(site, dataset, budget.unit)
     engine = build_engine(

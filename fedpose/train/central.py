@@ -286,7 +286,8 @@ def run_training(
             raise ConfigError(f"privacy.basis.public_data: required for mechanism '{cfg.privacy.mechanism}' in fedpose train")
         from fedpose.data.dataset import public_basis_dataset
 
-        public_set = public_basis_dataset(cfg.privacy.basis.public_data, cfg.data.input_size, cfg.privacy.basis.public_rotation)
+        public_set = public_basis_dataset(cfg.privacy.basis.public_data, cfg.data.input_size, cfg.privacy.basis.public_rotation,
+                                          cfg.privacy.basis.public_grey)
         if not public_set.records:
             raise ConfigError(f"{cfg.privacy.basis.public_data}: the dataset has no records")
 
