@@ -23,7 +23,8 @@ lives (the coordinator holds another on ``coordinator/``); a second one is refus
 holder, and so is a fresh start over a directory holding a previous run's state — both exit 2,
 with a message beginning "refused:". A SuperLink that exits or stops answering (or no longer
 knows the run) for ``--superlink-timeout`` seconds ends the run: everything is stopped, exit 1,
-and ``--resume`` continues it.
+and ``--resume`` continues it; so does a coordinator killed outright (gone without its report), 10 s
+after it died.
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ HISTORY_POLL_S = 1.0  #: the coordinator's history.json and report.json are read
 STATUS_POLL_S = 30.0
 LOST_POLL_S = 5.0
 ENDING_POLL_S = 2.0
+#: a coordinator whose process is gone without its report (killed: the OOM killer, kill -9) is a failed
+#: run this long after: Flower itself says so only when the ServerApp's heartbeats are missed (~50 s);
+#: a ServerApp that raised reports its own failure, with its reason, well within this
+CRASH_GRACE_S = 10.0
 FINISHED = "finished"
 SUPERLINK_TIMEOUT_S = 60.0  #: default --superlink-timeout: a SuperLink restart or a loaded machine's slow `flwr ls` fits
 FLWR_CLI_TIMEOUT_S = 30.0  #: at least this long for one `flwr ls` (a Python process: slow to start on a loaded machine)
@@ -402,6 +407,10 @@ def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float,
             raise SuperLinkLost(f"it exited with code {superlink.returncode} (pid {superlink.pid})")
         if timeout is not None and time.monotonic() - started > timeout:
             return RunStatus(f"timeout after {timeout:.0f} s (last status {status.status or 'unknown'})")
+        crash = coordinator.crashed()
+        if crash is not None and crash.elapsed >= CRASH_GRACE_S:
+            return RunStatus("finished:failed", f"the coordinator's process (pid {crash.pid}) exited {crash.elapsed:.0f} s ago "
+                             "without finishing the run, and Flower had not yet noticed")
         wait = ENDING_POLL_S if coordinator.ended() else LOST_POLL_S if lost_since is not None else STATUS_POLL_S
         if time.monotonic() - asked < wait:
             continue
@@ -427,25 +436,49 @@ class _Coordinator:
     def __init__(self, checkpoint_dir: Path):
         self.report, self.lock, self.submitted = checkpoint_dir / REPORT_FILE, directory_lock(checkpoint_dir), time.time()
         self.seen: int | None = None  # the pid of the coordinator that held the lock
+        self.gone_since: float | None = None  # when it was first seen gone (time.monotonic)
+
+    def reported(self) -> bool:
+        return self.report.exists() and self.report.stat().st_mtime >= self.submitted
 
     def ended(self) -> bool:
-        if self.report.exists() and self.report.stat().st_mtime >= self.submitted:
+        if self.reported():
             return True
         holder = read_holder(self.lock)  # a lock record left by an earlier, killed coordinator names a dead pid
         if holder is not None and holder.role == "coordinator" and holder.host == socket.gethostname() and _alive(holder.pid):
-            self.seen = holder.pid
+            self.seen, self.gone_since = holder.pid, None
             return False
-        return self.seen is not None and not _alive(self.seen)
+        if self.seen is None or _alive(self.seen):
+            return False
+        self.gone_since = time.monotonic() if self.gone_since is None else self.gone_since
+        return True
+
+    def crashed(self) -> "Crash | None":
+        """The coordinator seen and gone without its report (``ended`` keeps the time it was first seen gone)."""
+        if self.ended() and not self.reported() and self.seen is not None and self.gone_since is not None:
+            return Crash(self.seen, time.monotonic() - self.gone_since)
+        return None
+
+
+class Crash(NamedTuple):
+    pid: int
+    elapsed: float  # seconds since it was first seen gone
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs. A killed ServerApp stays a zombie until the SuperLink, its parent, reaps
+    it, which Flower 1.39 does not do while the run lasts; ``kill(pid, 0)`` answers for a zombie too."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process
         return True
-    return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:  # no /proc (macOS), or it just ended
+        return True
+    return stat[stat.rindex(")") + 2:].split(maxsplit=1)[0] != "Z"  # the state follows "(command name)"
 
 
 def report_failed_run(status: str, coordinator_log: str, log_dir: Path, details: str = "") -> int:

@@ -95,9 +95,8 @@ def test_flwr_ls_is_asked_rarely_while_the_coordinator_runs_and_soon_after_it_en
         ended.append(time.monotonic())  # first: from here on the SuperLink would say the run finished
         if ending == "report":
             report.write_text('{"written": "now"}')
-        else:
+        else:  # not reaped: a killed ServerApp stays a zombie of the SuperLink, which answers kill(pid, 0)
             coordinator.kill()
-            coordinator.wait()
 
     monkeypatch.setattr(deploy, "run_status", run_status)
     group = _group(tmp_path, f"127.0.0.1:{_closed_port()}")
@@ -111,6 +110,45 @@ def test_flwr_ls_is_asked_rarely_while_the_coordinator_runs_and_soon_after_it_en
         assert asked[1] - ended[0] < deploy.ENDING_POLL_S + 1.0
     finally:
         ender.cancel()
+        for proc in (superlink, coordinator):
+            proc.kill()
+            proc.wait()
+        group.stop_all()
+
+
+def test_a_killed_coordinator_ends_the_run_without_waiting_for_flower_to_notice(tmp_path: Path, monkeypatch) -> None:
+    """A coordinator killed outright (the OOM killer, kill -9) writes no report and tells Flower
+    nothing: Flower marks the run failed only when its heartbeats are missed (~50 s, measured). The
+    follow loop sees the lock holder's process gone and, CRASH_GRACE_S later, ends the run as failed
+    itself, naming the process; a coordinator that is merely slow is not taken for dead."""
+    monkeypatch.setattr(deploy, "HISTORY_POLL_S", 0.05)
+    monkeypatch.setattr(deploy, "CRASH_GRACE_S", 1.0)
+    history_dir = tmp_path / "coordinator"
+    history_dir.mkdir()
+    holds_lock = ("import sys, time\nfrom fedpose.federation.run_guard import directory_lock, exclusive\n"
+                  "with exclusive(directory_lock(sys.argv[1]), 'its checkpoint_dir', 'coordinator'):\n"
+                  "    print('held', flush=True)\n    time.sleep(600)\n")
+    coordinator = subprocess.Popen([sys.executable, "-c", holds_lock, str(history_dir)], stdout=subprocess.PIPE, text=True)
+    assert coordinator.stdout.readline().strip() == "held"
+    killed: list[float] = []
+
+    def kill() -> None:  # not reaped: a killed ServerApp stays a zombie of the SuperLink, which answers kill(pid, 0)
+        coordinator.kill()
+        killed.append(time.monotonic())
+
+    monkeypatch.setattr(deploy, "run_status", lambda group, run_id, timeout: (deploy.RunStatus("running"), ""))
+    group = _group(tmp_path, f"127.0.0.1:{_closed_port()}")
+    superlink = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    killer = threading.Timer(2.0, kill)
+    try:
+        killer.start()
+        status = deploy._follow(group, "42", history_dir, time.monotonic(), 20.0, superlink, superlink_timeout=60)
+        assert killed, "the run was declared failed while its coordinator still ran"
+        assert status.status == "finished:failed"
+        assert f"the coordinator's process (pid {coordinator.pid}) exited" in status.details
+        assert deploy.CRASH_GRACE_S <= time.monotonic() - killed[0] < deploy.CRASH_GRACE_S + 1.0
+    finally:
+        killer.cancel()
         for proc in (superlink, coordinator):
             proc.kill()
             proc.wait()
