@@ -65,6 +65,16 @@ def test_a_superlink_that_exits_ends_the_follow_loop_at_the_next_poll(tmp_path: 
         group.stop_all()
 
 
+def _lock_holding_coordinator(checkpoint_dir: Path) -> subprocess.Popen:
+    """A process that holds ``checkpoint_dir``'s lock as the real coordinator (the ServerApp) does."""
+    holds_lock = ("import sys, time\nfrom fedpose.federation.run_guard import directory_lock, exclusive\n"
+                  "with exclusive(directory_lock(sys.argv[1]), 'its checkpoint_dir', 'coordinator'):\n"
+                  "    print('held', flush=True)\n    time.sleep(600)\n")
+    coordinator = subprocess.Popen([sys.executable, "-c", holds_lock, str(checkpoint_dir)], stdout=subprocess.PIPE, text=True)
+    assert coordinator.stdout.readline().strip() == "held"
+    return coordinator
+
+
 @pytest.mark.parametrize("ending", ["report", "crash"])
 def test_flwr_ls_is_asked_rarely_while_the_coordinator_runs_and_soon_after_it_ends(tmp_path: Path, monkeypatch, ending: str) -> None:
     """Each `flwr ls` is a Python process (~1 s of CPU the sites' training needs on the same machine):
@@ -79,11 +89,7 @@ def test_flwr_ls_is_asked_rarely_while_the_coordinator_runs_and_soon_after_it_en
     report = history_dir / "report.json"
     report.write_text("{}")
     os.utime(report, (time.time() - 3600, time.time() - 3600))  # the previous invocation's
-    holds_lock = ("import sys, time\nfrom fedpose.federation.run_guard import directory_lock, exclusive\n"
-                  "with exclusive(directory_lock(sys.argv[1]), 'its checkpoint_dir', 'coordinator'):\n"
-                  "    print('held', flush=True)\n    time.sleep(600)\n")
-    coordinator = subprocess.Popen([sys.executable, "-c", holds_lock, str(history_dir)], stdout=subprocess.PIPE, text=True)
-    assert coordinator.stdout.readline().strip() == "held"
+    coordinator = _lock_holding_coordinator(history_dir)
     asked: list[float] = []
     ended: list[float] = []
 
@@ -125,11 +131,7 @@ def test_a_killed_coordinator_ends_the_run_without_waiting_for_flower_to_notice(
     monkeypatch.setattr(deploy, "CRASH_GRACE_S", 1.0)
     history_dir = tmp_path / "coordinator"
     history_dir.mkdir()
-    holds_lock = ("import sys, time\nfrom fedpose.federation.run_guard import directory_lock, exclusive\n"
-                  "with exclusive(directory_lock(sys.argv[1]), 'its checkpoint_dir', 'coordinator'):\n"
-                  "    print('held', flush=True)\n    time.sleep(600)\n")
-    coordinator = subprocess.Popen([sys.executable, "-c", holds_lock, str(history_dir)], stdout=subprocess.PIPE, text=True)
-    assert coordinator.stdout.readline().strip() == "held"
+    coordinator = _lock_holding_coordinator(history_dir)
     killed: list[float] = []
 
     def kill() -> None:  # not reaped: a killed ServerApp stays a zombie of the SuperLink, which answers kill(pid, 0)
