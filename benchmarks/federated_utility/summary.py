@@ -41,7 +41,7 @@ class Cell:
 
 CELLS = (
     Cell(10, "tiny_vit_test", "pdp", 2.0, "sites10_four_images", 4, "sites10_nonprivate_rounds16", "site lr 0.1 (chosen on the 10-site tuning data at ε 2)"),
-    Cell(10, "tiny_vit_test", "pdp", 8.0, "sites10_site_lr", 4, "sites10_nonprivate_rounds16", "site lr 0.2 (chosen on the 10-site tuning data at ε 8)"),
+    Cell(10, "tiny_vit_test", "pdp", 8.0, "sites10_grey_basis", 4, "sites10_nonprivate_rounds16", "site lr 0.2, two thirds of the PDP basis's public images grey (each chosen on the 10-site tuning data at ε 8)"),
     Cell(10, "tiny_vit_test", "fpdp", 2.0, "sites10_fpdp", 4, "sites10_nonprivate_rounds16", "site lr 0.1, FDP (replace-one): ε not comparable with DP's"),
     Cell(10, "tiny_vit_test", "fpdp", 8.0, "sites10_fpdp", 4, "sites10_nonprivate_rounds16", "site lr 0.2, FDP (replace-one): ε not comparable with DP's"),
     Cell(10, "tiny_vit_test", "dpsgd", 8.0, "sites10_dpsgd", 4, "sites10_nonprivate_rounds16", "site lr 0.2; dpsgd at ε 2 not run at 10 sites"),
