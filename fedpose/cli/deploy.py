@@ -407,11 +407,12 @@ def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float,
             raise SuperLinkLost(f"it exited with code {superlink.returncode} (pid {superlink.pid})")
         if timeout is not None and time.monotonic() - started > timeout:
             return RunStatus(f"timeout after {timeout:.0f} s (last status {status.status or 'unknown'})")
-        crash = coordinator.crashed()
-        if crash is not None and crash.elapsed >= CRASH_GRACE_S:
-            return RunStatus("finished:failed", f"the coordinator's process (pid {crash.pid}) exited {crash.elapsed:.0f} s ago "
+        ended = coordinator.ended()
+        gone_for = coordinator.gone_for()
+        if gone_for is not None and gone_for >= CRASH_GRACE_S:
+            return RunStatus("finished:failed", f"the coordinator's process (pid {coordinator.seen}) exited {gone_for:.0f} s ago "
                              "without finishing the run, and Flower had not yet noticed")
-        wait = ENDING_POLL_S if coordinator.ended() else LOST_POLL_S if lost_since is not None else STATUS_POLL_S
+        wait = ENDING_POLL_S if ended else LOST_POLL_S if lost_since is not None else STATUS_POLL_S
         if time.monotonic() - asked < wait:
             continue
         asked = time.monotonic()
@@ -438,11 +439,8 @@ class _Coordinator:
         self.seen: int | None = None  # the pid of the coordinator that held the lock
         self.gone_since: float | None = None  # when it was first seen gone (time.monotonic)
 
-    def reported(self) -> bool:
-        return self.report.exists() and self.report.stat().st_mtime >= self.submitted
-
     def ended(self) -> bool:
-        if self.reported():
+        if self.report.exists() and self.report.stat().st_mtime >= self.submitted:
             return True
         holder = read_holder(self.lock)  # a lock record left by an earlier, killed coordinator names a dead pid
         if holder is not None and holder.role == "coordinator" and holder.host == socket.gethostname() and _alive(holder.pid):
@@ -453,16 +451,10 @@ class _Coordinator:
         self.gone_since = time.monotonic() if self.gone_since is None else self.gone_since
         return True
 
-    def crashed(self) -> "Crash | None":
-        """The coordinator seen and gone without its report (``ended`` keeps the time it was first seen gone)."""
-        if self.ended() and not self.reported() and self.seen is not None and self.gone_since is not None:
-            return Crash(self.seen, time.monotonic() - self.gone_since)
-        return None
-
-
-class Crash(NamedTuple):
-    pid: int
-    elapsed: float  # seconds since it was first seen gone
+    def gone_for(self) -> float | None:
+        """Seconds since :meth:`ended` first found the coordinator (``seen``) gone without its report —
+        a crash (a process that reported was never looked at again); None while it runs or before it was seen."""
+        return None if self.gone_since is None else time.monotonic() - self.gone_since
 
 
 def _alive(pid: int) -> bool:

@@ -211,10 +211,9 @@ def public_basis_dataset(path: str | Path, input_size: tuple[int, int], public_r
     and a fixed seed: V stays a function of public data only, so it costs no privacy.
     """
     records, root = load_records(path)
-    rng = np.random.default_rng(BASIS_VIEW_SEED)
     rotations = None
     if public_rotation > 0:
-        rotations = rng.uniform(-public_rotation, public_rotation, len(records))
+        rotations = np.random.default_rng(BASIS_VIEW_SEED).uniform(-public_rotation, public_rotation, len(records))
     grey = None
     if public_grey > 0:  # a share of the images seen as a night camera does: one grey channel
         grey = np.random.default_rng([BASIS_VIEW_SEED, 1]).random(len(records)) < public_grey
