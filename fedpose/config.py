@@ -206,6 +206,14 @@ class TrainConfig(StepConfig):
     out_dir: Path = Field(Path("runs/train"), description="run directory (metrics.json, curves.png, checkpoints/, privacy.json)")
 
 
+def check_basis_rank(k: int, public_samples: int) -> None:
+    """A basis from m public per-sample gradients spans at most m directions: k > m could never be
+    reached, and the projection would silently keep fewer directions than configured."""
+    if k > public_samples:
+        raise ValueError(f"basis k = {k} exceeds public_samples = {public_samples}: m public gradients span at most m "
+                         "directions, so the basis could never have k; raise public_samples (and the public set) or lower k")
+
+
 class BasisConfig(Strict):
     k: int = Field(50, ge=1, description="projection dimension")
     public_samples: int = Field(100, ge=1, description="m, public samples per basis computation")
@@ -222,6 +230,11 @@ class BasisConfig(Strict):
         description="share of the public images the basis sees in grey (one luminance channel, as a night-time infrared "
         "camera records), a fixed public draw. For sites with infrared cameras; public data only, no privacy cost",
     )
+
+    @model_validator(mode="after")
+    def _reachable_k(self) -> "BasisConfig":
+        check_basis_rank(self.k, self.public_samples)
+        return self
 
 
 class BlurConfig(Strict):

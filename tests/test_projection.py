@@ -179,3 +179,37 @@ def test_refreshes_reuse_one_workspace_for_gradients_and_basis() -> None:
     assert not torch.equal(first, engine.basis.vectors)  # another public sample, another basis
     with pytest.raises(ValueError, match="workspace must be float32"):
         compute_basis(model, engine.public_batch(), k=3, workspace=torch.empty(10))
+
+
+@pytest.mark.parametrize("where", ["site", "coordinator"])
+def test_a_basis_rank_no_public_sample_count_can_reach_is_refused_when_configured(where: str) -> None:
+    # m public gradients span at most m directions: a k above m would silently project onto fewer
+    from pydantic import ValidationError
+
+    from fedpose.federation.config import BasisTransportConfig
+
+    def build(k: int, m: int):
+        if where == "site":
+            return PrivacyConfig(mechanism="pdp", noise_multiplier=1.0, basis={"k": k, "public_samples": m}).basis
+        return BasisTransportConfig(k=k, public_samples=m)
+
+    with pytest.raises(ValidationError, match=r"basis k = 128 exceeds public_samples = 64: m public gradients span at most m"):
+        build(128, 64)
+    assert build(64, 64).k == 64
+
+
+def test_a_public_set_smaller_than_public_samples_is_named_in_the_log_with_the_rank_it_caps(caplog) -> None:
+    model = make_model()
+    private = TensorPoseSet(20, offset=0)
+    cfg = PrivacyConfig(mechanism="pdp", noise_multiplier=1.0, basis={"k": 8, "public_samples": 12, "refresh_every": 100})
+    with caplog.at_level("WARNING", logger="fedpose.privacy.engine"):
+        engine = build_engine(cfg, model, len(private), 4, 10, public_dataset=TensorPoseSet(6, offset=10_000), seed=0)
+    warned = [r.getMessage() for r in caplog.records if "public set" in r.getMessage()]
+    assert warned == ["the public set holds 6 images, fewer than basis.public_samples = 12: every basis is computed from "
+                      "those 6, so at most 6 of its k = 8 directions; add public images or lower public_samples"]
+    engine.step(model, next(iter(engine.batches(private))))
+    assert engine.basis.k <= 6  # what the warning said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fedpose.privacy.engine"):
+        build_engine(cfg, model, len(private), 4, 10, public_dataset=TensorPoseSet(12, offset=10_000), seed=0)
+    assert not [r for r in caplog.records if "public set" in r.getMessage()]

@@ -55,7 +55,10 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from fedpose.config import check_basis_rank
+from fedpose.privacy.mechanisms import get_mechanism
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -181,6 +184,18 @@ class Settings(BaseModel):
     #: distributions averaged). Off here: every committed result of this sweep was scored without it, and a
     #: resumed sweep must not mix the two protocols
     flip_test: bool = False
+
+    @model_validator(mode="after")
+    def _basis_samples_exist(self) -> "Settings":
+        # a site's basis takes m = min(public_samples, public images): a larger public_samples (and a k
+        # above the images) would silently train with fewer directions than the settings record
+        if not any(get_mechanism(name).projects for name in self.mechanisms):
+            return self
+        if self.public_samples > self.public:
+            raise ValueError(f"public_samples = {self.public_samples} exceeds the sweep's public split (public = {self.public} "
+                             "images): set public as large")
+        check_basis_rank(self.k, self.public_samples)
+        return self
 
 
 @dataclasses.dataclass(frozen=True)

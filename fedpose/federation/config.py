@@ -37,6 +37,7 @@ from fedpose.config import (
     StepConfig,
     Strict,
     check_augmentation_multiplicity,
+    check_basis_rank,
     grey_copies_refuse_projection,
 )
 from fedpose.privacy.mechanisms import get_mechanism
@@ -86,6 +87,11 @@ class BasisTransportConfig(Strict):
     dtype: BasisDtype = Field("float32", description="wire dtype of V in full mode")
     k: int = Field(50, ge=1, description="projection dimension (top-k eigenvectors of the public second moment)")
     public_samples: int = Field(100, ge=1, description="m, public samples per basis computation")
+
+    @model_validator(mode="after")
+    def _reachable_k(self) -> "BasisTransportConfig":
+        check_basis_rank(self.k, self.public_samples)
+        return self
 
 
 class SiteOptimConfig(OptimConfig):

@@ -240,6 +240,10 @@ class GradientEngine:
         #: K: rows per record in every batch, each an independent augmentation (augmentation multiplicity)
         self.augmentations = int(privacy.augmentation_multiplicity)
         self.public_dataset = public_dataset
+        if mechanism.projects and public_dataset is not None:
+            shortfall = projection.public_shortfall(len(public_dataset), privacy.basis.public_samples, privacy.basis.k)  # type: ignore[arg-type]
+            if shortfall is not None:
+                log.warning(shortfall)
         self.seed = int(seed)
         #: samples per chunk of per-sample gradients; None: per device (:func:`auto_chunk_size`)
         self.chunk_size = None if chunk_size is None else int(chunk_size)

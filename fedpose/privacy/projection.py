@@ -200,6 +200,17 @@ def workspace_elements(m: int, k: int, p: int) -> int:
     return (m + k) * p
 
 
+def public_shortfall(public_images: int, public_samples: int, k: int) -> str | None:
+    """Why every basis will come from fewer public samples (and perhaps fewer directions) than
+    configured, or None: m = min(public_samples, public images), and m gradients span at most m
+    directions. The public set's size is public, so this may go to any log."""
+    if public_images >= public_samples:
+        return None
+    capped = f", so at most {public_images} of its k = {k} directions" if public_images < k else ""
+    return (f"the public set holds {public_images} images, fewer than basis.public_samples = {public_samples}: every "
+            f"basis is computed from those {public_images}{capped}; add public images or lower public_samples")
+
+
 def check_public(batch: dict) -> None:
     if batch.get("provenance") != PUBLIC:
         raise ProvenanceError(

@@ -160,6 +160,13 @@ class RoundRunner:
         jobs = f"{', '.join(parts)} and {evaluation}" if parts else evaluation
         basis_note = "" if self.serves_basis or self.cfg.public_data is None else " (no basis service: projecting sites compute their own)"
         self.echo(f"coordinator: {jobs} on {self.device_text}{basis_note}")
+        if self.serves_basis:
+            from fedpose.data.dataset import load_records
+            from fedpose.privacy.projection import public_shortfall
+
+            shortfall = public_shortfall(len(load_records(self.cfg.public_data)[0]), self.cfg.basis.public_samples, self.cfg.basis.k)
+            if shortfall is not None:
+                log.warning("coordinator basis: %s", shortfall)
         resuming = resume and (self.dir / GLOBAL_CHECKPOINT).exists()
         ledger_path = Path(self.cfg.ledger_path)
         if resuming and (not ledger_path.exists() or ledger_path.stat().st_size == 0):

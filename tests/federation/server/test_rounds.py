@@ -278,3 +278,16 @@ def test_the_expected_sites_setting_states_the_settle_time_the_runner_uses() -> 
 
     description = CoordinatorConfig.model_fields["expected_sites"].description
     assert f"stable for {SHIPPED_SETTLE_S:g} s" in description, description
+
+
+def test_a_public_set_smaller_than_the_basis_sample_count_is_named_when_the_coordinator_starts(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from fedpose.data.synthetic import ensure_dataset
+
+    data = tmp_path / "data"
+    ensure_dataset(data, sites=1, per_site=4, public=8, test=4, size=(64, 64), seed=0, progress=False)
+    with caplog.at_level("WARNING", logger="fedpose.coordinator"):
+        RoundRunner(_run(tmp_path, 1, public_data=str(data / "public"), basis={"k": 2, "public_samples": 16}), echo=lambda *_: None)
+    assert [r.getMessage() for r in caplog.records if "public set" in r.getMessage()] == [
+        "coordinator basis: the public set holds 8 images, fewer than basis.public_samples = 16: every basis is computed "
+        "from those 8; add public images or lower public_samples"]
