@@ -125,6 +125,10 @@ def test_federated_utility_summary_reads_every_cell_it_names():
         assert row["public_only"] < row["nonprivate_reference"], row["folder"]
         assert row["recovers_met"] == (row["recovers"] >= row["recovers_goal"])
     assert "| 10 | tiny_vit_test | pdp | 2 |" in summary.markdown(rows)
+    # the goals' section reads the probes and runs its reasons cite (a renamed file or arm fails here too)
+    goals = summary.goal_states(rows)
+    assert len(goals) == 5 and all(goal["best"] for goal in goals)
+    assert "## Goals of issue 26" in summary.markdown(rows)
 
 
 def test_main_job_grid_reproduces_the_main_jobs_recipe_and_pairs_variants_by_data_seed(tmp_path):
