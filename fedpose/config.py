@@ -215,7 +215,7 @@ def check_basis_rank(k: int, public_samples: int) -> None:
 
 
 class BasisConfig(Strict):
-    k: int = Field(50, ge=1, description="projection dimension")
+    k: int = Field(50, ge=1, description="projection dimension (at most public_samples: m public gradients span at most m directions)")
     public_samples: int = Field(100, ge=1, description="m, public samples per basis computation")
     refresh_every: int = Field(50, ge=1, description="steps between basis refreshes")
     public_data: Path | None = Field(None, description="public dataset directory (S_pub)")

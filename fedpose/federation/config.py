@@ -85,7 +85,7 @@ class BasisTransportConfig(Strict):
         "matrix) and let the site rebuild V from its copy of the public set",
     )
     dtype: BasisDtype = Field("float32", description="wire dtype of V in full mode")
-    k: int = Field(50, ge=1, description="projection dimension (top-k eigenvectors of the public second moment)")
+    k: int = Field(50, ge=1, description="projection dimension (top-k eigenvectors of the public second moment; at most public_samples)")
     public_samples: int = Field(100, ge=1, description="m, public samples per basis computation")
 
     @model_validator(mode="after")
