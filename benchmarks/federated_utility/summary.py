@@ -109,6 +109,7 @@ def goal_states(rows: list[dict]) -> list[dict]:
                                           epsilons=[float(e)], mechanisms=["pdp"])) for e in (8, 1000))
     rank = _own_mean(_probe_run("tuning_probes_sites10_basis_rank.json", "s0/pdp-eps8/federated", k=256))
     rank_baseline = _own_mean(_probe_run("tuning_probes_grey_basis.json", "s0/pdp-eps8/federated", basis_public_grey=0.66))
+    rank128 = _own_mean(_probe_run("tuning_probes_sites10_basis_followups.json", "s0/pdp-eps8/federated", k=128))
     main = json.loads((HERE / "main_job_grey_copies_reported.json").read_text())["runs"]
     gains = [run["gain_unrounded"] for run in main]
     finals = [run["published"]["flip_test"] for run in main]
@@ -117,7 +118,8 @@ def goal_states(rows: list[dict]) -> list[dict]:
          "met": eps8["recovers_met"], "best": f"{eps8['mechanism']} {100 * eps8['recovers']:.1f} % (`{eps8['folder']}`)",
          "why": f"pdp is held by its projection, not the noise: on the tuning data ε 8 and ε 1000 end level "
                 f"({pdp8:.2f} / {pdp1000:.2f} own, `tuning_probes_sites10_noise.json`), and a 256-direction basis adds "
-                f"{rank - rank_baseline:+.2f} to the 64 of the cell's recipe (`tuning_probes_sites10_basis_rank.json`). dpsgd is held by the noise: one trusted curator "
+                f"{rank - rank_baseline:+.2f} to the 64 of the cell's recipe, a 128-direction one {rank128 - rank_baseline:+.2f} "
+                "(`tuning_probes_sites10_basis_rank.json`, `…_basis_followups.json`). dpsgd is held by the noise: one trusted curator "
                 f"with the same σ recovers {100 * recovers('sites10_dpsgd', 'central'):.0f} % (`sites10_dpsgd/`), ten sites "
                 f"{100 * recovers('sites10_dpsgd', 'federated'):.0f} %, because each site's own noise leaves the ten-site mean "
                 f"√10× the curator's. Distributed noise under secure aggregation, emulated at the σ it needs, recovers "
