@@ -141,8 +141,9 @@ def goal_states(rows: list[dict]) -> list[dict]:
          "why": "final ≥ 60 met; +5 missed by seed 2. The gain is what the sites' infrared images teach the public base "
                 "(`gain_by_kind/`); almost no noise (σ 0.25) moved round 1 by +0.88 / 0.00 (`grey_copies_low_noise_main_job.json`), "
                 "and the step size 0.2, 28 steps, 48 patients a step and grey copies of the BatchNorm scales ended lower, "
-                "4 rounds of 8 steps level (`site_lr02_main_job.json`, `steps28_main_job.json`, `batch48_main_job.json`, "
-                "`grey_bn_scales_main_job.json`, `rounds4_main_job.json`)"},
+                "4 rounds of 8 steps and a grey view of half the site images level (`site_lr02_main_job.json`, "
+                "`steps28_main_job.json`, `batch48_main_job.json`, `grey_bn_scales_main_job.json`, `rounds4_main_job.json`, "
+                "`grey_augmentation_main_job.json`)"},
     ]
 
 
