@@ -131,6 +131,30 @@ def test_federated_utility_summary_reads_every_cell_it_names():
     assert "## Goals of issue 26" in summary.markdown(rows)
 
 
+def test_main_job_levers_pairs_every_probe_with_the_recipe_it_challenged_as_the_probe_itself_did():
+    """main_job_levers.py lists every probe file of the main job (a new one without a label fails
+    here), pairs each with the recipe whose published models its file names, reproduces the mean
+    difference the probe recorded itself, and its committed table is the one the files give today."""
+    import json
+
+    levers = load_benchmark_module(FEDERATED_UTILITY.parent / "main_job_levers.py", "main_job_levers")
+    files = levers.probe_files()
+    assert {path.name for path in files} == set(levers.LEVERS), "a probe file without a label, or a label without its file"
+    rows = levers.table()
+    assert {row["file"] for row in rows} == set(levers.LEVERS)
+    for path in files:
+        probe = json.loads(path.read_text())
+        summary = probe.get("summary") if isinstance(probe.get("summary"), dict) else {}
+        recorded = probe.get("mean_published_minus_baseline", summary.get("mean"))
+        if recorded is not None:  # the files that state one mean hold one variant
+            (row,) = [row for row in rows if row["file"] == path.name]
+            assert abs(row["mean"] - recorded) <= 0.011, (path.name, row["mean"], recorded)
+    adopted = [row for row in rows if row["decision"] == "adopted"]
+    assert [row["file"] for row in adopted] == ["grey_only_main_job.json"]
+    committed = json.loads((FEDERATED_UTILITY.parent / "main_job_levers.json").read_text())["rows"]
+    assert committed == json.loads(json.dumps(rows)), "main_job_levers.json is stale: rerun main_job_levers.py"
+
+
 def test_main_job_grid_reproduces_the_main_jobs_recipe_and_pairs_variants_by_data_seed(tmp_path):
     """The grid's 'shipped' variant is configs/demo.toml's recipe (its σ recalibrated from the demo's
     ε lands on the demo's σ), and a variant is compared with the shipped runs of the same data seed."""
