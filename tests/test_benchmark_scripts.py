@@ -124,11 +124,11 @@ def test_federated_utility_summary_reads_every_cell_it_names():
         assert row["arms"]["federated"]["seeds"] >= 3, row["folder"]
         assert row["public_only"] < row["nonprivate_reference"], row["folder"]
         assert row["recovers_met"] == (row["recovers"] >= row["recovers_goal"])
-    assert "| 10 | tiny_vit_test | pdp | 2 |" in summary.markdown(rows)
     # the goals' section reads the probes and runs its reasons cite (a renamed file or arm fails here too)
     goals = summary.goal_states(rows)
+    assert "| 10 | tiny_vit_test | pdp | 2 |" in summary.markdown(rows, goals)
     assert len(goals) == 5 and all(goal["best"] for goal in goals)
-    assert "## Goals of issue 26" in summary.markdown(rows)
+    assert "## Goals of issue 26" in summary.markdown(rows, goals)
 
 
 def test_main_job_levers_pairs_every_probe_with_the_recipe_it_challenged_as_the_probe_itself_did():
@@ -138,17 +138,16 @@ def test_main_job_levers_pairs_every_probe_with_the_recipe_it_challenged_as_the_
     import json
 
     levers = load_benchmark_module(FEDERATED_UTILITY.parent / "main_job_levers.py", "main_job_levers")
-    files = levers.probe_files()
-    assert {path.name for path in files} == set(levers.LEVERS), "a probe file without a label, or a label without its file"
+    probes = levers.probes()
+    assert set(probes) == set(levers.LEVERS), "a probe file without a label, or a label without its file"
     rows = levers.table()
     assert {row["file"] for row in rows} == set(levers.LEVERS)
-    for path in files:
-        probe = json.loads(path.read_text())
+    for name, probe in probes.items():
         summary = probe.get("summary") if isinstance(probe.get("summary"), dict) else {}
         recorded = probe.get("mean_published_minus_baseline", summary.get("mean"))
         if recorded is not None:  # the files that state one mean hold one variant
-            (row,) = [row for row in rows if row["file"] == path.name]
-            assert abs(row["mean"] - recorded) <= 0.011, (path.name, row["mean"], recorded)
+            (row,) = [row for row in rows if row["file"] == name]
+            assert abs(row["mean"] - recorded) <= 0.011, (name, row["mean"], recorded)
     adopted = [row for row in rows if row["decision"] == "adopted"]
     assert [row["file"] for row in adopted] == ["grey_only_main_job.json"]
     committed = json.loads((FEDERATED_UTILITY.parent / "main_job_levers.json").read_text())["rows"]

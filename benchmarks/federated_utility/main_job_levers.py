@@ -46,9 +46,10 @@ BASELINES: dict[str, str] = {
 }
 
 
-def probe_files(folder: Path = HERE) -> list[Path]:
-    """Every probe file of the main job in ``folder``: a baseline to pair with and runs."""
-    return sorted(p for p in folder.glob("*_main_job.json") if "baseline_published_flip_test" in json.loads(p.read_text()))
+def probes(folder: Path = HERE) -> dict[str, dict[str, Any]]:
+    """Every probe file of the main job in ``folder`` (a baseline to pair with, and runs), by file name, parsed."""
+    parsed = {path.name: json.loads(path.read_text()) for path in sorted(folder.glob("*_main_job.json"))}
+    return {name: probe for name, probe in parsed.items() if "baseline_published_flip_test" in probe}
 
 
 def baseline_scores(folder: Path = HERE) -> dict[str, dict[str, float]]:
@@ -66,14 +67,13 @@ def decision_of(probe: dict[str, Any]) -> str:
     return next((verdict for verdict in ("not adopted", "adopted") if text.startswith(verdict)), "see its file")
 
 
-def variants(path: Path, baselines: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+def variants(name: str, probe: dict[str, Any], baselines: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
     """The probe file's variants (runs grouped by their overrides), each paired with its baseline."""
-    probe = json.loads(path.read_text())
     base = {seed: round(score, 2) for seed, score in probe["baseline_published_flip_test"].items()}
     recipe = next((name for name, scores in baselines.items()
                    if {seed: round(scores[seed], 2) for seed in base} == base), None)
     if recipe is None:
-        raise ValueError(f"{path.name}: its baseline {base} is no known recipe's published models ({sorted(baselines)})")
+        raise ValueError(f"{name}: its baseline {base} is no known recipe's published models ({sorted(baselines)})")
     groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}
     for run in probe["runs"]:
         groups.setdefault(tuple(run["overrides"]), []).append(run)
@@ -83,11 +83,10 @@ def variants(path: Path, baselines: dict[str, dict[str, float]]) -> list[dict[st
         differences = {seed: round(score - base[seed], 2) for seed, score in sorted(scored.items())}
         values = list(differences.values())
         # several variants in one file: name each by what its overrides set ("KEY=value" → "value")
-        name = LEVERS[path.name] + (f" [{'; '.join(o.split('=', 1)[-1].removesuffix(' (probe patch)') for o in overrides)}]"
+        lever = LEVERS[name] + (f" [{'; '.join(o.split('=', 1)[-1].removesuffix(' (probe patch)') for o in overrides)}]"
                                     if len(groups) > 1 else "")
-        rows.append({"lever": name, "file": path.name, "baseline": recipe, "seeds_run": sorted(str(run["data_seed"]) for run in runs),
-                     "published": scored,
-                     "minus_baseline": differences, "runs": len(runs), "scored": len(values),
+        rows.append({"lever": lever, "file": name, "baseline": recipe, "seeds_run": sorted(str(run["data_seed"]) for run in runs),
+                     "published": scored, "minus_baseline": differences,
                      "mean": round(statistics.fmean(values), 2) if values else None,
                      "std": round(statistics.stdev(values), 2) if len(values) > 1 else None,
                      "decision": decision_of(probe)})
@@ -96,7 +95,7 @@ def variants(path: Path, baselines: dict[str, dict[str, float]]) -> list[dict[st
 
 def table(folder: Path = HERE) -> list[dict[str, Any]]:
     baselines = baseline_scores(folder)
-    rows = [row for path in probe_files(folder) for row in variants(path, baselines)]
+    rows = [row for name, probe in probes(folder).items() for row in variants(name, probe, baselines)]
     return sorted(rows, key=lambda row: (list(BASELINES.values()).index(row["baseline"]), row["file"]))
 
 
@@ -122,7 +121,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [row for row in rows if row["scored"]]
+    shown = [row for row in rows if row["published"]]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(shown) + 1.6))
     for y, row in enumerate(shown):
         values = list(row["minus_baseline"].values())
@@ -149,9 +148,10 @@ def main() -> int:
     OUT.with_suffix(".json").write_text(json.dumps({"what": "main_job_levers.py: the main job's probes on the tuning data, "
                                                     "paired with their baseline recipe by data seed", "rows": rows},
                                                    indent=1, ensure_ascii=False) + "\n")
-    OUT.with_suffix(".md").write_text(markdown(rows))
+    text = markdown(rows)
+    OUT.with_suffix(".md").write_text(text)
     plot(rows, OUT.with_suffix(".png"))
-    print(markdown(rows))
+    print(text)
     return 0
 
 

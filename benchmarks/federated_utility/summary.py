@@ -94,8 +94,9 @@ def goal_states(rows: list[dict]) -> list[dict]:
     """Each goal of issue 26: met or missed, the best cell, and the measurements that say why, each
     read from the file that holds it."""
     tens = [r for r in rows if r["sites"] == 10]
-    reference = _row(_table("sites10_nonprivate_rounds16"), "none", None, "central")["own50_mean"]
-    nonprivate_federated = _row(_table("sites10_nonprivate_rounds16"), "none", None, "federated")["own50_mean"]
+    nonprivate = _table("sites10_nonprivate_rounds16")
+    reference = _row(nonprivate, "none", None, "central")["own50_mean"]
+    nonprivate_federated = _row(nonprivate, "none", None, "federated")["own50_mean"]
     public = tens[0]["public_only"]
 
     def recovers(folder: str, arm: str) -> float:
@@ -149,7 +150,7 @@ def goal_states(rows: list[dict]) -> list[dict]:
     ]
 
 
-def markdown(rows: list[dict]) -> str:
+def markdown(rows: list[dict], goals: list[dict]) -> str:
     def mark(met: bool) -> str:
         return "met" if met else "**missed**"
 
@@ -172,7 +173,7 @@ def markdown(rows: list[dict]) -> str:
     lines += ["", "## Goals of issue 26: where each stands, and why", "",
               "Measured here or in the files named; 10-site rows against the 160-step non-private reference; fpdp's ε "
               "(FDP, replace-one) is not DP's, so the ε goals name the DP cells.", ""]
-    for goal in goal_states(rows):
+    for goal in goals:
         why = f" — {goal['why']}" if goal["why"] else ""
         lines.append(f"- **{goal['goal']}**: {mark(goal['met'])}; {goal['best']}{why}.")
     return "\n".join(lines) + "\n"
@@ -200,10 +201,12 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     rows = [summarise(cell) for cell in CELLS]
-    (HERE / "summary.json").write_text(json.dumps({"cells": rows, "goals": goal_states(rows)}, indent=1, ensure_ascii=False) + "\n")
-    (HERE / "summary.md").write_text(markdown(rows))
+    goals = goal_states(rows)
+    (HERE / "summary.json").write_text(json.dumps({"cells": rows, "goals": goals}, indent=1, ensure_ascii=False) + "\n")
+    text = markdown(rows, goals)
+    (HERE / "summary.md").write_text(text)
     plot(rows, HERE / "summary.png")
-    print(markdown(rows))
+    print(text)
 
 
 if __name__ == "__main__":
