@@ -187,7 +187,7 @@ class StepConfig(Strict):
     """How each training step runs: the keys central training's [train] and a site's [train] share."""
 
     batch_size: int = Field(16, ge=1, description="(expected) batch size")
-    seed: int = Field(0, description="seed for sampling, augmentation and (test-only) noise")
+    seed: int = Field(0, description="seed for non-private runs' shuffling and augmentation and for test-only seeded noise; private steps draw coins, noise and augmentations from the CSPRNG")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (None = torch default; CPU only)")
     device: DeviceSetting = Field("auto", description=f"where training and evaluation run: {DEVICE_CHOICES}")
     chunk_size: int | None = Field(

@@ -374,18 +374,28 @@ class PoseDataset(Dataset):
             self._rng_pid = os.getpid()
         return self._rng
 
-    def augmentation(self) -> Augmentation:
-        """The next draw of the training augmentation (none for a deterministic view); resuming a
-        run replays these draws to restore the stream (fedpose.train.central)."""
+    def augmentation(self, rng: np.random.Generator | None = None) -> Augmentation:
+        """A draw of the training augmentation (none for a deterministic view) from ``rng``, or else
+        the next from the dataset's own stream; resuming a run replays that stream's draws to
+        restore it (fedpose.train.central)."""
         if not self.train:
             return Augmentation()
-        return sample_augmentation(self._generator(), self.scale_jitter, self.rotation, self.flip, self.rotation_range)
+        rng = self._generator() if rng is None else rng
+        return sample_augmentation(rng, self.scale_jitter, self.rotation, self.flip, self.rotation_range)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.load(index)
+
+    def load(self, index: int, rng: np.random.Generator | None = None) -> dict[str, Any]:
+        """Record ``index``'s sample, its augmentation drawn from ``rng`` — or, without one, from the
+        dataset's own stream, where the k-th load gets the k-th draw whatever the record. A private
+        step passes each row a generator of its own from the CSPRNG
+        (:func:`fedpose.privacy.engine.load_rows`): in the stream a unit's augmentation would hang
+        on how many rows were loaded before it, so on which other units were sampled."""
         if not 0 <= index < len(self.records):
             raise IndexError(f"index {index} out of range for a dataset of {len(self.records)}")
         record = self.records[index]
-        aug = self.augmentation() if self.fixed_rotations is None else Augmentation(rotation=self.fixed_rotations[index])
+        aug = self.augmentation(rng) if self.fixed_rotations is None else Augmentation(rotation=self.fixed_rotations[index])
         scale = float(record.scale) * self.padding
         center = np.asarray(record.center, dtype=np.float32)
         matrix = crop_transform(center, scale, self.input_size, aug)

@@ -303,7 +303,8 @@ SECAGG_REFUSAL_TEXT: dict[str, str] = {
                          "or has fewer entries than the threshold",
     "unsigned-keys": "a key in the directory is not signed by the identity the site was given for its site id, or "
                      "names a site outside that list (a coordinator's key in a site's place)",
-    "inconsistent-shares": "a share did not decrypt, was not from its claimed peer or not for this site, or too few arrived",
+    "inconsistent-shares": "a share did not decrypt, was not from its claimed peer or not for this site, or too few arrived "
+                           "(with identities: a mask set small enough for a coordinator to unmask the site alone)",
     "both-shares-of-one-peer": "asked for both the mask-seed share and the secret-key share of one peer (SecAgg's "
                                "security rule: that would unmask the peer's individual update)",
     "unknown-node": "asked for shares of a node that was not in the round",

@@ -6,7 +6,8 @@ where ``os.urandom`` itself manages ~150 MB/s here. Every instance draws a fresh
 from the OS, so no two instances or processes share a stream and nothing in a config determines
 it; the key lives only in the cipher context and is never stored.
 
-Users: DP-SGD noise and Poisson coins (:mod:`fedpose.privacy.noise`), LDP-Slicing flips
+Users: DP-SGD noise, Poisson coins and the seeds of a private step's augmentations
+(:mod:`fedpose.privacy.noise`, :func:`fedpose.privacy.engine.augmentation_seeds`), LDP-Slicing flips
 (:mod:`fedpose.privacy.ldp_slicing`), Video-DPRP (:mod:`fedpose.privacy.dprp`, via ``noise``).
 DP noise on a GPU comes from a ChaCha20 keystream computed there (:mod:`fedpose.privacy.chacha20`).
 """

@@ -94,7 +94,7 @@ from fedpose.privacy.public_views import PUBLIC_VIEW_FUNCTIONS, public_view_kind
 from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
 from fedpose.privacy.fixed_shape import RoundWork, StepShape, capacity_warning, round_capacity_warning, round_work, step_shape
 from fedpose.model.grey_copies import is_grey_copy_key
-from fedpose.privacy.noise import make_noise
+from fedpose.privacy.noise import NoiseSource, make_noise
 from fedpose.privacy.per_sample import (
     TrainableModel,
     auto_chunk_size,
@@ -137,6 +137,8 @@ class SpareRows:
     slots: tuple[int, ...] | None
     chunk_rows: int
     dataset: Dataset
+    #: each row's augmentation seed (:func:`load_rows`), drawn with the step's own rows'
+    augmentation_seeds: tuple[tuple[int, int], ...]
 
     def __len__(self) -> int:
         return len(self.records)
@@ -147,17 +149,38 @@ class SpareRows:
             end = start + self.chunk_rows
             records = self.records[start:end]
             yield load_rows(self.dataset, records, None if self.slots is None else self.slots[start:end],
-                            [False] * len(records))
+                            [False] * len(records), self.augmentation_seeds[start:end])
 
 
-def load_rows(dataset: Dataset, records: Sequence[int], slots: Sequence[int] | None, real: Sequence[bool]) -> dict:
+def load_rows(dataset: Dataset, records: Sequence[int], slots: Sequence[int] | None, real: Sequence[bool],
+              augmentation_seeds: Sequence[tuple[int, int]]) -> dict:
     """The batch of laid-out rows: the records collated, each row's unit slot (``unit_index``; None
-    for a public view's sample) and whether it is a sampled record (``row_mask``) or padding."""
-    batch = collate([dataset[i] for i in records])
+    for a public view's sample) and whether it is a sampled record (``row_mask``) or padding.
+
+    Each row draws its augmentation from a generator of its own, seeded by its entry of
+    ``augmentation_seeds`` (106 CSPRNG bits: :func:`augmentation_seeds`), never from the dataset's
+    stream: there the k-th row loaded gets the k-th draw, so adding one sampled unit would shift the
+    augmentation — and the clipped gradient — of every unit loaded after it, and the neighbouring
+    sums would differ by more than one unit's C. A dataset without ``load(index, rng)`` draws
+    nothing (a tensor set)."""
+    load = getattr(dataset, "load", None)
+    if len(augmentation_seeds) != len(records):
+        raise ValueError(f"{len(augmentation_seeds)} augmentation seeds for {len(records)} rows")
+    samples = ([load(i, np.random.default_rng(list(seed))) for i, seed in zip(records, augmentation_seeds)]
+               if load is not None else [dataset[i] for i in records])
+    batch = collate(samples)
     if slots is not None:
         batch["unit_index"] = torch.as_tensor(slots, dtype=torch.long)
     batch["row_mask"] = torch.as_tensor(real, dtype=torch.bool)
     return batch
+
+
+def augmentation_seeds(noise: NoiseSource, rows: int) -> list[tuple[int, int]]:
+    """A seed for each of ``rows`` rows' augmentation: two 53-bit words of ``noise`` (the CSPRNG;
+    the seeded test source in tests), drawn per row whatever record it holds — so a row's
+    augmentation is a fresh draw, independent of the other rows and of every config value."""
+    words = noise.uniform(2 * rows).mul_(2.0**53).long().tolist()
+    return list(zip(words[0::2], words[1::2]))
 
 
 def collate(samples: Sequence[dict], template: dict | None = None) -> dict:
@@ -374,11 +397,13 @@ class GradientEngine:
     def _load(self, dataset: Dataset, records: list[int], slots: list[int] | None, real: list[bool], own: int) -> dict:
         """The batch of a laid-out draw's first ``own`` rows (never empty: a step has whole chunks);
         the rest, a round's spare, stay unloaded in :class:`SpareRows` until the step runs them."""
-        batch = load_rows(dataset, records[:own], None if slots is None else slots[:own], real[:own])
+        assert self.noise is not None
+        seeds = augmentation_seeds(self.noise, len(records))
+        batch = load_rows(dataset, records[:own], None if slots is None else slots[:own], real[:own], seeds[:own])
         if own < len(records):
             assert self.round is not None and not any(real[own:])  # only a round's spare follows the step's own rows
             batch[SPARE_ROWS_KEY] = SpareRows(tuple(records[own:]), None if slots is None else tuple(slots[own:]),
-                                              self.round.chunk_rows, dataset)
+                                              self.round.chunk_rows, dataset, tuple(seeds[own:]))
         return batch
 
     def _laid_out_sample(self, draw: int, sample: int) -> tuple[list[int], list[int], list[bool], int]:

@@ -16,9 +16,9 @@ metrics, RNG state and the privacy ledger. For mechanism "none" the batch and au
 stream is replayed to the checkpointed position, so a resumed run continues exactly as an
 uninterrupted one. For DP mechanisms the accountant continues from the checkpoint; noise and
 sampling coins come from a CSPRNG keyed from OS entropy whose key is never saved, so a resumed run
-draws fresh noise. Augmentation (and, under the test-only ``privacy.insecure_seeded_noise``, the
-noise and coins) draw from a fresh stream seeded by (seed, step): replaying a seeded noise stream
-would reuse noise already spent.
+draws fresh noise. A private step's augmentations come from the same CSPRNG (a seed per row); under
+the test-only ``privacy.insecure_seeded_noise`` noise, coins and those seeds draw from a fresh stream
+seeded by (seed, step): replaying a seeded noise stream would reuse noise already spent.
 """
 
 from __future__ import annotations
@@ -136,6 +136,12 @@ class _ReplayableDataset(Dataset):
                 draw()
             return {"index": int(index)}
         return self.dataset[index]
+
+    def load(self, index: int, rng: Any) -> dict[str, Any]:
+        """A private step's row (:func:`fedpose.privacy.engine.load_rows`), its augmentation drawn
+        from ``rng``: private runs never replay (fresh coins and noise on resume)."""
+        load = getattr(self.dataset, "load", None)
+        return self.dataset[index] if load is None else load(index, rng)
 
 
 # ----------------------------------------------------------------------------- the run

@@ -308,6 +308,50 @@ def test_a_coordinator_inventing_a_site_or_moving_one_is_refused(tmp_path) -> No
         assert _reason(answer(fresh, "site-1", tampered, identities[1])) == "unsigned-keys"
 
 
+def _shares_delivered_but_site_1s(tmp_path) -> tuple[dict[int, SiteSecAggSession], protocol.SecAggShareInbox]:
+    """Five signed sites, t 3, every inbox delivered but site 1's: the sessions and site 1's full inbox."""
+    coordinator, sessions, identities, _ = _signed_setup(5, tmp_path)
+    directory = coordinator.key_directory()
+    coordinator.receive_shares({node: answer(s, s.site_id, directory, identities[node]) for node, s in sessions.items()})
+    for node in (2, 3, 4, 5):
+        sessions[node].receive_shares(coordinator.inbox(node))
+    return sessions, coordinator.inbox(1)
+
+
+def test_a_coordinator_cannot_unmask_one_site_by_shrinking_its_mask_set_and_splitting_the_views(tmp_path) -> None:
+    """The attack that worked until 2026-12-06, every other check passing: site 1 is handed the
+    shares of sites 2 and 3 only, so it masks with them alone; then 2 and 3 are each told the other
+    dropped, 4 and 5 that both did, and all that 1 survived: t seed shares of site 1 and t key shares
+    of 2 and of 3 strip every mask off site 1's vector. Now site 1 refuses that inbox before it masks
+    (so before it trains); with every peer's shares it goes on."""
+    sessions, inbox = _shares_delivered_but_site_1s(tmp_path)
+    shrunk = inbox.model_copy(update={"shares": [share for share in inbox.shares if share.peer in (2, 3)]})
+    with pytest.raises(SecAggRefused, match="inconsistent-shares: shares from 2 peers"):
+        sessions[1].receive_shares(shrunk)
+    with pytest.raises(SecAggRefused, match="out-of-order"):
+        sessions[1].mask(np.zeros(50))
+
+    (tmp_path / "again").mkdir()
+    sessions, inbox = _shares_delivered_but_site_1s(tmp_path / "again")
+    restored = SiteSecAggSession.from_json(sessions[1].to_json())  # N travels with the session between messages
+    restored.receive_shares(inbox)
+    assert restored.stage == "shares-received"
+
+
+@pytest.mark.parametrize(("members", "threshold", "smallest_safe"), [(3, 2, 3), (5, 3, 5), (5, 4, 4), (10, 6, 8), (16, 9, 14)])
+def test_the_smallest_mask_set_a_site_accepts_is_where_the_counting_rules_isolation_out(
+        members: int, threshold: int, smallest_safe: int) -> None:
+    """m·(t − 1) > (N − 1)·(N − t): the other N − 1 sites can reveal at most N − t key shares each and
+    the site itself m − t, fewer than the t for each of its m − 1 peers that stripping its masks takes."""
+    from fedpose.federation.secagg.site import mask_set_isolates
+
+    accepted = [m for m in range(threshold, members + 1) if not mask_set_isolates(m, threshold, members)]
+    assert accepted == list(range(smallest_safe, members + 1))
+    for m in range(threshold, members + 1):  # the bound is the counting: drop slots against drops needed
+        slots = (members - 1) * (members - threshold) + (m - threshold)
+        assert mask_set_isolates(m, threshold, members) == (slots >= (m - 1) * threshold)
+
+
 def test_an_identity_must_be_the_one_its_peers_list(tmp_path) -> None:
     from fedpose.federation.config import SiteIdentityConfig
     from fedpose.federation.secagg.site import Identity

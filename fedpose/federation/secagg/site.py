@@ -14,6 +14,14 @@ Checks a site makes that Flower's ``secaggplus_mod`` does not:
   the directory is signed by the identity its site id was given out of band, and no site id
   appears twice — a coordinator cannot put its own keys in a site's place or invent sites, which
   is what would let it gather the shares that unmask one site's Δ;
+* receive shares, with an identity: the site masks with the m − 1 peers whose shares reached it,
+  and refuses a mask set too small for the federation's N identities (:func:`mask_set_isolates`).
+  A coordinator that hands one site the shares of only a few peers, then tells every other site
+  its own story of who dropped, needs t key shares of each of those peers (every other site
+  reveals at most N − t key shares, the site itself m − t): possible only if
+  m·(t − 1) ≤ (N − 1)·(N − t). Before 2026-12-06 nothing stopped it: five sites, t 3, a mask set
+  of the site and two peers (6 ≤ 8) unmasked the site's Δ alone with every other check passing
+  (``tests/federation/test_secagg_core.py``);
 * unmask, **SecAgg's security rule**: for one peer the site reveals the share of its mask seed
   (peer survived) or of its secret key (peer dropped), never both — in one request or over
   several (it answers one unmask request per round); a node outside the round, the site itself
@@ -64,6 +72,13 @@ class Identity:
         return cls(key, dict(config.peers))
 
 
+def mask_set_isolates(mask_set: int, threshold: int, members: int) -> bool:
+    """Whether a coordinator could unmask alone a site that masks with ``mask_set`` − 1 peers (m,
+    itself included) of ``members`` sites (N) at threshold t: by counting (module docstring), only
+    when m·(t − 1) ≤ (N − 1)·(N − t). Every site in the mask set (m = N, t > N/2): never."""
+    return mask_set * (threshold - 1) <= (members - 1) * (members - threshold)
+
+
 def threshold_for(sites: int) -> int:
     """t = ⌊n/2⌋ + 1: the smallest threshold the sites accept (t > n/2)."""
     return sites // 2 + 1
@@ -90,6 +105,8 @@ class SessionState(BaseModel):
     seed_shares: dict[int, bytes]
     key_shares: dict[int, bytes]
     mask_with: list[int]
+    #: N, the federation's members by the site's identity config (None: no identity)
+    members: int | None = None
 
 
 class SiteSecAggSession:
@@ -121,6 +138,7 @@ class SiteSecAggSession:
         self._seed_shares: dict[int, bytes] = {}  # node → its share of that node's self-mask seed, held here
         self._key_shares: dict[int, bytes] = {}  # node → its share of that node's mask secret key, held here
         self._mask_with: list[int] = []
+        self._members: int | None = None
 
     @property
     def node(self) -> int:
@@ -135,7 +153,8 @@ class SiteSecAggSession:
         return SessionState(site_id=self.site_id, setup=self.setup, stage=self._stage,
                             mask_private=self._mask_pair.private_bytes(), share_private=self._share_pair.private_bytes(),
                             peers=list(self._peers.values()), seed=self._seed, seed_shares=self._seed_shares,
-                            key_shares=self._key_shares, mask_with=self._mask_with).model_dump_json()
+                            key_shares=self._key_shares, mask_with=self._mask_with,
+                            members=self._members).model_dump_json()
 
     @classmethod
     def from_json(cls, raw: str) -> "SiteSecAggSession":
@@ -148,6 +167,7 @@ class SiteSecAggSession:
         session._peers = {entry.node: entry for entry in state.peers}
         session._seed, session._seed_shares, session._key_shares = state.seed, dict(state.seed_shares), dict(state.key_shares)
         session._mask_with = list(state.mask_with)
+        session._members = state.members
         return session
 
     def _refuse(self, code: protocol.SecAggRefusalCode, detail: str) -> None:
@@ -193,6 +213,7 @@ class SiteSecAggSession:
         self._expect("keys-sent", directory)
         if identity is not None:
             self._check_signatures(directory, identity)
+            self._members = len(identity.peers)
         entries = {entry.node: entry for entry in directory.keys}
         if len(entries) != len(directory.keys) or not set(entries) <= set(self.setup.participants):
             self._refuse("inconsistent-keys", "repeated nodes, or nodes outside the round")
@@ -234,6 +255,9 @@ class SiteSecAggSession:
             self._refuse("inconsistent-shares", "repeated sources, the site itself, or sources outside the key directory")
         if len(sources) + 1 < self.setup.threshold:
             self._refuse("inconsistent-shares", f"{len(sources) + 1} sites < threshold {self.setup.threshold}")
+        if self._members is not None and mask_set_isolates(len(sources) + 1, self.setup.threshold, self._members):
+            self._refuse("inconsistent-shares", f"shares from {len(sources)} peers: a mask set of {len(sources) + 1} of "
+                                                f"{self._members} sites at threshold {self.setup.threshold} could be unmasked alone")
         for share in inbox.shares:
             try:
                 src, dst, seed_share, key_share = crypto.open_share_pair(
