@@ -12,9 +12,6 @@ seed alone, fresh every step, and no config value determines it.
 
 from __future__ import annotations
 
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -31,7 +28,7 @@ CHUNK = 8
 @pytest.fixture(scope="module")
 def site_and_model(tmp_path_factory):
     root = make_site_data(tmp_path_factory.mktemp("site-data"))
-    site = site_config(root, Path(tempfile.mkdtemp()), unit="record")
+    site = site_config(root, tmp_path_factory.mktemp("state"), unit="record")
     arrays, spec = global_model()
     model = build_model_from_spec(spec)
     model.load_state_dict({k: torch.from_numpy(v) for k, v in arrays.items()})
