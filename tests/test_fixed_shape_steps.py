@@ -1,5 +1,5 @@
-"""Fixed-shape DP steps (fedpose.privacy.fixed_shape): every step does the same work whatever was
-sampled, padding contributes exactly zero, a large unit still moves the sum by at most C, the
+"""Fixed-shape DP steps (fedpose.privacy.fixed_shape): every step computes the same rows whatever
+was sampled, padding contributes exactly zero, a large unit still moves the sum by at most C, the
 overflow bound and the timing protection's domain are functions of public values, an overflowing
 batch keeps every sampled unit (so the accountant's (ε, δ) is exact, with no extra δ term) and a
 training set beyond the domain trains, warned in the log only, and the per-sample chunk is decided

@@ -1,5 +1,5 @@
 """Fixed work per round (fedpose.privacy.fixed_shape, "fixed work per round"): a site's round, the
-only thing an observer of its replies can time, does the same work whatever was sampled, while its
+only thing an observer of its replies can time, computes the same rows whatever was sampled, while its
 steps may split that work differently; the budget W is the smallest with overflow ≤ η and matches
 an independent computation; a round covers every training set its step shape covers; nothing
 sampled is ever dropped (so the (ε, δ) stays exact); every step is whole chunks of one shape."""

@@ -47,3 +47,45 @@ def test_configure_cpu_sets_threads() -> None:
     code = "import torch; from fedpose.runtime import configure_cpu; configure_cpu(1); print(torch.get_num_threads())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "1"
+
+
+# Subnormal floats (|x| < 1.2e-38) are 40–130× slower on x86 unless flushed; a crafted global model
+# could make a site's round time count images with some property (fedpose.runtime). Each case runs
+# in a fresh process: the flag is per thread, copied by the threads torch starts after it is set.
+_SUBNORMALS = """
+import json, sys, torch
+torch.set_num_threads(2)
+if sys.argv[1] == "pool-first":
+    torch.full((1 << 20,), 1.0).sum()  # torch's worker threads start before fedpose is imported
+    from fedpose.runtime import flush_subnormals_on_every_thread, subnormals_flushed
+    fixed = flush_subnormals_on_every_thread()
+elif sys.argv[1] == "site-process":
+    import sites.client_app  # what a SuperNode loads first
+    from fedpose.runtime import subnormals_flushed
+    fixed = None
+else:  # nothing of fedpose imported: the CPU's default
+    subnormal = torch.full((1 << 20,), 0x000AE398, dtype=torch.int32).view(torch.float32)
+    print(json.dumps({"flushed": not bool((subnormal * 0.5).any())}))
+    sys.exit(0)
+print(json.dumps({"fixed": fixed, "flushed": subnormals_flushed(), "threads": torch.get_num_threads()}))
+"""
+
+
+def _subnormals(case: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", _SUBNORMALS, case], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_subnormals_are_slow_values_unless_flushed() -> None:
+    assert _subnormals("default") == {"flushed": False}  # what the defence is for
+
+
+def test_a_site_process_flushes_subnormals_on_every_thread() -> None:
+    assert _subnormals("site-process") == {"fixed": None, "flushed": True, "threads": 2}
+
+
+def test_older_worker_threads_fall_back_to_one_flushed_thread() -> None:
+    """Where torch's workers started before the flag (fedpose imported late), they cannot get it:
+    the process computes on its calling thread alone."""
+    assert _subnormals("pool-first") == {"fixed": False, "flushed": True, "threads": 1}

@@ -286,7 +286,7 @@ def train_site_round(
 
     from fedpose.model import build_model_from_spec
     from fedpose.privacy.engine import build_engine
-    from fedpose.runtime import configure_device, describe_device, resolve_device
+    from fedpose.runtime import configure_device, describe_device, flush_subnormals_on_every_thread, resolve_device
     from fedpose.train.loop import TrainingDiverged, train_steps
     from fedpose.train.optim import build_optimizer, build_scheduler
 
@@ -341,11 +341,18 @@ def train_site_round(
 
     model: Any = None
     basis: np.ndarray | None = None
+    dataset: Any = None
+    units: Any = None
+    engine: Any = None
 
     def prepare_model() -> None:
         """The coordinator's model at its global weights (checked), on the device, and V (checked)."""
         nonlocal model, basis
         configure_device(device, threads)
+        # slow subnormal arithmetic would let a crafted model time the site's images (fedpose.runtime)
+        if device.type == "cpu" and not flush_subnormals_on_every_thread():
+            log.warning("site %s: torch's CPU threads started before flush-to-zero was set; this process now trains on "
+                        "one thread (start the site from its ClientApp, which sets it first)", site.site_id)
         model = build_model_from_spec(model_spec)
         expected = model.state_dict()
         check_global_arrays(expected, global_state)
@@ -361,9 +368,32 @@ def train_site_round(
         # project (dpsgd, fdp, maskdp, none) has no use for it and ignores it.
         basis = _site_basis(site, model, basis_version, basis_message) if mechanism.projects else None
 
+    def prepare_engine() -> None:
+        """The DP engine over the model and the site's data, with its basis: every way it can refuse the
+        coordinator's model or basis shows here, before the spend."""
+        nonlocal engine
+        public_dataset = None
+        if basis is None and mechanism.projects:
+            if site.public_data is None:
+                raise ValueError(f"site '{site.site_id}': privacy.mechanism '{mechanism.name}' projects onto a public basis, "
+                                 "but the coordinator sent none and the site has no public_data to compute its own")
+            # no coordinator basis: the engine computes its own from the site's copy of S_pub
+            from fedpose.data.dataset import public_basis_dataset
+
+            public_dataset = public_basis_dataset(site.public_data, model_spec.input_size,
+                                                  site.privacy.basis.public_rotation, site.privacy.basis.public_grey)
+        engine = build_engine(
+            site.privacy, model, dataset_size=len(dataset), batch_size=site.train.batch_size,
+            planned_steps=site.local_steps,  # σ's calibration: the site's own round length (declared_noise)
+            public_dataset=public_dataset,
+            seed=site.train.seed * 1_000_003 + int(round_id),  # public choices only (S_pub samples); DP noise is CSPRNG
+            chunk_size=site.train.chunk_size, units=units,
+            round_steps=local_steps,  # what an observer times is the round: its work is fixed per round (fixed_shape)
+        )
+        if basis is not None:
+            engine.set_basis(basis, version=basis_version)
+
     affordable = True
-    dataset = None
-    units: Any = None
     if budget is not None:
         sigma, rate = declared_noise(site)
         # The federation's record first: a state behind it would spend from an understated ε.
@@ -386,6 +416,7 @@ def train_site_round(
             prepare_model()
             dataset = load_site_dataset(site, model_spec.input_size)
             units = site_units(site, dataset, budget.unit)  # records that lack the unit's id fail here, unspent
+            prepare_engine()  # a projection without a basis, or one the trainable set refuses, fails here, unspent
         try:
             auth = budget.authorize_round(run_id, round_id, sigma, rate, local_steps)
         except BudgetExhausted as refusal:
@@ -416,27 +447,12 @@ def train_site_round(
 
     if dataset is None:
         dataset = load_site_dataset(site, model_spec.input_size)
-    public_dataset = None
-    if basis is None and site.public_data is not None and mechanism.projects:
-        # no coordinator basis: the engine computes its own from the site's copy of S_pub
-        from fedpose.data.dataset import public_basis_dataset
-
-        public_dataset = public_basis_dataset(site.public_data, model_spec.input_size, site.privacy.basis.public_rotation,
-                                              site.privacy.basis.public_grey)
     if units is None and budget is not None:
         units = site_units(site, dataset, budget.unit)
-    engine = build_engine(
-        site.privacy, model, dataset_size=len(dataset), batch_size=site.train.batch_size,
-        planned_steps=site.local_steps,  # σ's calibration: the site's own round length (declared_noise)
-        public_dataset=public_dataset,
-        seed=site.train.seed * 1_000_003 + int(round_id),  # public choices only (S_pub samples); DP noise is CSPRNG
-        chunk_size=site.train.chunk_size, units=units,
-        round_steps=local_steps,  # what an observer times is the round: its work is fixed per round (fixed_shape)
-    )
+    if engine is None:
+        prepare_engine()
     if budget is not None and (engine.noise_multiplier, engine.sample_rate) != (sigma, rate):
         raise RuntimeError(f"engine noise (σ={engine.noise_multiplier}, q={engine.sample_rate}) differs from the authorized (σ={sigma}, q={rate})")
-    if basis is not None:
-        engine.set_basis(basis, version=basis_version)
     if engine.augmentation_cost is not None:
         log.info("site %s round %d: %s", site.site_id, round_id, engine.augmentation_cost)
     if engine_hook is not None:

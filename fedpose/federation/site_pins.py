@@ -313,10 +313,15 @@ def orthonormality_tolerance(wire_dtype: str, num_params: int) -> float:
 def check_basis(basis: Any, num_params: int, max_k: int, wire_dtype: str = "float32", what: str = "basis") -> np.ndarray:
     """V as float32 if it is a finite p × k matrix with 1 ≤ k ≤ min(max_k, p) and orthonormal
     columns (|VᵀV − I| ≤ :func:`orthonormality_tolerance`, VᵀV accumulated in float64);
-    :class:`BasisRejected` naming the problem otherwise."""
+    :class:`BasisRejected` naming the problem otherwise.
+
+    A V within the tolerance is then re-orthonormalized (same column space): entry by entry the
+    tolerance admits the wire's rounding, but k entries just inside it can add up — VᵀV = I + c(J − I)
+    at bfloat16's tolerance stretched a gradient along one direction ×2.96 at k = 128 — and the
+    projection must be the one onto V's span, never more."""
     import torch
 
-    from fedpose.privacy.projection import _gram_float64
+    from fedpose.privacy.projection import ORTHONORMAL_TOLERANCE, _gram_float64, orthonormalize
 
     v = np.asarray(basis)
     if v.ndim != 2 or v.shape[0] != num_params:
@@ -334,4 +339,11 @@ def check_basis(basis: Any, num_params: int, max_k: int, wire_dtype: str = "floa
     if not deviation <= tolerance:  # also refuses NaN (an overflow in the Gram)
         raise BasisRejected(f"{what}: columns are not orthonormal: max |VᵀV − I| = {deviation:.3g} > {tolerance:.3g} "
                             f"(sent as {wire_dtype}, p = {num_params})")
+    if deviation > ORTHONORMAL_TOLERANCE:
+        if np.shares_memory(v, basis):
+            v = v.copy()  # the caller's array stays as it was sent
+        try:
+            orthonormalize(torch.from_numpy(v))  # in place
+        except torch.linalg.LinAlgError as exc:
+            raise BasisRejected(f"{what}: columns are nearly dependent (VᵀV is not positive definite)") from exc
     return v

@@ -336,6 +336,42 @@ def test_a_bad_basis_is_refused_before_any_spend(data_root, weights, basis_messa
     unspent.check()
 
 
+def test_a_projecting_site_sent_no_basis_refuses_before_the_spend(data_root, weights, tmp_path) -> None:
+    """A pdp site without its own public copy needs the coordinator's V. Sent none, it used to spend
+    the round's ε and only then fail at its first step: a coordinator could burn the site's budget
+    round after round, releasing nothing."""
+    global_state, spec = weights
+    site = site_config(data_root, tmp_path / "state", mechanism="pdp", basis={"k": K, "public_samples": 4})
+    assert site.public_data is None
+    unspent = _Unspent(site)
+    with pytest.raises(ValueError, match="sent none and the site has no public_data"):
+        train_site_round(site, "run", 1, global_state, spec, 2, basis_version=-1)
+    for round_id in (1, 2):
+        _refused_on_the_wire(run_site_round(site, "run", round_id, global_state, spec, 2, basis_version=-1), "ValueError")
+    unspent.check()
+
+
+def test_grey_copies_sent_to_a_projecting_site_are_refused_before_the_spend(data_root, tmp_path) -> None:
+    """The engine refuses to project grey copies (their public gradients are zero); the coordinator's
+    scenario used to reach that refusal only after the site had spent the round."""
+    import torch
+
+    from fedpose.config import ModelConfig
+    from fedpose.model import build_model
+    from fedpose.model.checkpoint import model_spec
+    from site_round_helpers import INPUT_SIZE
+
+    torch.manual_seed(0)
+    grey = build_model(ModelConfig(backbone="tiny_vit_test", scenario="grey_biases_norms"), INPUT_SIZE)
+    state, spec = {k: v.detach().numpy().copy() for k, v in grey.state_dict().items()}, model_spec(grey)
+    site = _pdp_site(data_root, tmp_path / "state")
+    unspent = _Unspent(site)
+    with pytest.raises(ValueError, match="grey copies"):
+        train_site_round(site, "run", 1, state, spec, 2)
+    _refused_on_the_wire(run_site_round(site, "run", 1, state, spec, 2), "ValueError")
+    unspent.check()
+
+
 @pytest.mark.parametrize("transport", ["full", "compact"])
 def test_the_coordinators_own_basis_is_accepted(data_root, weights, basis_messages, tmp_path, transport) -> None:
     global_state, spec = weights
@@ -357,6 +393,26 @@ def test_the_orthonormality_tolerance_admits_wire_rounding_and_nothing_much_more
     tolerance = orthonormality_tolerance(wire, p)
     with pytest.raises(BasisRejected, match="not orthonormal"):
         check_basis(received * np.float32(1 + 2 * tolerance), p, k, wire)
+
+
+def test_a_basis_just_inside_the_tolerance_cannot_stretch_the_projection() -> None:
+    """Each entry of VᵀV = I + c(J − I) is inside bfloat16's tolerance, yet together they made
+    λ_max(VᵀV) = 2.96 at k = 128: the projection stretched a gradient ×2.96. The site now projects
+    onto V's span with orthonormal columns (nothing is spent on a projection: this is integrity,
+    not ε)."""
+    p, k = 30_912, 128
+    c = 0.98 * orthonormality_tolerance("bfloat16", p)
+    stretched = np.linalg.qr(np.random.default_rng(0).standard_normal((p, k)))[0] @ np.linalg.cholesky(
+        np.eye(k) * (1 - c) + c).T
+    sent = stretched.astype(np.float32)
+    assert np.linalg.eigvalsh(sent.T.astype(np.float64) @ sent)[-1] > 2.9
+    used = check_basis(sent, p, k, "bfloat16")
+    gram = used.T.astype(np.float64) @ used
+    assert np.abs(np.linalg.eigvalsh(gram) - 1).max() < 1e-4
+    # the same column space: V's columns lie in the span of the basis the site uses
+    inside = used.astype(np.float64) @ (used.T.astype(np.float64) @ sent)
+    assert np.abs(inside - sent).max() < 1e-5
+    assert np.array_equal(sent, stretched.astype(np.float32))  # the array as sent is left alone
 
 
 # -- 7. seeded input privacy ---------------------------------------------------------------------------
