@@ -18,7 +18,7 @@ from fedpose.privacy.dprp import (
     proportional_split,
     video_dprp,
 )
-from fedpose.privacy.noise import InsecureSeededNoise
+from fedpose.privacy.noise import SECURE_TAIL_BOUND_SIGMAS, InsecureSeededNoise, tail_cut_delta
 
 
 def _clip(frames=6, height=12, width=16):
@@ -161,3 +161,21 @@ def test_cli_npy_and_frame_directory(tmp_path, capsys):
                  "--delta", "1e-5", "--proj-dim", "100000"]) == 2
     assert "exceeds the frame dimension" in capsys.readouterr().err
     assert main(["dprp", str(tmp_path / "clip.npy"), "--out", "x.npy", "--epsilon", "1", "--delta", "2", "--proj-dim", "8"]) == 2
+
+
+def test_the_samplers_tail_cut_is_part_of_delta():
+    """SecureNoise stops at 8.57σ. At ε = 1000 a frame moved a release by ~8σ, and an output of
+    probability ~0.4 under one clip was impossible under its neighbour (an attacker review): the
+    guarantee now counts that in δ, which is vacuous there and unchanged at practical ε."""
+    clip = _clip()
+    huge = video_dprp(clip, 1000.0, 1e-5, 48).guarantee
+    assert huge["delta"] >= 0.4 and huge["delta_requested"] == 1e-5
+    assert "not the 1e-05 asked for" in huge["guarantee_statement"]
+    practical = video_dprp(clip, 10.0, 1e-5, 48).guarantee
+    assert 1e-5 <= practical["delta"] <= 1e-5 + 1e-9 and "asked for" not in practical["guarantee_statement"]
+    assert tail_cut_delta(10, SECURE_TAIL_BOUND_SIGMAS) == 1.0
+    shifts = [0.0, 1.0, 2.0, 4.0]
+    assert [tail_cut_delta(1, s) for s in shifts] == sorted(tail_cut_delta(1, s) for s in shifts)
+    # the Rayleigh tail it rests on: P(R ≥ r) = exp(−r²/2) for a Box–Muller pair's radius
+    radius = np.hypot(*np.random.default_rng(0).standard_normal((2, 400_000)))
+    assert abs((radius >= 3.0).mean() - math.exp(-4.5)) < 1e-3

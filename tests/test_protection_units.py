@@ -236,6 +236,21 @@ def test_default_unit_is_the_coarsest_the_annotations_support() -> None:
     assert supported_units(partly) == ("record", "image")
 
 
+def test_patients_shown_in_one_image_are_one_unit() -> None:
+    """Removing an image of two patients must touch one unit, not two (2C), and a patient's face in
+    the other's crop must be covered: patients who share an image (directly or through others)
+    form one patient unit; everyone else keeps their own."""
+    records = [_record("a.png", "A"), _record("b.png", "B"), _record("ward.png", "A"), _record("ward.png", "B"),
+               _record("c.png", "C"), _record("e.png", "E"), _record("bed.png", "C"), _record("bed.png", "D")]
+    index = UnitIndex.from_records(records, "patient")
+    assert index.members == ((0, 1, 2, 3), (4, 6, 7), (5,))
+    for image in {r.image for r in records}:  # every image's records lie in exactly one unit
+        rows = {i for i, r in enumerate(records) if r.image == image}
+        assert sum(bool(rows & set(unit)) for unit in index.members) == 1, image
+    alone = [_record("a.png", "A"), _record("b.png", "A"), _record("c.png", "B")]
+    assert UnitIndex.from_records(alone, "patient").members == ((0, 1), (2,))
+
+
 def test_patient_unit_without_patient_ids_names_the_problem_and_where() -> None:
     records = [_record("a.png", "p1"), _record("b.png"), _record("c.png")]
     with pytest.raises(UnitError, match=r"site B: privacy.unit = 'patient' needs 'patient_id' on every record, but 2 of 3 "

@@ -16,8 +16,10 @@ Synthetic data, MPII and COCO (after joint mapping) all load into :class:`PoseRe
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -129,8 +131,32 @@ def write_annotations(path: str | Path, records: list[PoseRecord]) -> None:
 
 
 def resolve_image(dataset_dir: Path, image: str) -> Path:
-    """Images live beside annotations.json or in its images/ subfolder."""
+    """Images live beside annotations.json or in its images/ subfolder.
+
+    A name is a relative path inside the dataset directory: an absolute one, or one that climbs out
+    with "..", is refused — a copy written "beside" such a name (LDP-Slicing's privatized copy)
+    would land on the original file, and a raw image would be trained on as if privatized."""
+    parts = PurePosixPath(image.replace("\\", "/")).parts
+    if not image or PurePosixPath(image).is_absolute() or Path(image).is_absolute() or ".." in parts:
+        raise AnnotationError(f"{dataset_dir}: image name '{image}' must be a relative path inside the dataset "
+                              "directory (beside annotations.json or under images/), without '..'")
     for candidate in (dataset_dir / image, dataset_dir / "images" / image):
         if candidate.exists():
             return candidate
     raise AnnotationError(f"{dataset_dir}: image '{image}' not found (looked in . and images/)")
+
+
+def refuse_image_aliases(dataset_dir: Path, files: Mapping[str, Path]) -> None:
+    """:class:`AnnotationError` when two image names of the annotations are one file ("x.png" and
+    "images/x.png", "./x.png", a link): units, LDP-Slicing's single release and MaskDP's head boxes
+    count images by name, so an image named twice would be two units, privatized twice, or masked
+    for only one name's people."""
+    seen: dict[tuple[int, int], str] = {}
+    for name, path in files.items():
+        status = os.stat(path)  # follows links: one file, one identity
+        key = (status.st_dev, status.st_ino)
+        if key in seen:
+            raise AnnotationError(f"{dataset_dir}: the image names '{seen[key]}' and '{name}' are one file ({path}); "
+                                  "name each image one way in the annotations")
+        seen[key] = name
+

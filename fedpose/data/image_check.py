@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fedpose.data.annotations import PoseRecord
+from fedpose.data.annotations import refuse_image_aliases
 from fedpose.data.loaders import ImageLoadError, resolve_image_or_raise
 from fedpose.io import atomic_write_json
 
@@ -51,6 +52,7 @@ def check_images(
     cache_path = Path(cache_file) if cache_file is not None else None
     known = _read_cache(cache_path, root)
     sound: dict[str, list[int]] = {}
+    files: dict[str, Path] = {}
     bad: list[str] = []
     names = sorted({r.image for r in records})
     decoded = 0
@@ -62,6 +64,7 @@ def check_images(
                 load_image(path)  # a full decode: truncated files fail only when the pixels are read
                 decoded += 1
             sound[name] = stamp
+            files[name] = path
         except (ImageLoadError, OSError) as exc:
             bad.append(f"{name} ({exc.__class__.__name__}: {str(exc).splitlines()[0][:200]})")
         if progress is not None:
@@ -69,6 +72,7 @@ def check_images(
     if cache_path is not None and sound != known:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(cache_path, {"version": CACHE_VERSION, "root": str(root), "files": sound})
+    refuse_image_aliases(root, files)
     if bad:
         listed = "; ".join(bad[:MAX_NAMED]) + (f"; and {len(bad) - MAX_NAMED} more" if len(bad) > MAX_NAMED else "")
         raise ImageLoadError(f"{len(bad)} of {len(names)} images under {root} cannot be read: {listed}")

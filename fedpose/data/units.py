@@ -6,7 +6,8 @@ A site's DP guarantee is about one *unit* of its data (DESIGN.md, "Privacy seman
   says little about an image showing several people, or a patient with many images.
 * ``image``   — every record of one image file (MPII: up to 4 people per image).
 * ``patient`` — every record of one patient, over all their images (needs ``patient_id`` on
-  every record).
+  every record). Patients who appear together in one image are one unit: removing that image must
+  touch one unit, and a patient's face in another patient's crop is theirs to protect too.
 
 Sampling is Poisson over units and a unit's gradient (the sum over all its records) is clipped to
 C as one (:mod:`fedpose.privacy.engine`), so (ε, δ) holds per unit without group privacy.
@@ -28,13 +29,15 @@ from fedpose.data.annotations import AnnotationError, PoseRecord
 ProtectionUnit = Literal["record", "image", "patient"]
 #: the config value that asks for the coarsest unit the annotations support
 AUTO_UNIT = "auto"
-#: finest first: a coarser unit's guarantee implies the finer ones'
+#: finest first: a coarser unit's guarantee implies the finer ones' (a patient unit holds every image
+#: its patients appear in: patients sharing an image are merged, UnitIndex.from_records)
 UNITS_FINEST_FIRST: tuple[ProtectionUnit, ...] = get_args(ProtectionUnit)
 #: what one unit is, in words a clinician reads
 UNIT_MEANING: dict[str, str] = {
     "record": "one record (one person-crop: one annotated person in one image, with its keypoints)",
     "image": "one image (every annotated person in it, with their keypoints)",
-    "patient": "one patient (every annotated crop of them, over all their images at this site)",
+    "patient": "one patient (every annotated crop of them, over all their images at this site; patients shown "
+               "together in one image are protected as one unit)",
 }
 
 
@@ -123,8 +126,32 @@ class UnitIndex:
         if unit == "record":
             return cls.per_record(len(records))
         resolve_unit(unit, records, where)  # raises, naming where, when a record lacks the key
+        keys = [str(record.patient_id) if unit == "patient" else record.image for record in records]
+        if unit == "patient":
+            keys = _patients_sharing_an_image(records, keys)
         groups: dict[str, list[int]] = {}
-        for i, record in enumerate(records):
-            key = record.patient_id if unit == "patient" else record.image
-            groups.setdefault(str(key), []).append(i)
+        for i, key in enumerate(keys):
+            groups.setdefault(key, []).append(i)
         return cls(unit, tuple(tuple(g) for g in groups.values()))
+
+
+def _patients_sharing_an_image(records: Sequence[PoseRecord], patients: list[str]) -> list[str]:
+    """Each record's unit key when patients shown in one image are one unit: the connected
+    components of the patient–image graph (union-find), each named by its first patient. Without
+    it, removing an image of two patients would move two units' gradients (2C), and a patient's face
+    in the other's crop would be covered by neither's guarantee."""
+    parent: dict[str, str] = {}
+
+    def root(node: str) -> str:
+        parent.setdefault(node, node)
+        while parent[node] != node:
+            parent[node] = parent[parent[node]]
+            node = parent[node]
+        return node
+
+    for record, patient in zip(records, patients):
+        a, b = root("patient:" + patient), root("image:" + record.image)
+        if a != b:
+            parent[b] = a
+    first: dict[str, str] = {}
+    return [first.setdefault(root("patient:" + patient), patient) for patient in patients]

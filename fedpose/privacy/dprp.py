@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
-from fedpose.privacy.noise import make_noise
+from fedpose.privacy.noise import SECURE_TAIL_BOUND_SIGMAS, make_noise, tail_cut_delta
 
 
 class DprpError(ValueError):
@@ -152,7 +152,16 @@ def video_dprp(
     reconstruction = np.linalg.solve(gram, coords.T).T @ projection.T
     out = np.clip(reconstruction, 0.0, 1.0).reshape(clip.shape).astype(np.float32)
 
+    # The sampler stops at 8.57σ: at a large ε a frame moves a coordinate by several σ, and outputs
+    # that only one clip can produce gain real probability (at ε 1000, ~0.4); it is part of δ.
+    cut = min(1.0, tail_cut_delta(k, row_sensitivity / sigma_projection)
+              + tail_cut_delta(k * k, covariance_sensitivity / sigma_covariance))
+    delta_total = min(1.0, float(delta) + cut)
     statement = "(ε, δ)-DP for one clip w.r.t. changing any one frame (pixels in [0, 1])"
+    if cut > 0.01 * delta:
+        statement += (f"; δ = {delta_total:.3g}, not the {delta:g} asked for: the noise sampler stops at "
+                      f"{SECURE_TAIL_BOUND_SIGMAS:.2f}σ and at this ε a frame moves the release by "
+                      f"{max(row_sensitivity / sigma_projection, covariance_sensitivity / sigma_covariance):.2f}σ (lower ε)")
     guarantee: dict[str, object] = {
         "mechanism": "video-dprp",
         "guarantee": "DP",
@@ -161,8 +170,10 @@ def video_dprp(
         "randomness": noise.description,
         "cryptographically_secure": noise.secure,
         "epsilon": float(epsilon),
-        "delta": float(delta),
-        "accountant": "basic composition of two Gaussian mechanisms",
+        "delta": delta_total,
+        "delta_requested": float(delta),
+        "delta_sampler_cut": cut,
+        "accountant": "basic composition of two Gaussian mechanisms (δ includes the sampler's cut at 8.57σ)",
         "unit_protected": "one frame of the clip",
         "public": "nothing (P is data-independent; the guarantee holds for the realised P)",
         "split": split,

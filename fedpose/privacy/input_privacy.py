@@ -29,7 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from fedpose.config import InputPrivacyConfig
-from fedpose.data.annotations import ANNOTATIONS_FILE, read_annotations, resolve_image, write_annotations
+from fedpose.data.annotations import ANNOTATIONS_FILE, read_annotations, refuse_image_aliases, resolve_image, write_annotations
 from fedpose.io import atomic_write_json
 from fedpose.privacy.ldp_slicing import LdpSlicer
 from fedpose.viz import save_png
@@ -134,12 +134,15 @@ def privatize_dataset(
     for record in records:
         if record.image not in sources:
             sources[record.image] = resolve_image(src_dir, record.image)
+    refuse_image_aliases(src_dir, sources)  # one file, one release
     renamed = {name: str(Path(name).with_suffix(".png")) for name in sources}
     if len(set(renamed.values())) != len(renamed):
         raise InputPrivacyError(f"{src_dir}: two images map to the same PNG name; rename them first")
 
     for index, (name, path) in enumerate(sources.items()):
         target = partial / renamed[name]
+        if not target.resolve().is_relative_to(partial.resolve()):  # resolve_image keeps names inside; never trust it alone
+            raise InputPrivacyError(f"{src_dir}: image '{name}' would be written outside the privatized copy ({target})")
         if not target.exists():  # already privatized in an interrupted run: never draw again
             save_png(slicer(load_rgb(path)).rgb, target)
         if progress is not None:

@@ -63,6 +63,19 @@ _ANGLE_PER_INT32 = 2.0 * math.pi / 2.0**32  # int32 k ↦ angle k·2π/2³² ∈
 SECURE_TAIL_BOUND_SIGMAS = math.sqrt(2 * 53 * math.log(2))
 
 
+def tail_cut_delta(coordinates: int, shift_sigmas: float) -> float:
+    """Upper bound on the δ the sampler's cut adds to one Gaussian release (module docstring):
+    ``coordinates`` noisy values, a neighbour moving them by at most ``shift_sigmas`` standard
+    deviations in ℓ2 (its sensitivity / σ). An output only one neighbour can produce needs a
+    Box–Muller pair within that shift of the radius cut T, and P(R ≥ r) = exp(−r²/2) for the
+    pair's radius R, so δ ≤ (pairs touched ≤ coordinates) · exp(−(T − shift)²/2); 1 once the
+    shift reaches the cut."""
+    margin = SECURE_TAIL_BOUND_SIGMAS - float(shift_sigmas)
+    if margin <= 0:
+        return 1.0
+    return min(1.0, float(coordinates) * math.exp(-margin * margin / 2))
+
+
 def _gaussian_pairs(
     low53: Tensor, angle_words: Tensor, variance: float, radius: Tensor, angle: Tensor, cos_out: Tensor, sin_out: Tensor
 ) -> None:

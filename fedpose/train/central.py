@@ -168,6 +168,12 @@ def _load_dataset(path: Path, cfg: RunConfig, train: bool, seed: int, with_publi
     records, root = load_records(path)
     if not records:
         raise ConfigError(f"{path}: the dataset has no records")
+    if train and get_mechanism(cfg.privacy.mechanism).noisy:
+        # units and MaskDP's head boxes count images by name: one file must have one name
+        from fedpose.data.annotations import refuse_image_aliases
+        from fedpose.data.loaders import resolve_image_or_raise
+
+        refuse_image_aliases(root, {name: resolve_image_or_raise(root, name) for name in sorted({r.image for r in records})})
     data = cfg.data
     return PoseDataset(records, root, input_size=data.input_size, train=train, seed=seed, **data.augmentation_options(),
                        **(dataset_view_options(cfg.privacy) if with_public_view else {}))
