@@ -117,6 +117,23 @@ def test_prepare_site_dataset(tmp_path):
     assert prepare_site_dataset(src, CFG) == (path, guarantee)
 
 
+def test_a_lost_central_copy_is_refused_not_privatized_again(tmp_path):
+    """Central training kept no release record: deleting <data>.ldp-sliced made the next run draw a
+    second, independent copy of the same images (2ε spent, ε reported; an attacker review)."""
+    import shutil
+
+    src = _dataset(tmp_path / "site")
+    path, _ = prepare_site_dataset(src, CFG)
+    record = tmp_path / "site.ldp-sliced.release.json"
+    assert json.loads(record.read_text())["settings"]["epsilon"] == CFG.epsilon
+    shutil.rmtree(path)
+    with pytest.raises(InputPrivacyError, match="is missing"):
+        prepare_site_dataset(src, CFG)
+    assert not path.exists()
+    with pytest.raises(InputPrivacyError, match="keep the recorded settings"):
+        prepare_site_dataset(src, CFG.model_copy(update={"epsilon": 2 * CFG.epsilon}))
+
+
 def test_corrupt_image_is_named_and_nothing_is_published(tmp_path):
     src = _dataset(tmp_path / "site")
     (src / "img2.png").write_bytes(b"garbage")

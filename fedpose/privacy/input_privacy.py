@@ -36,6 +36,8 @@ from fedpose.viz import save_png
 
 MANIFEST_FILE = "ldp_manifest.json"
 PARTIAL_SUFFIX = ".partial"
+#: beside a central run's copy (``<copy>.release.json``): deleting the copy leaves the record
+CENTRAL_RELEASE_SUFFIX = ".release.json"
 #: Default location of a site's privatized copy, beside its raw data.
 PRIVATIZED_SUFFIX = ".ldp-sliced"
 
@@ -161,16 +163,52 @@ def privatize_dataset(
 def prepare_site_dataset(
     data_dir: str | Path, cfg: InputPrivacyConfig, privatized_dir: str | Path | None = None
 ) -> tuple[Path, dict[str, Any] | None]:
-    """What a site calls when it loads its data: returns (directory to train/evaluate on, guarantee or None).
+    """What central training calls when it loads its data: returns (directory to train/evaluate on, guarantee or None).
 
     With ``mechanism = "none"`` the raw directory is returned unchanged. Otherwise the privatized
-    copy (default ``<data_dir>.ldp-sliced``) is created once and reused on every later call."""
-    data_dir = Path(data_dir)
+    copy (default ``<data_dir>.ldp-sliced``) is created once and reused on every later call; its
+    release is recorded beside it (``<copy>.release.json``) before any image is drawn, so a lost copy
+    is refused, never privatized a second time (:func:`prepare_site_input` says why)."""
+    data_dir = Path(data_dir).resolve()
     if cfg.mechanism == "none":
         return data_dir, None
     target = Path(privatized_dir) if privatized_dir is not None else data_dir.with_name(data_dir.name + PRIVATIZED_SUFFIX)
-    return target, privatize_dataset(data_dir, target, cfg)
+    record = target.with_name(target.name + CENTRAL_RELEASE_SUFFIX)
+    return _privatize_once(data_dir, target, record, cfg, f"restore {target} from a backup")
 
+
+def _privatize_once(data_dir: Path, copy: Path, record: Path, cfg: InputPrivacyConfig, restore: str) -> tuple[Path, dict[str, Any]]:
+    """The LDP-sliced ``copy`` of ``data_dir``, its release recorded in ``record`` before any draw:
+    once recorded the release is final, and a lost copy is refused (``restore`` says how to get it
+    back) instead of privatized again — two independent ε-LDP releases are 2ε-LDP, reported as ε."""
+    partial = copy.with_name(copy.name + PARTIAL_SUFFIX)
+    expected = settings_record(cfg)
+    if record.exists():
+        try:
+            release = json.loads(record.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise InputPrivacyError(f"{record}: unreadable LDP release record ({exc}); refusing to privatize the images again") from None
+        if release.get("settings") != expected or release.get("source") != str(data_dir):
+            raise InputPrivacyError(
+                f"{record}: these images were privatized from {release.get('source')} with {release.get('settings')}; "
+                f"the config now asks for {data_dir} with {expected}. A second randomization spends the budget again: "
+                "keep the recorded settings."
+            )
+        if not (copy / MANIFEST_FILE).exists() and not (partial / MANIFEST_FILE).exists():
+            raise InputPrivacyError(
+                f"the LDP-sliced copy {copy} recorded in {record} (ε_total = {release['settings'].get('epsilon')}) is missing. "
+                f"Privatizing the images again would release a second independent copy (2ε spent, ε reported): {restore}. "
+                f"Only if you accept the doubled spend, delete {record} deliberately."
+            )
+        return copy, privatize_dataset(data_dir, copy, cfg)  # reuses the copy, or resumes its .partial build
+    if (copy / MANIFEST_FILE).exists():  # a copy made before release records existed: check it, record it, draw nothing
+        guarantee = privatize_dataset(data_dir, copy, cfg)
+        atomic_write_json(record, {"settings": expected, "source": str(data_dir), "guarantee": guarantee,
+                                   "recorded_at": time.time(), "adopted": True})
+        return copy, guarantee
+    atomic_write_json(record, {"settings": expected, "source": str(data_dir), "guarantee": guarantee_record(cfg),
+                               "recorded_at": time.time()})
+    return copy, privatize_dataset(data_dir, copy, cfg)
 
 
 #: A federation site's privatized copy and its release record live in its state_dir (a durable
@@ -196,37 +234,10 @@ def prepare_site_input(data_dir: str | Path, cfg: InputPrivacyConfig, state_dir:
     if cfg.mechanism == "none":
         return data_dir, None
     copy, record = site_ldp_copy_dir(state_dir), state_dir / RELEASE_RECORD
-    partial = copy.with_name(copy.name + PARTIAL_SUFFIX)
-    expected = settings_record(cfg)
-    if record.exists():
-        try:
-            release = json.loads(record.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise InputPrivacyError(f"{record}: unreadable LDP release record ({exc}); refusing to privatize the images again") from None
-        if release.get("settings") != expected or release.get("source") != str(data_dir):
-            raise InputPrivacyError(
-                f"{record}: this site's images were privatized from {release.get('source')} with {release.get('settings')}; "
-                f"the config now asks for {data_dir} with {expected}. A second randomization spends the budget again: "
-                "keep the recorded settings."
-            )
-        if not (copy / MANIFEST_FILE).exists() and not (partial / MANIFEST_FILE).exists():
-            raise InputPrivacyError(
-                f"the LDP-sliced copy {copy} recorded in {record} (ε_total = {release['settings'].get('epsilon')}) is missing. "
-                "Privatizing the images again would release a second independent copy (2ε spent, ε reported): restore the "
-                f"copy from a backup of {state_dir}. Only if you accept the doubled spend, delete {record} deliberately."
-            )
-        return copy, privatize_dataset(data_dir, copy, cfg)  # reuses the copy, or resumes its .partial build
     legacy = data_dir.with_name(data_dir.name + PRIVATIZED_SUFFIX)
-    if (legacy / MANIFEST_FILE).exists() and not (copy / MANIFEST_FILE).exists():
+    if not record.exists() and (legacy / MANIFEST_FILE).exists() and not (copy / MANIFEST_FILE).exists():
         raise InputPrivacyError(
             f"{legacy} holds an LDP-sliced copy made before sites kept it in their state_dir; move it to {copy} "
             "(privatizing again would spend the budget a second time)"
         )
-    if (copy / MANIFEST_FILE).exists():  # a copy made before release records existed: check it, record it, draw nothing
-        guarantee = privatize_dataset(data_dir, copy, cfg)
-        atomic_write_json(record, {"settings": expected, "source": str(data_dir), "guarantee": guarantee,
-                                   "recorded_at": time.time(), "adopted": True})
-        return copy, guarantee
-    atomic_write_json(record, {"settings": expected, "source": str(data_dir), "guarantee": guarantee_record(cfg),
-                               "recorded_at": time.time()})
-    return copy, privatize_dataset(data_dir, copy, cfg)
+    return _privatize_once(data_dir, copy, record, cfg, f"restore the copy from a backup of {state_dir}")
