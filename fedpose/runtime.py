@@ -22,15 +22,17 @@ Measured peak memory (benchmarks/step_cost, 256×192, two runs): within 3 % of g
 none/dpsgd/fdp/maskdp, +3–5 % for pdp and +4–7 % for fpdp (6.0–6.1 vs 5.6–5.9 GiB).
 Set ``FEDPOSE_MALLOC_TUNING=0`` to keep the C library's defaults.
 
-Why subnormal floats flush to zero: on x86 CPUs arithmetic on subnormals (|x| < 1.2e-38 in float32)
-is 40–130× slower than on normal numbers, so a coordinator could craft a finite global model whose
-activations turn subnormal exactly where an image has some property — and a site's round time would
-count its images with it (a timing side channel outside the DP guarantee; measured with the small
-backbone: 16 rows 0.20 s vs 2.4 s). Flush-to-zero makes every float operation cost the same. It is a
-per-thread CPU flag that torch's worker threads copy from the thread that creates them, so it is set
-when this module is imported (and a site's process sets it first of all), before torch has started
-its thread pool; a site's round checks every thread (``flush_subnormals_on_every_thread``) and computes
-on one thread where older workers lack it.
+Why subnormal floats flush to zero while a site trains: on x86 CPUs arithmetic on subnormals
+(|x| < 1.2e-38 in float32) is 40–130× slower than on normal numbers, so a coordinator could craft a
+finite global model whose activations turn subnormal exactly where an image has some property —
+and a site's round time would count its images with it (a timing side channel outside the DP
+guarantee; measured with the small backbone: 16 rows 0.20 s vs 2.4 s). Flush-to-zero makes every
+float operation cost the same. It is a per-thread CPU flag, and a thread torch starts copies it
+from the thread that starts it: ``configure_cpu`` starts torch's threads with it set, and a site
+trains inside :func:`subnormals_as_zero` (which checks every thread and falls back to one thread
+where an older worker lacks it). Only there: the flag also rounds numpy's float64 subnormals to
+zero, which changed what dp-accounting computes at an extreme σ (ε 727 instead of its overflow),
+so accounting runs with IEEE arithmetic, outside the block.
 """
 
 from __future__ import annotations
@@ -46,9 +48,6 @@ from typing import Iterator
 import torch
 
 from fedpose.config import DEVICE_CHOICES, ConfigError
-
-# Before any torch work in this process: worker threads inherit the flag when they are created.
-torch.set_flush_denormal(True)
 
 # mallopt parameter numbers from <malloc.h>
 _M_TRIM_THRESHOLD = -1
@@ -75,10 +74,12 @@ def tune_allocator() -> bool:
 
 
 def configure_cpu(threads: int | None = None) -> None:
-    """Set torch's intra-op threads (None: leave torch's default) and tune the allocator."""
-    torch.set_flush_denormal(True)  # for threads created from now on (see the module docstring)
-    if threads:
-        torch.set_num_threads(int(threads))
+    """Set torch's intra-op threads (None: leave torch's default) and tune the allocator. The
+    threads torch starts here flush subnormals to zero (the module docstring)."""
+    with subnormals_as_zero():
+        if threads:
+            torch.set_num_threads(int(threads))
+        subnormals_flushed()  # a parallel region: threads torch still had to start start now, with the flag
     tune_allocator()
 
 
@@ -87,9 +88,9 @@ _SUBNORMAL_BITS = 0x000AE398  # float32 ≈ 1.0e-39, below the smallest normal n
 
 def subnormals_flushed() -> bool:
     """Whether every torch CPU thread of this process computes with subnormal floats as zeros, so no
-    operation's time depends on whether its values are subnormal (the module docstring). False where
-    torch's thread pool started before the flag was set (work before fedpose was imported), or where
-    the CPU has no such mode."""
+    operation's time depends on whether its values are subnormal (the module docstring). False
+    outside :func:`subnormals_as_zero`, where threads torch started without the flag work, or on a
+    CPU without the mode."""
     # large enough that every intra-op thread takes a share: an element-wise product and a matrix
     # product (BLAS runs its own kernels); flushed, both are exactly zero
     subnormal = torch.full((1 << 20,), _SUBNORMAL_BITS, dtype=torch.int32).view(torch.float32)
@@ -98,19 +99,30 @@ def subnormals_flushed() -> bool:
     return not bool(elementwise.any()) and not bool(matrix.any())
 
 
-def flush_subnormals_on_every_thread() -> bool:
-    """Make every torch CPU thread this process computes with flush subnormals to zero (the module
-    docstring): True if they already did, False if torch's older worker threads did not and the
-    process now computes on its calling thread alone (torch.set_num_threads(1): slower, never
-    data-dependent). RuntimeError where even that thread cannot (a CPU without the mode)."""
+def start_cpu_threads() -> None:
+    """Start torch's CPU threads now, each flushing subnormals to zero (the module docstring): the
+    first thing a site process does."""
+    with subnormals_as_zero():
+        pass
+
+
+@contextmanager
+def subnormals_as_zero() -> Iterator[bool]:
+    """Flush subnormal floats to zero on the calling thread for the block, IEEE arithmetic after;
+    yields whether every torch CPU thread flushes them (the module docstring). Where older worker
+    threads do not, the block computes on the calling thread alone (torch.set_num_threads(1):
+    slower, never data-dependent) and yields False. RuntimeError on a CPU without the mode."""
     torch.set_flush_denormal(True)
-    if subnormals_flushed():
-        return True
-    torch.set_num_threads(1)
-    if not subnormals_flushed():
-        raise RuntimeError("this CPU cannot flush subnormal floats to zero: a crafted global model could make a round's "
-                           "time depend on the site's images")
-    return False
+    try:
+        every_thread = subnormals_flushed()
+        if not every_thread:
+            torch.set_num_threads(1)
+            if not subnormals_flushed():
+                raise RuntimeError("this CPU cannot flush subnormal floats to zero: a crafted global model could make a "
+                                   "round's time depend on the site's images")
+        yield every_thread
+    finally:
+        torch.set_flush_denormal(False)
 
 
 # -- devices ----------------------------------------------------------------------------------------

@@ -35,15 +35,15 @@ from fedpose.federation import protocol
 from fedpose.federation.config import FederationConfig, SiteConfig
 from fedpose.federation.secagg import site as secagg_site
 from fedpose.federation.site_budget import SITE_LOG_FILE
-from fedpose.runtime import flush_subnormals_on_every_thread
+from fedpose.runtime import start_cpu_threads
 from sites.egress import egress_guard
 
 log = logging.getLogger("fedpose.site")
 
-# First, before torch starts its CPU threads (they copy the flag from this one): subnormal floats
-# flush to zero, so no crafted global model can make a round's time count the site's images
-# (fedpose.runtime).
-flush_subnormals_on_every_thread()
+# First: torch's CPU threads start flushing subnormal floats to zero (they copy the flag from the
+# thread that starts them), so no crafted global model can make a round's time count the site's
+# images (fedpose.runtime).
+start_cpu_threads()
 
 SITE_LOG = SITE_LOG_FILE  #: the site's local log, in its state_dir (error details stay here)
 

@@ -51,23 +51,27 @@ def test_configure_cpu_sets_threads() -> None:
 
 # Subnormal floats (|x| < 1.2e-38) are 40–130× slower on x86 unless flushed; a crafted global model
 # could make a site's round time count images with some property (fedpose.runtime). Each case runs
-# in a fresh process: the flag is per thread, copied by the threads torch starts after it is set.
+# in a fresh process: the flag is per thread, copied by the threads torch starts.
 _SUBNORMALS = """
-import json, sys, torch
+import json, sys
+import numpy as np, torch
 torch.set_num_threads(2)
-if sys.argv[1] == "pool-first":
-    torch.full((1 << 20,), 1.0).sum()  # torch's worker threads start before fedpose is imported
-    from fedpose.runtime import flush_subnormals_on_every_thread, subnormals_flushed
-    fixed = flush_subnormals_on_every_thread()
-elif sys.argv[1] == "site-process":
-    import sites.client_app  # what a SuperNode loads first
-    from fedpose.runtime import subnormals_flushed
-    fixed = None
-else:  # nothing of fedpose imported: the CPU's default
+def main_thread_ieee():  # one small op runs on the calling thread; numpy's float64 too
+    one = torch.tensor([0x000AE398], dtype=torch.int32).view(torch.float32)
+    return bool((one * 0.5).any()) and bool(np.float64(1e-310) * 0.5 != 0)
+if sys.argv[1] == "default":  # nothing of fedpose: the CPU's default
     subnormal = torch.full((1 << 20,), 0x000AE398, dtype=torch.int32).view(torch.float32)
     print(json.dumps({"flushed": not bool((subnormal * 0.5).any())}))
     sys.exit(0)
-print(json.dumps({"fixed": fixed, "flushed": subnormals_flushed(), "threads": torch.get_num_threads()}))
+if sys.argv[1] == "pool-first":
+    torch.full((1 << 20,), 1.0).sum()  # torch's worker threads start before fedpose is imported
+else:
+    import sites.client_app  # what a SuperNode loads first
+from fedpose.runtime import subnormals_as_zero, subnormals_flushed
+with subnormals_as_zero() as every_thread:
+    inside = subnormals_flushed()
+print(json.dumps({"every_thread": every_thread, "inside": inside, "threads": torch.get_num_threads(),
+                  "ieee_after": main_thread_ieee()}))
 """
 
 
@@ -81,11 +85,13 @@ def test_subnormals_are_slow_values_unless_flushed() -> None:
     assert _subnormals("default") == {"flushed": False}  # what the defence is for
 
 
-def test_a_site_process_flushes_subnormals_on_every_thread() -> None:
-    assert _subnormals("site-process") == {"fixed": None, "flushed": True, "threads": 2}
+def test_a_site_process_trains_with_every_thread_flushing_and_accounts_in_ieee() -> None:
+    """Inside the block every thread flushes; after it the calling thread computes IEEE subnormals
+    again (the flag changed dp-accounting's result at an extreme σ, so accounting stays outside)."""
+    assert _subnormals("site-process") == {"every_thread": True, "inside": True, "threads": 2, "ieee_after": True}
 
 
 def test_older_worker_threads_fall_back_to_one_flushed_thread() -> None:
-    """Where torch's workers started before the flag (fedpose imported late), they cannot get it:
-    the process computes on its calling thread alone."""
-    assert _subnormals("pool-first") == {"fixed": False, "flushed": True, "threads": 1}
+    """Where torch's workers started without the flag, they cannot get it: the block computes on the
+    calling thread alone."""
+    assert _subnormals("pool-first") == {"every_thread": False, "inside": True, "threads": 1, "ieee_after": True}

@@ -286,7 +286,7 @@ def train_site_round(
 
     from fedpose.model import build_model_from_spec
     from fedpose.privacy.engine import build_engine
-    from fedpose.runtime import configure_device, describe_device, flush_subnormals_on_every_thread, resolve_device
+    from fedpose.runtime import configure_device, describe_device, resolve_device, subnormals_as_zero
     from fedpose.train.loop import TrainingDiverged, train_steps
     from fedpose.train.optim import build_optimizer, build_scheduler
 
@@ -349,10 +349,6 @@ def train_site_round(
         """The coordinator's model at its global weights (checked), on the device, and V (checked)."""
         nonlocal model, basis
         configure_device(device, threads)
-        # slow subnormal arithmetic would let a crafted model time the site's images (fedpose.runtime)
-        if device.type == "cpu" and not flush_subnormals_on_every_thread():
-            log.warning("site %s: torch's CPU threads started before flush-to-zero was set; this process now trains on "
-                        "one thread (start the site from its ClientApp, which sets it first)", site.site_id)
         model = build_model_from_spec(model_spec)
         expected = model.state_dict()
         check_global_arrays(expected, global_state)
@@ -462,8 +458,14 @@ def train_site_round(
     scheduler = build_scheduler(optimizer, site.optim, local_steps)
     record_progress = _progress_recorder(site, run_id, round_id, local_steps, on_step)
     try:
-        history = train_steps(model, engine, dataset, optimizer, local_steps, scheduler=scheduler, progress=False,
-                              on_step=record_progress)
+        # slow subnormal arithmetic would let a crafted model time the site's images (fedpose.runtime);
+        # the accounting stays outside, in IEEE arithmetic
+        with subnormals_as_zero() as every_thread:
+            if not every_thread:
+                log.warning("site %s: torch's CPU threads started without flush-to-zero; this round trains on one thread "
+                            "(start the site from its ClientApp, which starts them with it)", site.site_id)
+            history = train_steps(model, engine, dataset, optimizer, local_steps, scheduler=scheduler, progress=False,
+                                  on_step=record_progress)
     except TrainingDiverged as failure:
         # Spent (recorded above) but nothing released: say so, with the spend, instead of vanishing.
         log.warning("site %s round %d: %s", site.site_id, round_id, failure)
