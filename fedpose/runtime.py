@@ -76,10 +76,7 @@ def tune_allocator() -> bool:
 def configure_cpu(threads: int | None = None) -> None:
     """Set torch's intra-op threads (None: leave torch's default) and tune the allocator. The
     threads torch starts here flush subnormals to zero (the module docstring)."""
-    with subnormals_as_zero():
-        if threads:
-            torch.set_num_threads(int(threads))
-        subnormals_flushed()  # a parallel region: threads torch still had to start start now, with the flag
+    start_cpu_threads(threads)
     tune_allocator()
 
 
@@ -99,11 +96,17 @@ def subnormals_flushed() -> bool:
     return not bool(elementwise.any()) and not bool(matrix.any())
 
 
-def start_cpu_threads() -> None:
-    """Start torch's CPU threads now, each flushing subnormals to zero (the module docstring): the
-    first thing a site process does."""
-    with subnormals_as_zero():
-        pass
+def start_cpu_threads(threads: int | None = None) -> None:
+    """Set torch's intra-op threads (None: torch's default) and start those it has not started yet,
+    each flushing subnormals to zero (the module docstring); the calling thread keeps IEEE
+    arithmetic. The first thing a site process does."""
+    torch.set_flush_denormal(True)
+    try:
+        if threads:
+            torch.set_num_threads(int(threads))
+        subnormals_flushed()  # a parallel region: torch starts its missing threads now, with the flag
+    finally:
+        torch.set_flush_denormal(False)
 
 
 @contextmanager
