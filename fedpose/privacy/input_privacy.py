@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Callable
 
 import numpy as np
@@ -135,7 +135,7 @@ def privatize_dataset(
     sources = {}
     for record in records:
         if record.image not in sources:
-            sources[record.image] = resolve_image(src_dir, record.image)
+            sources[record.image] = resolve_image(src_dir, _copy_name(src_dir, record.image))
     refuse_image_aliases(src_dir, sources)  # one file, one release
     renamed = {name: str(Path(name).with_suffix(".png")) for name in sources}
     if len(set(renamed.values())) != len(renamed):
@@ -158,6 +158,17 @@ def privatize_dataset(
         dst_dir.rmdir()  # empty (checked above)
     os.replace(partial, dst_dir)
     return guarantee
+
+
+def _copy_name(src_dir: Path, image: str) -> str:
+    """An image name the copy can mirror: relative and inside the dataset. The copy is written at
+    ``<copy>/<name>``, so an absolute name would point it at the raw file itself (whose existing PNG
+    was then taken for a privatized one, and trained on raw) and ".." would climb out of the copy."""
+    parts = PurePosixPath(image.replace("\\", "/")).parts
+    if not image or PurePosixPath(image).is_absolute() or Path(image).is_absolute() or ".." in parts:
+        raise InputPrivacyError(f"{src_dir}: image name '{image}' must be a relative path inside the dataset directory "
+                                "(beside annotations.json or under images/), without '..', for its privatized copy")
+    return image
 
 
 def prepare_site_dataset(
