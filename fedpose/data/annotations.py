@@ -152,4 +152,3 @@ def refuse_image_aliases(dataset_dir: Path, files: Mapping[str, Path]) -> None:
             raise AnnotationError(f"{dataset_dir}: the image names '{seen[key]}' and '{name}' are one file ({path}); "
                                   "name each image one way in the annotations")
         seen[key] = name
-

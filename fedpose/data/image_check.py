@@ -12,8 +12,7 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from fedpose.data.annotations import PoseRecord
-from fedpose.data.annotations import refuse_image_aliases
+from fedpose.data.annotations import PoseRecord, refuse_image_aliases
 from fedpose.data.loaders import ImageLoadError, resolve_image_or_raise
 from fedpose.io import atomic_write_json
 

@@ -154,14 +154,14 @@ def video_dprp(
 
     # The sampler stops at 8.57σ: at a large ε a frame moves a coordinate by several σ, and outputs
     # that only one clip can produce gain real probability (at ε 1000, ~0.4); it is part of δ.
-    cut = min(1.0, tail_cut_delta(k, row_sensitivity / sigma_projection)
-              + tail_cut_delta(k * k, covariance_sensitivity / sigma_covariance))
+    shift_projection, shift_covariance = row_sensitivity / sigma_projection, covariance_sensitivity / sigma_covariance
+    cut = min(1.0, tail_cut_delta(k, shift_projection) + tail_cut_delta(k * k, shift_covariance))
     delta_total = min(1.0, float(delta) + cut)
     statement = "(ε, δ)-DP for one clip w.r.t. changing any one frame (pixels in [0, 1])"
     if cut > 0.01 * delta:
         statement += (f"; δ = {delta_total:.3g}, not the {delta:g} asked for: the noise sampler stops at "
                       f"{SECURE_TAIL_BOUND_SIGMAS:.2f}σ and at this ε a frame moves the release by "
-                      f"{max(row_sensitivity / sigma_projection, covariance_sensitivity / sigma_covariance):.2f}σ (lower ε)")
+                      f"{max(shift_projection, shift_covariance):.2f}σ (lower ε)")
     guarantee: dict[str, object] = {
         "mechanism": "video-dprp",
         "guarantee": "DP",
