@@ -18,7 +18,8 @@ from fedpose.privacy.dprp import (
     proportional_split,
     video_dprp,
 )
-from fedpose.privacy.noise import SECURE_TAIL_BOUND_SIGMAS, InsecureSeededNoise, tail_cut_delta
+from fedpose.privacy.accountants.sampler_cut import SECURE_TAIL_BOUND_SIGMAS, tail_cut_delta
+from fedpose.privacy.noise import InsecureSeededNoise
 
 
 def _clip(frames=6, height=12, width=16):

@@ -51,6 +51,7 @@ from fedpose.privacy.accountants.rdp import (
     rdp_to_epsilon,
     replace_public_membership_rdp,
 )
+from fedpose.privacy.accountants.sampler_cut import accountable_delta
 
 __all__ = [
     "ADD_REMOVE", "REPLACE_ONE", "REPLACE_PUBLIC_MEMBERSHIP", "RELATIONS", "DEFAULT_ORDERS", "MAX_NOISE_MULTIPLIER", "PrivacyLedger",
@@ -120,13 +121,17 @@ class PrivacyLedger:
 
     def get_epsilon(self, delta: float) -> tuple[float, float]:
         """(ε, optimal RDP order α) at ``delta`` by this ledger's accountant; α is NaN for pld/prv.
-        ε = 0 for an empty ledger."""
+        ε = 0 for an empty ledger. The ε of SecureNoise's real, tail-cut Gaussians: the accountant is
+        asked at the δ their cut leaves (:mod:`~fedpose.privacy.accountants.sampler_cut`); ∞ when none is left."""
         check_delta(delta)
         if self.steps == 0:
             return 0.0, float("nan")
+        delta_gaussian = accountable_delta(self.events, self.relation, delta)
+        if delta_gaussian <= 0:
+            return math.inf, float("nan")
         if self.accountant == "rdp":
-            return RdpAccountant(self.orders).epsilon_and_order(self.events, self.relation, delta)
-        return get_accountant(self.accountant).epsilon(self.events, self.relation, delta), float("nan")
+            return RdpAccountant(self.orders).epsilon_and_order(self.events, self.relation, delta_gaussian)
+        return get_accountant(self.accountant).epsilon(self.events, self.relation, delta_gaussian), float("nan")
 
     def epsilon_by(self, delta: float) -> dict[str, float]:
         """ε of these events under every accountant that handles the relation (name → ε)."""

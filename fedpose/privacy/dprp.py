@@ -39,7 +39,8 @@ import numpy as np
 import torch
 
 from fedpose.privacy.csprng import SEEDED_NO_GUARANTEE
-from fedpose.privacy.noise import SECURE_TAIL_BOUND_SIGMAS, make_noise, tail_cut_delta
+from fedpose.privacy.accountants.sampler_cut import SECURE_TAIL_BOUND_SIGMAS, tail_cut_delta
+from fedpose.privacy.noise import make_noise
 
 
 class DprpError(ValueError):

@@ -18,11 +18,11 @@ down to 2⁻⁵³ (float32 reaches 1e-38), so the tail is that of a 53-bit unifo
 32-bit one at 6.66σ.) Rounding u to float32 near u = 1 only moves r by the float32 output's own
 precision.
 
-What the cut costs, not included in the reported δ: an output that only the neighbouring
-dataset can produce needs some pair within one sensitivity of the cut, so a release of T steps
-adds at most ≈ T·exp(−(8.57 − 1/σ)²/2) to δ (σ the noise multiplier; the worst case puts the
-whole sensitivity into one pair): 4e-9 for σ = 1 and T = 10⁴, 8e-8 for σ = 0.7, but 4e-6 for
-σ = 0.5 — comparable to δ = 1e-5 there.
+What the cut costs is part of every reported δ (:mod:`fedpose.privacy.accountants.sampler_cut`):
+outputs that only one neighbour can produce (a pair within one sensitivity of the cut) and the
+1/(1 − 2⁻⁵³)^pairs scaling of the densities. Per DP-SGD step that is ≈ 1.3e-11 at σ = 1 and
+4.4e-10 at σ = 0.5 (≤ :data:`MAX_NOISE_COORDINATES` coordinates, the bound's assumption: larger
+draws are refused); the ledger asks the accountant for ε at the δ that is left.
 
 Cost, p = 4.74 M at 256×192 (2 threads, shared 2-core Xeon): 25.8 ms median, 1.5 % of a 1.70 s
 DP-SGD step, the same as the seeded torch generator (26.3 ms); AES is ≈ 7 ms of it
@@ -49,6 +49,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from fedpose.privacy.accountants.sampler_cut import MAX_NOISE_COORDINATES, SECURE_TAIL_BOUND_SIGMAS
 from fedpose.privacy.chacha20 import BLOCK_WORDS, fresh_key, keystream_words
 from fedpose.privacy.csprng import AesCtrBytes
 
@@ -59,23 +60,6 @@ _DEVICE_PAIRS_PER_CHUNK = 1 << 22
 _LOW_21 = (1 << 21) - 1
 _MASK_53 = (1 << 53) - 1
 _ANGLE_PER_INT32 = 2.0 * math.pi / 2.0**32  # int32 k ↦ angle k·2π/2³² ∈ [−π, π)
-#: the largest |z|/σ SecureNoise can produce: √(−2 ln 2⁻⁵³)
-SECURE_TAIL_BOUND_SIGMAS = math.sqrt(2 * 53 * math.log(2))
-
-
-def tail_cut_delta(coordinates: int, shift_sigmas: float) -> float:
-    """Upper bound on the δ the sampler's cut adds to one Gaussian release (module docstring):
-    ``coordinates`` noisy values, a neighbour moving them by at most ``shift_sigmas`` standard
-    deviations in ℓ2 (its sensitivity / σ). An output only one neighbour can produce needs a
-    Box–Muller pair within that shift of the radius cut T, and P(R ≥ r) = exp(−r²/2) for the
-    pair's radius R, so δ ≤ (pairs touched ≤ coordinates) · exp(−(T − shift)²/2); 1 once the
-    shift reaches the cut."""
-    margin = SECURE_TAIL_BOUND_SIGMAS - float(shift_sigmas)
-    if margin <= 0:
-        return 1.0
-    return min(1.0, float(coordinates) * math.exp(-margin * margin / 2))
-
-
 def _gaussian_pairs(
     low53: Tensor, angle_words: Tensor, variance: float, radius: Tensor, angle: Tensor, cos_out: Tensor, sin_out: Tensor
 ) -> None:
@@ -118,6 +102,12 @@ def chacha20_normal(
     return out[:size]
 
 
+def _check_size(size: int) -> None:
+    if size > MAX_NOISE_COORDINATES:
+        raise ValueError(f"a Gaussian release of {size:,} coordinates: the accounting of the sampler's cut assumes at "
+                         f"most {MAX_NOISE_COORDINATES:,} (fedpose.privacy.accountants.sampler_cut); train fewer parameters")
+
+
 class SecureNoise:
     """Noise and uniforms from a CSPRNG keyed from OS entropy: AES-256-CTR on the CPU, ChaCha20 on a
     GPU (see the module docstring)."""
@@ -135,6 +125,7 @@ class SecureNoise:
     def normal(self, size: int, std: float, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> Tensor:
         """``size`` independent N(0, std²) samples (float32, or float64 for numpy users), on ``device``
         (None: the CPU). Off the CPU they are generated on that device (:func:`chacha20_normal`)."""
+        _check_size(size)
         if device is not None and torch.device(device).type != "cpu":
             return chacha20_normal(size, std, device, dtype)
         pairs = (size + 1) // 2
