@@ -4,6 +4,7 @@
     fedpose site report --state-dir state/site-1 --csv      # the same, for a spreadsheet
     fedpose site report --state-dir state/site-1 --verify   # the hash chain + agreement with the budget
     fedpose site identity --out /etc/fedpose/site-1.identity.pem   # the site's secure-aggregation identity
+    fedpose site prepare --site-config site-1.toml --input-size 256 192   # decode the images before joining
 
 ``report``: the audit log for the site's privacy officer (public values only).
 The log (``<state_dir>/audit.jsonl``, :mod:`fedpose.federation.site_audit`) is written by the site
@@ -25,7 +26,7 @@ from fedpose.cli.common import UserError, examples, print_json
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("site", help="a site's own records: its audit log for the privacy officer")
+    parser = subparsers.add_parser("site", help="a site's own records and preparation: its audit log, identity, decoded images")
     sub = parser.add_subparsers(dest="site_command", metavar="ACTION", required=True)
     report = sub.add_parser(
         "report", help="every round the site took part in: asked, answered, ε, bytes and SHA-256 released (public values only)",
@@ -51,6 +52,34 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     identity.add_argument("--force", action="store_true", help="overwrite an existing key (its peers must then be told)")
     identity.epilog = examples("fedpose site identity --out /etc/fedpose/site-1.identity.pem")
     identity.set_defaults(handler=_identity)
+    prepare = sub.add_parser(
+        "prepare", help="check and decode the site's training images into its canonical windows before it joins",
+        description="Decodes every training image once into the site's canonical windows (fedpose.data.canonical) "
+                    "at the federation's input size, in the site's state_dir. A site does this when it first loads "
+                    "its data anyway; done here, before the site joins, no round's time includes it. Applies the "
+                    "site's input privacy (LDP-Slicing) first, as its first round would.")
+    prepare.add_argument("--site-config", required=True, type=Path, help="the site's config (a SiteConfig TOML)")
+    prepare.add_argument("--input-size", required=True, type=int, nargs=2, metavar=("H", "W"),
+                         help="the federation's model input size (the coordinator's model)")
+    prepare.epilog = examples("fedpose site prepare --site-config site-1.toml --input-size 256 192")
+    prepare.set_defaults(handler=_prepare)
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from fedpose.config import load_config
+    from fedpose.federation.config import SiteConfig
+    from fedpose.federation.local_training import CANONICAL_WINDOWS_DIR, load_site_dataset
+
+    site = load_config(str(args.site_config), model=SiteConfig)
+    height, width = args.input_size
+    if height <= 0 or width <= 0:
+        raise UserError(f"--input-size must be positive, got {height} {width}")
+    dataset = load_site_dataset(site, (height, width))
+    assert dataset.windows is not None
+    print_json({"site_id": site.site_id, "records": len(dataset), "input_size": [height, width],
+                "window_size": list(dataset.windows.windows.shape[1:3]),
+                "bytes": int(dataset.windows.windows.nbytes), "in": str(Path(site.state_dir) / CANONICAL_WINDOWS_DIR)})
+    return 0
 
 
 def _identity(args: argparse.Namespace) -> int:

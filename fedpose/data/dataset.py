@@ -58,6 +58,7 @@ from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from fedpose.data.annotations import PoseRecord
+from fedpose.data.canonical import CanonicalWindows
 from fedpose.data.loaders import ImageLoadError, load_records, resolve_image_or_raise
 from fedpose.data.transforms import (
     Augmentation,
@@ -240,6 +241,7 @@ class PoseDataset(Dataset):
         fixed_rotations: Sequence[float] | None = None,
         rotation_range: float | None = None,
         fixed_grey: Sequence[bool] | None = None,
+        windows: CanonicalWindows | None = None,
     ) -> None:
         if len(input_size) != 2 or min(input_size) <= 0:
             raise ValueError(f"input_size must be (H, W) with positive sides, got {input_size}")
@@ -269,6 +271,10 @@ class PoseDataset(Dataset):
         self.cache_images = cache_images
         # Decode JPEGs of large people at a reduced size (faster); MaskDP turns it off (see "Reach").
         self.reduced_decode = reduced_decode
+        if windows is not None and len(windows) != len(self.records):
+            raise ValueError(f"{len(windows)} canonical windows for {len(self.records)} records")
+        #: each record's crop source at one fixed size (a site's training set: fedpose.data.canonical)
+        self.windows = windows
         self._cache: dict[str, Image.Image] = {}
         # Augmentation RNG per process: DataLoader workers re-seed from their own torch seed.
         self._rng: np.random.Generator = np.random.default_rng(seed)
@@ -307,13 +313,14 @@ class PoseDataset(Dataset):
         cx, cy = (float(v) for v in record.center)
         return np.array([[cx - width / 2, cy - height / 2], [cx + width / 2, cy + height / 2]])
 
-    def private_boxes(self, index: int, matrix: np.ndarray, reduction: int = 1) -> dict[str, torch.Tensor]:
+    def private_boxes(self, index: int, matrix: np.ndarray, source_reach: float = PRIVATE_PIXEL_REACH) -> dict[str, torch.Tensor]:
         """Every person's head and face box of record ``index``'s image mapped by the original→crop
         ``matrix`` (axis-aligned hulls of the mapped corners), padded to ``max_private_boxes``, and
-        ``private_reach``: how far their pixels reach past those boxes in the crop (module docstring;
-        infinite for an image decoded ``reduction``× smaller)."""
+        ``private_reach``: how far their pixels reach past those boxes in the crop, for a crop whose
+        pixels reach ``source_reach`` source pixels (module docstring; infinite for an image decoded
+        at a reduced size)."""
         name = self.records[index].image
-        reach = reach_in_crop(matrix, PRIVATE_PIXEL_REACH) if reduction == 1 else np.full(2, np.inf)
+        reach = reach_in_crop(matrix, source_reach) if math.isfinite(source_reach) else np.full(2, np.inf)
         out: dict[str, torch.Tensor] = {"private_reach": torch.from_numpy(_round_up_f32(reach))}
         for key, boxes in (("head", self._image_heads[name]), ("face", self._image_faces[name])):
             padded = np.zeros((self.max_private_boxes, 4), np.float32)
@@ -337,8 +344,7 @@ class PoseDataset(Dataset):
         compact = self._public_cache.get(index)
         if compact is None:
             # A fixed decode resolution (the un-augmented zoom), so ψ never depends on the augmentation draw.
-            image, reduction = self._image(index, self.input_size[0] / (PIXEL_STD * float(record.scale) * self.padding))
-            image_matrix = matrix if reduction == 1 else compose(matrix, invert(reduction_matrix(reduction)))
+            image, image_matrix, _ = self._source(index, matrix, self.input_size[0] / (PIXEL_STD * float(record.scale) * self.padding))
             window = np.asarray(warp_affine(image, image_matrix, self.context_size))
             compact = self.public_view.compact(window)
             # ψ is a deterministic function of the record, so a record that does not fit the cache
@@ -365,6 +371,19 @@ class PoseDataset(Dataset):
             self._cache[name] = image
             return image, 1
         return load_image(self.image_path(index), min_zoom=zoom)
+
+    def _source(self, index: int, matrix: np.ndarray, zoom: float) -> tuple[Image.Image, np.ndarray, float]:
+        """(the image to warp for record ``index``, ``matrix`` (original → output) made relative to it,
+        how far a source pixel reaches in it, in source pixels): the record's canonical window when
+        the dataset has them, else its file decoded at no less than ``zoom``."""
+        if self.windows is not None:
+            window_to_output = compose(matrix, invert(self.windows.matrix(index)))
+            return (Image.fromarray(self.windows.window(index)), window_to_output,
+                    self.windows.reach(index, PRIVATE_PIXEL_REACH))
+        image, reduction = self._image(index, zoom)
+        if reduction == 1:
+            return image, matrix, PRIVATE_PIXEL_REACH
+        return image, compose(matrix, invert(reduction_matrix(reduction))), math.inf
 
     def _generator(self) -> np.random.Generator:
         worker = torch.utils.data.get_worker_info()
@@ -402,8 +421,7 @@ class PoseDataset(Dataset):
 
         # The crop's zoom (output px per original px) lets JPEGs decode at a reduced size.
         zoom = self.input_size[0] / (PIXEL_STD * scale * aug.scale_factor)
-        image, reduction = self._image(index, zoom if self.reduced_decode else 1.0)
-        image_matrix = matrix if reduction == 1 else compose(matrix, invert(reduction_matrix(reduction)))
+        image, image_matrix, source_reach = self._source(index, matrix, zoom if self.reduced_decode else 1.0)
         crop = warp_affine(image, image_matrix, self.input_size)
         if self.fixed_grey is not None and self.fixed_grey[index]:
             crop = crop.convert("L").convert("RGB")
@@ -437,7 +455,7 @@ class PoseDataset(Dataset):
             "face_box": torch.from_numpy(face_box),
             "joints_original": torch.from_numpy(np.asarray(record.joints, dtype=np.float32).copy()),
             "joints_vis": torch.from_numpy(np.asarray(record.joints_vis, dtype=np.float32).copy()),
-            **self.private_boxes(index, matrix, reduction),
+            **self.private_boxes(index, matrix, source_reach),
         }
         if self.public_view is not None:
             public_window, window_matrix = self.public_context(index)

@@ -174,8 +174,8 @@ class SiteConfig(Strict):
         None, gt=0,
         description="hold every train reply until this many seconds after its instruction arrived: whoever sees when "
         "replies arrive then sees the same round time whatever the data, as long as the round's work fits in it (the "
-        "work before the DP steps — reading annotations, checking images — grows with the dataset size, and every row "
-        "a step loads costs its image file's decode: without the hold a round's time depends on each patient's files). "
+        "work before the DP steps — reading annotations, checking the files, loading the decoded windows — grows with "
+        "the dataset size, and the first round decodes every image unless `fedpose site prepare` did). "
         "A longer round replies when done, noted in site.log only. The coordinator's round_timeout_s must exceed it. "
         "None: reply when done",
     )

@@ -56,6 +56,8 @@ P = ParamSpec("P")
 ROUND_LOG = "rounds.jsonl"
 #: which training images were decoded successfully (size, mtime per file), so later rounds skip them
 IMAGE_CHECK_CACHE = "image_check.json"
+#: the training records' canonical windows (fedpose.data.canonical), under the state directory
+CANONICAL_WINDOWS_DIR = "canonical-windows"
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,8 @@ def site_units(site: SiteConfig, dataset: Any, unit: str) -> Any:
 
 def load_site_dataset(site: SiteConfig, input_size: tuple[int, int]) -> Any:
     """The site's training set (after input privacy, if configured) at the global model's input size."""
-    from fedpose.data.dataset import PoseDataset, load_records
+    from fedpose.data.canonical import canonical_windows
+    from fedpose.data.dataset import DEFAULT_PADDING, PoseDataset, load_records
     from fedpose.privacy.input_privacy import prepare_site_input
     from fedpose.privacy.public_views import dataset_view_options
 
@@ -199,10 +202,15 @@ def load_site_dataset(site: SiteConfig, input_size: tuple[int, int]) -> Any:
         raise ValueError(f"site '{site.site_id}': no training records in {data_dir}")
     # every file decoded once (cached by size and mtime): a corrupt image is named before any spend
     check_images(records, root, Path(site.state_dir) / IMAGE_CHECK_CACHE)
+    # FDP / FP-DP: ψ(x) once per record, before augmentation; MaskDP: full-size decodes
+    view_options = dataset_view_options(site.privacy)
+    # each record's crop source at one fixed size, so a round costs the same whatever the files
+    windows = canonical_windows(records, root, input_size, site.data.scale_jitter, site.data.rotation_range,
+                                DEFAULT_PADDING, Path(site.state_dir) / CANONICAL_WINDOWS_DIR,
+                                reduced_decode=view_options["reduced_decode"])
     return PoseDataset(
         records, root, input_size=input_size, train=True, seed=site.train.seed, **site.data.augmentation_options(),
-        # FDP / FP-DP: ψ(x) once per record, before augmentation; MaskDP: full-size decodes
-        **dataset_view_options(site.privacy),
+        windows=windows, **view_options,
     )
 
 

@@ -29,11 +29,11 @@ any other statistic of the data — by the ε, no more: a coordinator that craft
 so that every unit's clipped gradient points one known way reads N off one Δ within that ε. A
 reply's timing (its arrival, Flower's ``created_at``): every DP step has a fixed shape
 (:mod:`fedpose.privacy.fixed_shape`), so the steps' rows are a function of declared settings only,
-but each row costs its record's image decode (padding rows are drawn from every record), and the
-work outside the steps (reading annotations, the first round's image check, the unit index) grows
-with N: a round's time depends on the site's image files, each patient's — a timing side channel
-outside the DP guarantee that only the site's reply hold (``reply_after_s``) hides
-(docs/privacy.md). The declared q and
+and each row warps its record's canonical window (:mod:`fedpose.data.canonical`: one fixed shape for
+every record, decoded before the first step, the input size pinned), so the steps cost the same
+whatever the image files; the work outside the steps (reading annotations, checking the files, the
+unit index, and once the window build) grows with N — a timing side channel outside the DP
+guarantee that the site's reply hold (``reply_after_s``) hides (docs/privacy.md). The declared q and
 step shape fix, in public, the N for which the steps' timing stays data-independent (N ≤ N_max in
 the privacy report); a larger site trains under the same (ε, δ), warned in its local log only, so
 no reply field or status depends on whether N is beyond it.

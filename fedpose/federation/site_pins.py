@@ -54,7 +54,7 @@ PINS_FILE = "site_pins.json"
 PINS_FORMAT = "fedpose.site-pins/1"
 
 FieldClass = Literal["site-pinned", "cannot change the guarantee", "field by field"]
-FDP, MASK_DP = "FDP", "MaskDP"
+DP, FDP, MASK_DP = "DP", "FDP", "MaskDP"
 
 
 @dataclass(frozen=True)
@@ -146,8 +146,10 @@ MODEL_SPEC_FIELDS: dict[str, FieldRule] = {
         "site-pinned",
         "the pixel grid of the record: FDP's ψ blocks (privacy.public_view.factor) and MaskDP's mask zoom are in "
         "model-input pixels, so the size decides how much of a record is public, and several sizes would release "
-        "several differently gridded ψ of the same record. Under DP the whole crop is protected at any size",
-        frozenset({FDP, MASK_DP})),
+        "several differently gridded ψ of the same record. Under every guarantee, timing: a site's training rows "
+        "come from windows built for one input size (fedpose.data.canonical), and each new size would make a round "
+        "that rebuilds them, its time a sum over every image file of the site",
+        frozenset({DP, FDP, MASK_DP})),
     "split_factor": FieldRule(
         "cannot change the guarantee", "SimCC bins per pixel: the head and loss, not the sensitivity (clipped to C)"),
     "label_sigma": FieldRule(

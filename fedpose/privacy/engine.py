@@ -454,8 +454,8 @@ class GradientEngine:
         the shape has slots, the smallest whole multiple of it that holds them all
         (:meth:`StepShape.slots_for`). Slot s holds rows [s·R, (s+1)·R): sampled unit s's records
         first, then padding. A padding row holds a record drawn uniformly from the training set
-        (CSPRNG), so loading it costs what loading a sampled one does (a decode of some record's image:
-        the round's time still depends on the site's files, docs/privacy.md); its gradient is zeroed
+        (CSPRNG), so loading it costs what loading a sampled one does (at a site, a warp of one fixed-size
+        canonical window: :mod:`fedpose.data.canonical`); its gradient is zeroed
         before any sum. With augmentation multiplicity K every row is then repeated K times
         (adjacent: slot s holds rows [s·R·K, (s+1)·R·K)); loading each copy draws its own
         augmentation. ``num_slots``: a round's step's slots instead (:meth:`_laid_out_sample`)."""

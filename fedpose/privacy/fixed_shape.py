@@ -139,7 +139,7 @@ class StepShape:
             "max_units": self.max_units,
             "statement": (
                 f"every step computes {self.unit_slots} {unit} slots × {self.rows_per_unit} record rows{copies} "
-                f"(zero-weight padding), the same rows whatever was sampled (each costs its record's image decode); a batch of more than "
+                f"(zero-weight padding), the same rows whatever was sampled (at a site each warps a fixed-size canonical window); a batch of more than "
                 f"{self.unit_slots} {unit}s keeps every one of them in a whole multiple of that shape, so the "
                 f"(ε, δ) above is exact. The timing protection covers training sets of at most {self.max_units} "
                 f"{unit}s; a larger batch, probability ≤ {OVERFLOW_PROBABILITY:g} per step, takes a multiple of "
@@ -327,7 +327,7 @@ class RoundWork:
             "statement": (
                 f"every round computes {self.chunks} chunks of {self.units_per_chunk} {unit} slots × "
                 f"{self.shape.rows_per_slot} rows (zero-weight padding; the round's last step takes what its "
-                f"steps left over), the same rows whatever was sampled (each costs its record's image decode); a round that samples more keeps every "
+                f"steps left over), the same rows whatever was sampled (at a site each warps a fixed-size canonical window); a round that samples more keeps every "
                 f"{unit} in more chunks, so the (ε, δ) above is exact. The timing protection covers training sets of "
                 f"at most {self.max_units} {unit}s; a larger round, probability ≤ {OVERFLOW_PROBABILITY:g}, takes "
                 "more work (a timing side channel, outside the DP guarantee)"

@@ -19,7 +19,13 @@ import pytest
 from fedpose.config import ConfigError, ModelSpec, validate
 from fedpose.federation import basis_transport as bt
 from fedpose.federation.config import SiteConfig
-from fedpose.federation.local_training import cached_basis_version, open_budget, run_site_round, train_site_round
+from fedpose.federation.local_training import (
+    CANONICAL_WINDOWS_DIR,
+    cached_basis_version,
+    open_budget,
+    run_site_round,
+    train_site_round,
+)
 from fedpose.federation.protocol import SecAggSetup, TrainInstruction
 from fedpose.federation.site_pins import (
     INSTRUCTION_FIELDS,
@@ -97,7 +103,7 @@ def test_every_instruction_and_model_spec_field_is_classified() -> None:
         assert (rule.kind == "site-pinned") == bool(rule.pinned_for), name
         assert rule.pinned_for <= guarantees, name
     assert INSTRUCTION_FIELDS["model_spec"].kind == "field by field"
-    assert MODEL_SPEC_FIELDS["input_size"].pinned_for == {"FDP", "MaskDP"}
+    assert MODEL_SPEC_FIELDS["input_size"].pinned_for == {"DP", "FDP", "MaskDP"}
 
 
 @pytest.mark.parametrize("smuggled", [{"privacy": {"public_view": {"factor": 64}}}, {"public_view": {"factor": 64}},
@@ -139,13 +145,22 @@ def test_an_fdp_site_refuses_a_new_input_size_after_its_first_release(data_root,
     assert run_site_round(site, "run", 2, global_state, spec, 2).reply.status == "ok"
 
 
-def test_a_dp_site_may_train_at_another_input_size(data_root, weights, tmp_path) -> None:
-    """Record-level DP protects the whole crop at any resolution: the size is not pinned there."""
+def test_a_dp_site_refuses_a_new_input_size_which_would_time_a_rebuild_of_its_windows(data_root, weights, tmp_path) -> None:
+    """DP protects the whole crop at any resolution, but a site's rows come from windows built for one
+    input size (fedpose.data.canonical): a round at a new size would rebuild them, and its time would
+    be a sum over all of the site's image files. The size of the first round is pinned; the windows
+    are built once."""
     global_state, spec = weights
     site = site_config(data_root, tmp_path / "state")
     assert run_site_round(site, "run", 1, global_state, spec, 1).reply.status == "ok"
-    assert run_site_round(site, "run", 2, *_global_at(spec, (32, 32)), 1).reply.status == "ok"
-    assert not (tmp_path / "state" / PINS_FILE).exists()
+    assert (tmp_path / "state" / PINS_FILE).exists()
+    windows = sorted((tmp_path / "state" / CANONICAL_WINDOWS_DIR).glob("*.npy"))
+    assert len(windows) == 1
+    unspent = _Unspent(site)
+    _refused_on_the_wire(run_site_round(site, "run", 2, *_global_at(spec, (32, 32)), 1), "PinnedSettingMismatch")
+    unspent.check()
+    assert sorted((tmp_path / "state" / CANONICAL_WINDOWS_DIR).glob("*.npy")) == windows
+    assert run_site_round(site, "run", 2, global_state, spec, 1).reply.status == "ok"
 
 
 @pytest.mark.parametrize("mechanism, setting, change", [
