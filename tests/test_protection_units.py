@@ -251,6 +251,16 @@ def test_patients_shown_in_one_image_are_one_unit() -> None:
     assert UnitIndex.from_records(alone, "patient").members == ((0, 1), (2,))
 
 
+def test_patient_ids_that_differ_only_in_case_or_spacing_are_one_patient() -> None:
+    """One patient typed "P-017" in one record and "p-017 " or "P-017" with a doubled space in others
+    would otherwise be two units, each protected as only part of that patient."""
+    records = [_record("a.png", "P-017"), _record("b.png", "p-017"), _record("c.png", "P-018"),
+               _record("d.png", "P-017 "), _record("e.png", "p-018"), _record("f.png", "Ward 3  bed 7"),
+               _record("g.png", "ward 3 bed 7"), _record("h.png", "P-0170")]
+    assert UnitIndex.from_records(records, "patient").members == ((0, 1, 3), (2, 4), (5, 6), (7,))
+    assert records[1].patient_id == "p-017"  # the record keeps the id as written
+
+
 def test_patient_unit_without_patient_ids_names_the_problem_and_where() -> None:
     records = [_record("a.png", "p1"), _record("b.png"), _record("c.png")]
     with pytest.raises(UnitError, match=r"site B: privacy.unit = 'patient' needs 'patient_id' on every record, but 2 of 3 "

@@ -6,8 +6,9 @@ A site's DP guarantee is about one *unit* of its data (DESIGN.md, "Privacy seman
   says little about an image showing several people, or a patient with many images.
 * ``image``   — every record of one image file (MPII: up to 4 people per image).
 * ``patient`` — every record of one patient, over all their images (needs ``patient_id`` on
-  every record). Patients who appear together in one image are one unit: removing that image must
-  touch one unit, and a patient's face in another patient's crop is theirs to protect too.
+  every record; ids that differ only in letter case or spacing are one patient: :func:`patient_key`).
+  Patients who appear together in one image are one unit: removing that image must touch one unit,
+  and a patient's face in another patient's crop is theirs to protect too.
 
 Sampling is Poisson over units and a unit's gradient (the sum over all its records) is clipped to
 C as one (:mod:`fedpose.privacy.engine`), so (ε, δ) holds per unit without group privacy.
@@ -126,13 +127,21 @@ class UnitIndex:
         if unit == "record":
             return cls.per_record(len(records))
         resolve_unit(unit, records, where)  # raises, naming where, when a record lacks the key
-        keys = [str(record.patient_id) if unit == "patient" else record.image for record in records]
+        keys = [patient_key(str(record.patient_id)) if unit == "patient" else record.image for record in records]
         if unit == "patient":
             keys = _patients_sharing_an_image(records, keys)
         groups: dict[str, list[int]] = {}
         for i, key in enumerate(keys):
             groups.setdefault(key, []).append(i)
         return cls(unit, tuple(tuple(g) for g in groups.values()))
+
+
+def patient_key(patient_id: str) -> str:
+    """The unit a patient id names: ids that differ only in letter case or spacing ("P-017", "p-017",
+    "P -017" is not one of them) are one patient — registries and hand-typed annotations mix them,
+    and one patient split into two units would be protected only as each half (merging two real
+    patients can only protect both more)."""
+    return " ".join(patient_id.split()).casefold()
 
 
 def _patients_sharing_an_image(records: Sequence[PoseRecord], patients: list[str]) -> list[str]:
