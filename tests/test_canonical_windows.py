@@ -106,3 +106,17 @@ def test_site_prepare_builds_the_windows_the_first_round_then_reuses(tmp_path: P
     assert built.stat().st_mtime_ns == stamp  # the round's load reads them; nothing is decoded again
     assert main(["site", "prepare", "--site-config", str(config), "--input-size", "0", "64"]) == 2
     assert "--input-size must be positive" in capsys.readouterr().err
+
+
+def test_an_fdp_site_computes_every_records_public_view_before_its_first_step(tmp_path: Path) -> None:
+    """ψ is cached per record: computed on a record's first load, a row's work would hang on whether
+    an earlier step of the round had loaded that record — on which units were sampled. A site's
+    training set computes ψ for every record when it is built; a load only reads it."""
+    data = make_site_data(tmp_path / "data")
+    dataset = load_site_dataset(site_config(data, tmp_path / "state", mechanism="fdp"), INPUT_SIZE)
+    cached = dict(dataset._public_cache)
+    assert sorted(cached) == list(range(len(dataset)))
+    for sample in _draws(dataset, range(2)):
+        assert sample["public_image"].shape == sample["image"].shape
+    assert dataset._public_cache.keys() == cached.keys()
+    assert all(dataset._public_cache[i] is cached[i] for i in cached)  # read, never recomputed

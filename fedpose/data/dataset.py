@@ -286,6 +286,8 @@ class PoseDataset(Dataset):
             extent = augmentation_extent(self.input_size, scale_jitter, self.rotation_range) if train else (0.0, 0.0)
             self.context_size = context_window(self.input_size, public_view.block, extent)
         self._build_private_boxes()
+        if public_view is not None and windows is not None:
+            self._public_view_of_every_record()
 
     def _build_private_boxes(self) -> None:
         """Per image: every person's head box and face box (original frame), see the module docstring."""
@@ -353,6 +355,16 @@ class PoseDataset(Dataset):
                 self._public_cache[index] = compact
                 self._public_cache_bytes += compact.nbytes
         return self.public_view.expand(compact, self.context_size), matrix
+
+    def _public_view_of_every_record(self) -> None:
+        """ψ of every record now (a site's training set): a load then never computes one, so its
+        work does not hang on which records were loaded before it — at a site, on which units earlier
+        steps sampled. If they do not all fit the cache, none is kept: every load computes its own."""
+        for index in range(len(self.records)):
+            self.public_context(index)
+        if len(self._public_cache) < len(self.records):
+            self._public_cache.clear()
+            self._public_cache_bytes = PUBLIC_CACHE_BYTES + 1  # nothing fits from now on
 
     def __len__(self) -> int:
         return len(self.records)
