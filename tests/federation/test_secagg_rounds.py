@@ -261,9 +261,12 @@ def test_real_site_rounds_under_secure_aggregation(tmp_path: Path) -> None:
 
     # a plain round to a site that requires secure aggregation: refused before anything, state unchanged
     strict = sites[0].model_copy(update={"require_secure_aggregation": True})
-    state = {p.name: p.read_bytes() for p in Path(strict.state_dir).iterdir() if p.name not in ("audit.jsonl", "rounds.jsonl")}
+    def files(root: Path) -> dict[str, bytes]:
+        return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+    state = {name: data for name, data in files(Path(strict.state_dir)).items() if name not in ("audit.jsonl", "rounds.jsonl")}
     arrays, spec = global_model()
     result = train_site_round(strict, "r", 2, arrays, spec, 2)
     assert (result.reply.status, result.reply.reason, result.update, result.masked) == (
         "refused", "secure-aggregation-required", {}, None)
-    assert {p.name: p.read_bytes() for p in Path(strict.state_dir).iterdir() if p.name in state} == state
+    assert {name: data for name, data in files(Path(strict.state_dir)).items() if name in state} == state
