@@ -104,8 +104,8 @@ class SiteOptimConfig(OptimConfig):
 
 class SiteDataConfig(AugmentationConfig):
     """A site's training data and its augmentation. No input size: the site trains at the global
-    model's (``input_size`` of the coordinator's model spec, pinned in the site's state under FDP
-    and MaskDP: :mod:`fedpose.federation.site_pins`); no validation split: the coordinator
+    model's (``input_size`` of the coordinator's model spec, pinned in the site's state at its first
+    round: :mod:`fedpose.federation.site_pins`); no validation split: the coordinator
     evaluates."""
 
     train: Path = Field(..., description="the site's training data (dataset directory or COCO json)")
