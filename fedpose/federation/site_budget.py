@@ -88,6 +88,9 @@ from fedpose.privacy.report import relation_of
 STATE_FILE = "budget.json"
 LOCK_FILE = "budget.lock"
 STATE_FORMAT = "fedpose.site-budget/1"
+#: which rules a new state pins by (site_pins.py): 1 (``true`` in states written then) pinned settings
+#: under FDP and MaskDP only, 2 also the input size under every guarantee (since 2026-12-06)
+PINS_VERSION = 2
 GENESIS_FILE = "site_state.json"
 GENESIS_FORMAT = "fedpose.site-state/1"
 JOURNAL_FILE = "spends.jsonl"
@@ -319,7 +322,7 @@ def ensure_site_state(state_dir: str | Path, site_id: str, guarantee: str, delta
         # "pins": this state keeps its pinned settings (site_pins.py) from its first round on, so a pins
         # file missing after spends was lost, not never written
         _write_signed(marker, {"format": GENESIS_FORMAT, "site_id": site_id, "guarantee": guarantee, "delta": delta,
-                               "created_at": created_at, "pins": True, **({"unit": unit} if private else {})})
+                               "created_at": created_at, "pins": PINS_VERSION, **({"unit": unit} if private else {})})
     return True
 
 

@@ -30,7 +30,8 @@ field is added to either model without being classified here.
 A state from before pins (or a setting pinned since) adopts the value of its first round with
 pins, with a log line: nothing saved is lost, and the releases made before are not checked
 against it (they were made before the site could tell). A state created with pins (its genesis
-marker says so) whose pins file is gone after it spent is refused instead: the file was lost,
+marker says so: version 1 pinned under FDP and MaskDP only, version 2 also the input size under
+every guarantee) whose pins file is gone after it spent is refused instead: the file was lost,
 and adopting would let the coordinator choose the values anew.
 """
 
@@ -222,7 +223,7 @@ def check_pinned_settings(state_dir: str | Path, site_id: str, guarantee: str, p
     state_dir = Path(state_dir)
     path = state_dir / PINS_FILE
     with _state_lock(state_dir):  # two processes of one new site pin one value
-        if state_has_rounds and not path.exists() and _read_signed(state_dir / GENESIS_FILE, "site state marker").get("pins"):
+        if state_has_rounds and not path.exists() and _kept_pins(_read_signed(state_dir / GENESIS_FILE, "site state marker"), guarantee):
             raise BudgetStateError(
                 f"site '{site_id}': its pinned settings {path} are missing, but this state has kept them since it was "
                 f"created ({state_dir / GENESIS_FILE}) and has recorded rounds: refusing to pin what the coordinator asks "
@@ -245,6 +246,18 @@ def check_pinned_settings(state_dir: str | Path, site_id: str, guarantee: str, p
             else:
                 log.info("site %s: pinned %s (%s): a different value is refused from now on", site_id, listed, path)
     return wanted
+
+
+def _kept_pins(genesis: Mapping[str, Any], guarantee: str) -> bool:
+    """Whether a state with this genesis marker has written a pins file since its first round: every
+    state of pins version 2; under version 1 (``true``) only FDP and MaskDP states — a DP state then
+    pinned nothing, so its missing file was never written and the input size is adopted."""
+    version = genesis.get("pins")
+    if version is True:  # how version 1 was written
+        version = 1
+    if not isinstance(version, int) or version < 1:
+        return False
+    return version >= 2 or guarantee in (FDP, MASK_DP)
 
 
 def _load(path: Path, site_id: str, guarantee: str) -> dict[str, Any]:

@@ -212,6 +212,34 @@ def _as_before_pins(state: Path) -> None:
     _write_signed(state / GENESIS_FILE, genesis)
 
 
+def test_a_dp_state_from_before_the_input_size_pin_adopts_it(data_root, weights, tmp_path, caplog) -> None:
+    """Until 2026-12-06 a DP site pinned nothing, so its state (pins version 1, ``true``) has no pins
+    file although it has spent: that is not a lost file. Its next round adopts the input size (with a
+    log line) and keeps everything saved; a new size is refused from then on. An FDP state of that
+    version with no pins file did lose it, and is still refused."""
+    from fedpose.federation.site_budget import GENESIS_FILE, BudgetStateError, _read_signed, _write_signed
+
+    global_state, spec = weights
+    for mechanism in ("dpsgd", "fdp"):
+        state = tmp_path / mechanism
+        site = site_config(data_root, state, mechanism=mechanism, eps_max=TOO_SMALL_BUDGET)
+        assert run_site_round(site, "run", 1, global_state, spec, 2).reply.status == "refused"
+        (state / PINS_FILE).unlink()
+        genesis = _read_signed(state / GENESIS_FILE, "site state marker")
+        assert genesis["pins"] == 2
+        _write_signed(state / GENESIS_FILE, {**genesis, "pins": True})
+        entries = json.loads((state / "budget.json").read_text())["payload"]["entries"]
+        if mechanism == "fdp":
+            with pytest.raises(BudgetStateError, match=rf"{PINS_FILE} are missing"):
+                train_site_round(site, "run", 2, global_state, spec, 2)
+            continue
+        with caplog.at_level(logging.WARNING, logger="fedpose"):
+            assert run_site_round(site, "run", 2, global_state, spec, 2).reply.status == "refused"
+        assert any("adopting" in r.getMessage() and "model_spec.input_size = [64, 64]" in r.getMessage() for r in caplog.records)
+        assert json.loads((state / "budget.json").read_text())["payload"]["entries"][: len(entries)] == entries
+        assert run_site_round(site, "run", 3, *_global_at(spec, (32, 32)), 2).reply.error_class == "PinnedSettingMismatch"
+
+
 def test_a_lost_pins_file_is_refused_not_adopted(data_root, weights, tmp_path) -> None:
     """A state created with pins whose pins file is gone after it spent (a partial restore, a
     deleted file) would let the coordinator choose the pinned values anew: refused, naming the
