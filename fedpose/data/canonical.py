@@ -89,11 +89,15 @@ class CanonicalWindows:
         """Source pixels a box's pixels reach past it in a crop warped from this window (module docstring)."""
         if self.reductions[index] != 1:
             return math.inf
-        zoom = float(np.abs(self.matrices[index][:, :2]).max())  # window px per source px (no rotation)
-        return source_reach + (WARP_SUPPORT + 1e-3) / zoom
+        return source_reach + (WARP_SUPPORT + 1e-3) / _zoom(self.matrices[index])
 
     def __len__(self) -> int:
         return len(self.windows)
+
+
+def _zoom(matrix: np.ndarray) -> float:
+    """Window pixels per source pixel of an original → window matrix (a scaling: windows never rotate)."""
+    return float(np.abs(matrix[:, :2]).max())
 
 
 def _key(records: Sequence[PoseRecord], root: Path, geometry: WindowGeometry, input_size: tuple[int, int],
@@ -138,8 +142,8 @@ def canonical_windows(
     windows = np.zeros((len(records), *geometry.size, 3), np.uint8)
     reductions = np.ones(len(records), np.int64)
     for index, record in enumerate(records):
-        zoom = float(np.abs(matrices[index][:, :2]).max())
-        image, reduction = load_image(resolve_image_or_raise(root, record.image), zoom if reduced_decode else 1.0)
+        zoom = _zoom(matrices[index]) if reduced_decode else 1.0
+        image, reduction = load_image(resolve_image_or_raise(root, record.image), zoom)
         image_matrix = matrices[index] if reduction == 1 else compose(matrices[index], invert(reduction_matrix(reduction)))
         windows[index] = np.asarray(warp_affine(image, image_matrix, geometry.size))
         reductions[index] = reduction

@@ -282,6 +282,7 @@ class PoseDataset(Dataset):
         self.public_view = public_view
         self._public_cache: dict[int, np.ndarray] = {}  # record index → compact ψ of its context window
         self._public_cache_bytes = 0
+        self._keep_public_views = True  # False once a site's training set found they do not all fit
         if public_view is not None:
             extent = augmentation_extent(self.input_size, scale_jitter, self.rotation_range) if train else (0.0, 0.0)
             self.context_size = context_window(self.input_size, public_view.block, extent)
@@ -351,7 +352,7 @@ class PoseDataset(Dataset):
             compact = self.public_view.compact(window)
             # ψ is a deterministic function of the record, so a record that does not fit the cache
             # (e.g. the full-size compact form of the comparison-only blur) just gets the same ψ again.
-            if self._public_cache_bytes + compact.nbytes <= PUBLIC_CACHE_BYTES:
+            if self._keep_public_views and self._public_cache_bytes + compact.nbytes <= PUBLIC_CACHE_BYTES:
                 self._public_cache[index] = compact
                 self._public_cache_bytes += compact.nbytes
         return self.public_view.expand(compact, self.context_size), matrix
@@ -364,7 +365,8 @@ class PoseDataset(Dataset):
             self.public_context(index)
         if len(self._public_cache) < len(self.records):
             self._public_cache.clear()
-            self._public_cache_bytes = PUBLIC_CACHE_BYTES + 1  # nothing fits from now on
+            self._public_cache_bytes = 0
+            self._keep_public_views = False
 
     def __len__(self) -> int:
         return len(self.records)
