@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import time
 import tomllib
@@ -179,16 +180,20 @@ def handle_train(msg: Message, context: Context, site: SiteConfig) -> Message:
 
 def hold_reply(site: SiteConfig, received: float) -> None:
     """Keep the reply until ``site.reply_after_s`` after the instruction arrived (``received``,
-    ``time.monotonic()``): its arrival time then says nothing of how long the site's work took."""
+    ``time.monotonic()``): its arrival time then says nothing of how long the site's work took.
+
+    A round longer than the hold replies at the next whole multiple of it, so its arrival tells only
+    how many holds the work took, not how long it took to the millisecond (sending when done would)."""
     if site.reply_after_s is None:
         return
     elapsed = time.monotonic() - received
-    if elapsed > site.reply_after_s:
-        # local log only: the reply is late already, and how late is what the hold was to hide
-        log.warning("site %s: the round took %.1f s, over reply_after_s = %g s: this reply's arrival tells how long its "
-                    "work took (raise reply_after_s)", site.site_id, elapsed, site.reply_after_s)
-        return
-    time.sleep(site.reply_after_s - elapsed)
+    holds = max(1, math.ceil(elapsed / site.reply_after_s))
+    if holds > 1:
+        # local log only: how late the work was is what the hold is there to hide
+        log.warning("site %s: the round took %.1f s, over reply_after_s = %g s: the reply waits for %d × reply_after_s, "
+                    "so its arrival tells that the work took more than one hold (raise reply_after_s)",
+                    site.site_id, elapsed, site.reply_after_s, holds)
+    time.sleep(max(0.0, received + holds * site.reply_after_s - time.monotonic()))
 
 
 @contextmanager

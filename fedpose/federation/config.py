@@ -176,7 +176,8 @@ class SiteConfig(Strict):
         "replies arrive then sees the same round time whatever the data, as long as the round's work fits in it (the "
         "work before the DP steps — reading annotations, checking the files, loading the decoded windows — grows with "
         "the dataset size, and the first round decodes every image unless `fedpose site prepare` did). "
-        "A longer round replies when done, noted in site.log only. The coordinator's round_timeout_s must exceed it. "
+        "A longer round replies at the next whole multiple of it (noted in site.log only), so its arrival tells how many "
+        "holds the work took, never its time. The coordinator's round_timeout_s must exceed it. "
         "None: reply when done",
     )
     max_basis_k: int = Field(

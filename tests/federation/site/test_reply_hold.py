@@ -84,3 +84,18 @@ def test_a_round_longer_than_the_hold_is_noted_in_the_local_log_only(data_root: 
     site_log = (tmp_path / "state" / "site.log").read_text()
     assert "over reply_after_s" in site_log
     assert "reply_after_s" not in json.dumps(dict(reply.content[protocol.REPLY_RECORD]))
+
+
+def test_a_round_longer_than_the_hold_replies_at_the_next_whole_hold(tmp_path: Path) -> None:
+    """A late reply sent when done would time the work to the millisecond; held to the next multiple
+    of reply_after_s, its arrival tells only how many holds the work took."""
+    from sites.client_app import hold_reply
+
+    site = site_config(tmp_path, tmp_path / "state").model_copy(update={"reply_after_s": 0.5})
+    received = time.monotonic() - 0.65  # the work took 1.3 holds
+    hold_reply(site, received)
+    waited = time.monotonic() - received
+    assert waited >= 1.0, "held to two holds after the instruction arrived"
+    received = time.monotonic() - 1.01  # just past two holds: three
+    hold_reply(site, received)
+    assert time.monotonic() - received >= 1.5
