@@ -36,15 +36,9 @@ from fedpose.federation import protocol
 from fedpose.federation.config import FederationConfig, SiteConfig
 from fedpose.federation.secagg import site as secagg_site
 from fedpose.federation.site_budget import SITE_LOG_FILE
-from fedpose.runtime import start_cpu_threads
 from sites.egress import egress_guard
 
 log = logging.getLogger("fedpose.site")
-
-# First: torch's CPU threads start flushing subnormal floats to zero (they copy the flag from the
-# thread that starts them), so no crafted global model can make a round's time count the site's
-# images (fedpose.runtime).
-start_cpu_threads()
 
 SITE_LOG = SITE_LOG_FILE  #: the site's local log, in its state_dir (error details stay here)
 
@@ -146,9 +140,21 @@ def handle_secagg(msg: Message, context: Context, site: SiteConfig) -> Message:
     return Message(RecordDict({protocol.SECAGG_RECORD: ConfigRecord(protocol.encode_secagg(answer))}), reply_to=msg)
 
 
+@functools.cache
+def start_training_threads() -> None:
+    """Before a process's first training work: torch's CPU threads start flushing subnormal floats to
+    zero (they copy the flag from the thread that starts them), so no crafted global model can make a
+    round's time count the site's images (fedpose.runtime). Here, not at import: each message is a
+    fresh ClientApp process, and a secure-aggregation stage needs no torch (importing it took 2.3 of
+    the 3.5 s a stage's process spent loading this module)."""
+    from fedpose.runtime import start_cpu_threads
+
+    start_cpu_threads()
+
+
 def handle_train(msg: Message, context: Context, site: SiteConfig) -> Message:
-    # here, not at import: each message is a fresh ClientApp process, and a SecAgg stage needs no training code
-    from fedpose.federation.local_training import run_site_round
+    start_training_threads()  # first, before any module that computes with torch is imported
+    from fedpose.federation.local_training import run_site_round  # here, not at import: see start_training_threads
 
     instruction = protocol.decode_instruction(dict(msg.content[protocol.CONFIG_RECORD]))
     basis_message = None
