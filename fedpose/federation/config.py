@@ -163,7 +163,9 @@ class SiteConfig(Strict):
     require_secure_aggregation: bool = Field(
         False,
         description="refuse every round whose update would leave in the clear (a plain round is refused before any "
-        "data work or spend); the site then only trains in secure-aggregation rounds",
+        "data work or spend); the site then only trains in secure-aggregation rounds. Against a coordinator that "
+        "may lie, set `identity` too: without it the round keys are unsigned, and a coordinator that substitutes "
+        "its own can unmask this site's update (its DP guarantee holds either way; docs/privacy.md)",
     )
     identity: SiteIdentityConfig | None = Field(
         None,
