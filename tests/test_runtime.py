@@ -69,6 +69,7 @@ else:  # what a site's ClientApp process does: load the app, then its train hand
     import sites.client_app
     sites.client_app.start_training_threads()
     import fedpose.federation.local_training
+    torch.full((1 << 20,), 1.0).sum()  # work before the training block (model, data) runs on those threads
 from fedpose.runtime import subnormals_as_zero, subnormals_flushed
 with subnormals_as_zero() as every_thread:
     inside = subnormals_flushed()
