@@ -11,6 +11,7 @@ import pytest
 
 from fedpose.cli import main
 from fedpose.data.synthetic import generate_dataset
+from file_trees import tree_bytes
 
 
 @pytest.fixture(scope="module")
@@ -41,18 +42,16 @@ def private_run(synth: Path, tmp_path_factory) -> Path:
 
 
 # -- item 2: resume writes where it is pointed -----------------------------------------------------
-def _snapshot(run: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
 
 
 def test_resuming_a_copied_run_writes_only_into_the_copy(private_run: Path, tmp_path: Path) -> None:
     from fedpose.model import load_checkpoint
 
-    original = _snapshot(private_run)
+    original = tree_bytes(private_run)
     copy = tmp_path / "copy"
     shutil.copytree(private_run, copy)
     assert main(["train", "--resume", str(copy), "--set", "train.steps=4", "--quiet"]) == 0
-    assert _snapshot(private_run) == original  # not one byte of the original changed
+    assert tree_bytes(private_run) == original  # not one byte of the original changed
     assert load_checkpoint(copy / "checkpoints" / "last.pt")["step"] == 4
     assert json.loads((copy / "privacy.json").read_text())["steps"] == 4
     assert f'out_dir = "{copy}"' in (copy / "config.toml").read_text()
@@ -61,12 +60,12 @@ def test_resuming_a_copied_run_writes_only_into_the_copy(private_run: Path, tmp_
 def test_resume_refuses_to_write_anywhere_else(private_run: Path, tmp_path: Path, capsys) -> None:
     copy = tmp_path / "copy"
     shutil.copytree(private_run, copy)
-    before = _snapshot(copy)
+    before = tree_bytes(copy)
     code = main(["train", "--resume", str(copy), "--set", "train.steps=4", "--set", f'train.out_dir="{tmp_path / "other"}"',
                  "--quiet"])
     err = capsys.readouterr().err
     assert code == 2 and "train.out_dir: a resumed run continues in the run directory it is resumed from" in err
-    assert not (tmp_path / "other").exists() and _snapshot(copy) == before
+    assert not (tmp_path / "other").exists() and tree_bytes(copy) == before
     # a checkpoint outside any run directory has no directory to continue in
     loose = tmp_path / "loose.pt"
     shutil.copy(copy / "checkpoints" / "last.pt", loose)

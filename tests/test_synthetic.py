@@ -21,6 +21,7 @@ from fedpose.data.synthetic.generate import IMAGES_PER_PATIENT, PROGRESS_FILE
 from fedpose.data.synthetic.profiles import public_profile
 from fedpose.data.synthetic.render import RADII, person_mask, render_scene, sample_scene
 from fedpose.joints import JOINT_INDEX, NUM_JOINTS
+from file_trees import tree_bytes
 
 SMALL = (96, 64)
 SITE1 = SplitSpec("site-1", 0, "site", 1)
@@ -32,8 +33,6 @@ def _small_dataset(out: Path, seed: int = 0, workers: int = 1, **kw) -> dict:
     return generate_dataset(out, **args)
 
 
-def _tree_bytes(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 # --- determinism ---------------------------------------------------------------------------------
@@ -53,7 +52,7 @@ def test_dataset_identical_for_any_worker_count_and_differs_by_seed(tmp_path):
     one = _small_dataset(tmp_path / "w1", workers=1)
     two = _small_dataset(tmp_path / "w2", workers=2)
     assert one == two
-    assert _tree_bytes(tmp_path / "w1") == _tree_bytes(tmp_path / "w2")
+    assert tree_bytes(tmp_path / "w1") == tree_bytes(tmp_path / "w2")
     _small_dataset(tmp_path / "s1", seed=1)
     a = (tmp_path / "w1" / "site-1" / "annotations.json").read_text()
     assert a != (tmp_path / "s1" / "site-1" / "annotations.json").read_text()
@@ -314,7 +313,7 @@ def test_limbs_are_thick_enough_to_survive_blur():
 def test_resume_and_ensure_dataset(tmp_path):
     out = tmp_path / "ds"
     manifest = _small_dataset(out)
-    reference = _tree_bytes(out)
+    reference = tree_bytes(out)
     # Simulate a crash after the public split: no manifest, later splits incomplete.
     (out / "manifest.json").unlink()
     (out / "site-2" / "annotations.json").unlink()
@@ -323,7 +322,7 @@ def test_resume_and_ensure_dataset(tmp_path):
     with pytest.raises(SyntheticDataError, match="not empty"):
         _small_dataset(out)
     assert ensure_dataset(out, sites=2, per_site=3, public=3, test=2, size=SMALL, seed=0, workers=1, progress=False) == manifest
-    assert _tree_bytes(out) == reference
+    assert tree_bytes(out) == reference
     stamp = (out / "public" / "images" / "000000.png").stat().st_mtime_ns
     ensure_dataset(out, sites=2, per_site=3, public=3, test=2, size=SMALL, seed=0, workers=1, progress=False)
     assert (out / "public" / "images" / "000000.png").stat().st_mtime_ns == stamp  # up to date: untouched
@@ -336,14 +335,14 @@ def test_ensure_dataset_without_replace_never_deletes(tmp_path):
     (sites of a running federation may be reading it)."""
     out = tmp_path / "ds"
     _small_dataset(out)
-    reference = _tree_bytes(out)
+    reference = tree_bytes(out)
     with pytest.raises(SyntheticDataError, match=r"different synthetic dataset \(sites: 2 → 3\)"):
         ensure_dataset(out, sites=3, per_site=3, public=3, test=2, size=SMALL, seed=0, workers=1, progress=False, replace=False)
-    assert _tree_bytes(out) == reference
+    assert tree_bytes(out) == reference
     (out / "site-2" / "annotations.json").unlink()
     with pytest.raises(SyntheticDataError, match=r"splits missing \(site-2\)"):
         ensure_dataset(out, sites=2, per_site=3, public=3, test=2, size=SMALL, seed=0, workers=1, progress=False, replace=False)
-    assert _tree_bytes(out) == {k: v for k, v in reference.items() if k != "site-2/annotations.json"}
+    assert tree_bytes(out) == {k: v for k, v in reference.items() if k != "site-2/annotations.json"}
 
 
 def test_ensure_dataset_refuses_foreign_directories(tmp_path):

@@ -28,6 +28,7 @@ from fedpose.federation.run_guard import (
     read_holder,
     refuse_fresh_start,
 )
+from file_trees import tree_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -164,7 +165,7 @@ def test_the_serverapp_refuses_a_checkpoint_dir_another_coordinator_holds(tmp_pa
 
 # -- `fedpose deploy local`: exit 2, one line, nothing written ----------------------------------------------
 def _files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".fedpose.lock"}
+    return {name: data for name, data in tree_bytes(root).items() if Path(name).name != ".fedpose.lock"}
 
 
 def _deploy(tmp_path: Path, run_dir: Path, *extra: str) -> int:

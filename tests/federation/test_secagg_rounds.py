@@ -23,6 +23,7 @@ from fedpose.federation.ledger import BudgetLedger
 from fedpose.federation.report import load_history, round_line
 from fedpose.federation.secagg import site as secagg_site
 from fedpose.federation.server.rounds import NodeReply, RoundRunner, TrainRequest
+from file_trees import tree_bytes
 
 SITE_OF = {1: "site-1", 2: "site-2", 3: "site-3", 4: "site-4", 5: "site-5"}
 WEIGHT_OF = {1: 1.0, 2: 2.0, 3: 1.0, 4: 1.0, 5: 0.5}
@@ -261,12 +262,9 @@ def test_real_site_rounds_under_secure_aggregation(tmp_path: Path) -> None:
 
     # a plain round to a site that requires secure aggregation: refused before anything, state unchanged
     strict = sites[0].model_copy(update={"require_secure_aggregation": True})
-    def files(root: Path) -> dict[str, bytes]:
-        return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
-
-    state = {name: data for name, data in files(Path(strict.state_dir)).items() if name not in ("audit.jsonl", "rounds.jsonl")}
+    state = {name: data for name, data in tree_bytes(Path(strict.state_dir)).items() if name not in ("audit.jsonl", "rounds.jsonl")}
     arrays, spec = global_model()
     result = train_site_round(strict, "r", 2, arrays, spec, 2)
     assert (result.reply.status, result.reply.reason, result.update, result.masked) == (
         "refused", "secure-aggregation-required", {}, None)
-    assert {name: data for name, data in files(Path(strict.state_dir)).items() if name in state} == state
+    assert {name: data for name, data in tree_bytes(Path(strict.state_dir)).items() if name in state} == state
