@@ -49,7 +49,7 @@ def coordinator_config() -> Any:
                                              "model": {"backbone": "tiny_vit_test", "scenario": "scratch"}})
 
 
-def global_model(seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def global_model(seed: int = 0, scenario: str = "scratch") -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """(state dict as arrays, model spec) of a fresh global model, as the coordinator sends them."""
     import torch
 
@@ -58,7 +58,7 @@ def global_model(seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     from fedpose.model.checkpoint import model_spec
 
     torch.manual_seed(seed)
-    model = build_model(ModelConfig(backbone="tiny_vit_test", scenario="scratch"), INPUT_SIZE)
+    model = build_model(ModelConfig(backbone="tiny_vit_test", scenario=scenario), INPUT_SIZE)
     return {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}, model_spec(model)
 
 

@@ -174,3 +174,49 @@ def test_a_federation_that_would_project_grey_copies_is_refused_before_it_runs(t
     assert federation.coordinator.model.scenario == "grey_biases_norms"  # the main job's set
     with pytest.raises(ValueError, match=r"sites \['site-2'\]: pdp and fpdp project onto public gradients"):
         resolve_federation(demo, [checkpoint, "sites.1.privacy.mechanism=pdp"])
+
+
+def test_only_grey_records_can_train_grey_copies_and_their_crops_stay_grey(tmp_path: Path):
+    """records_with_gradient flags exactly the records whose un-augmented crop is grey — the infrared
+    images of a synthetic site — for a model that trains only grey copies, and nothing (None: every
+    record trains) for one that trains anything else; a flagged record's augmented crops stay grey
+    and an unflagged one's stay colour, so the records left out carry exactly zero gradient."""
+    from fedpose.data.dataset import PoseDataset, load_records
+    from fedpose.data.synthetic import ensure_dataset
+    from fedpose.model.grey_copies import records_with_gradient
+
+    ensure_dataset(tmp_path / "syn", sites=1, per_site=24, public=0, test=0, size=SIZE, seed=0, progress=False)
+    records, root = load_records(tmp_path / "syn" / "site-1")
+    dataset = PoseDataset(records, root, input_size=SIZE, train=True, seed=0)
+    flags = records_with_gradient(make().trainable_parameters(), dataset)
+    assert flags is not None and len(flags) == len(records) and 0 < sum(flags) < len(flags)
+    plain = torch.stack([dataset.load(i, plain=True)["image"] for i in range(len(records))])
+    assert flags == [bool(f) for f in grey_flags(plain).tolist()]
+    rng = np.random.default_rng(0)
+    for i in range(len(records)):
+        augmented = torch.stack([dataset.load(i, rng)["image"] for _ in range(4)])
+        assert grey_flags(augmented).tolist() == [float(flags[i])] * 4, i
+    assert records_with_gradient(make("biases_norms").trainable_parameters(), dataset) is None
+    assert records_with_gradient({}, dataset) is None
+
+
+def test_a_site_round_fills_its_rows_from_its_grey_records_only(tmp_path: Path):
+    """The real site round under grey copies: its engine's unit rows are each patient's grey records
+    (the flags of the site's own training set), and the round trains and replies as usual."""
+    import warnings as _warnings
+
+    from fedpose.federation.local_training import load_site_dataset, train_site_round
+    from fedpose.model.grey_copies import records_with_gradient
+    from site_round_helpers import INPUT_SIZE, global_model, make_site_data, site_config
+
+    site = site_config(make_site_data(tmp_path / "data"), tmp_path / "state", unit="patient")
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("ignore")  # a partial scenario without init_checkpoint
+        state, spec = global_model(scenario="grey_biases_norms")
+    engines: list = []
+    result = train_site_round(site, "run", 1, state, spec, 2, engine_hook=engines.append)
+    assert result.reply.status == "ok" and result.update
+    (engine,) = engines
+    flags = records_with_gradient(make().trainable_parameters(), load_site_dataset(site, INPUT_SIZE))
+    assert flags is not None and 0 < sum(flags) < len(flags)
+    assert engine.unit_rows == tuple(tuple(r for r in members if flags[r]) for members in engine.units.members)

@@ -212,6 +212,46 @@ def test_records_per_unit_cap_takes_a_uniform_subset(model) -> None:
     assert engine.privacy_report()["max_records_per_unit"] == 2
 
 
+def test_rows_come_from_the_records_that_can_train_while_sampling_stays_over_every_unit(model) -> None:
+    """Grey copies: a colour record's gradient is exactly 0, so a unit's row slots take only its
+    records flagged ``trainable_records``. Sampling is still Poisson over every unit (q = B/N counts
+    the units with no flagged record too), the cap takes a uniform subset of the flagged records,
+    and every step keeps its fixed shape."""
+    sizes = [4, 4, 4, 4, 4, 4]  # unit 0: no flagged record; unit 1: one; unit 5: four (over the cap of 2)
+    units = patients(sizes)
+    flags = ([False] * 4 + [False, True, False, False] + [True, False, True, False] + [False, False, True, True]
+             + [True, False, False, False] + [True] * 4)
+    privacy = PrivacyConfig(mechanism="dpsgd", noise_multiplier=1.0, unit="patient", max_records_per_unit=2,
+                            insecure_seeded_noise=True)
+    engine = build_engine(privacy, model, units.num_records, 3, 10, seed=0, units=units, trainable_records=flags)
+    assert engine.dataset_size == 6 and engine.sample_rate == pytest.approx(0.5)  # q = 3 / 6: every unit counts
+    unit_of_record = {r: u for u, members in enumerate(units.members) for r in members}
+    picks = np.zeros(4)
+    joined = np.zeros(len(sizes))
+    draws = 3000
+    for step in range(draws):
+        engine.noise.reseed(engine_module._SAMPLING_STREAM, step)
+        rows, positions = engine.sample_units()
+        assert all(flags[r] for r in rows)
+        by_unit: dict[int, list[int]] = {}
+        for record in rows:
+            by_unit.setdefault(unit_of_record[record], []).append(record)
+        for unit, records in by_unit.items():
+            assert len(records) == min(2, sum(flags[r] for r in units.members[unit]))
+            joined[unit] += 1
+        picks[[r - 20 for r in by_unit.get(5, [])]] += 1
+    # units with flagged records join at rate q; the capped one's two rows are a uniform pair of its four
+    assert joined[0] == 0 and all(abs(joined[u] / draws - 0.5) < 0.05 for u in range(1, 6))
+    assert stats.chisquare(picks).pvalue > 1e-4
+    # the step's work does not depend on the flags: the same fixed shape with and without them
+    unflagged = build_engine(privacy, model, units.num_records, 3, 10, seed=0, units=units)
+    dataset = TensorPoseSet(units.num_records)
+    assert ({batch["image"].shape[0] for _, batch in zip(range(20), engine.batches(dataset))}
+            == {batch["image"].shape[0] for _, batch in zip(range(20), unflagged.batches(dataset))} == {engine.shape.rows})
+    with pytest.raises(ValueError, match="3 trainable-record flags for a training set of 24 records"):
+        build_engine(privacy, model, units.num_records, 3, 10, units=units, trainable_records=[True] * 3)
+
+
 def test_unit_index_must_cover_the_training_set(model) -> None:
     with pytest.raises(ValueError, match="covers 3 records, the training set has 4"):
         build_engine(PrivacyConfig(mechanism="dpsgd", noise_multiplier=1.0), model, 4, 1, 1, units=patients([3]))

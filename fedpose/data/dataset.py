@@ -419,16 +419,21 @@ class PoseDataset(Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.load(index)
 
-    def load(self, index: int, rng: np.random.Generator | None = None) -> dict[str, Any]:
+    def load(self, index: int, rng: np.random.Generator | None = None, plain: bool = False) -> dict[str, Any]:
         """Record ``index``'s sample, its augmentation drawn from ``rng`` — or, without one, from the
         dataset's own stream, where the k-th load gets the k-th draw whatever the record. A private
         step passes each row a generator of its own from the CSPRNG
         (:func:`fedpose.privacy.engine.load_rows`): in the stream a unit's augmentation would hang
-        on how many rows were loaded before it, so on which other units were sampled."""
+        on how many rows were loaded before it, so on which other units were sampled. ``plain``:
+        the record's un-augmented crop, drawing nothing (a property of the record alone, such as
+        whether it is grey: :func:`fedpose.model.grey_copies.records_with_gradient`)."""
         if not 0 <= index < len(self.records):
             raise IndexError(f"index {index} out of range for a dataset of {len(self.records)}")
         record = self.records[index]
-        aug = self.augmentation(rng) if self.fixed_rotations is None else Augmentation(rotation=self.fixed_rotations[index])
+        if plain:
+            aug = Augmentation()
+        else:
+            aug = self.augmentation(rng) if self.fixed_rotations is None else Augmentation(rotation=self.fixed_rotations[index])
         scale = float(record.scale) * self.padding
         center = np.asarray(record.center, dtype=np.float32)
         matrix = crop_transform(center, scale, self.input_size, aug)

@@ -293,6 +293,7 @@ def train_site_round(
     import torch
 
     from fedpose.model import build_model_from_spec
+    from fedpose.model.grey_copies import records_with_gradient
     from fedpose.privacy.engine import build_engine
     from fedpose.runtime import configure_device, describe_device, resolve_device, subnormals_as_zero
     from fedpose.train.loop import TrainingDiverged, train_steps
@@ -393,6 +394,8 @@ def train_site_round(
             seed=site.train.seed * 1_000_003 + int(round_id),  # public choices only (S_pub samples); DP noise is CSPRNG
             chunk_size=site.train.chunk_size, units=units,
             round_steps=local_steps,  # what an observer times is the round: its work is fixed per round (fixed_shape)
+            # grey copies: a colour record's gradient is exactly 0, so a unit's row slots take its grey ones
+            trainable_records=records_with_gradient(model.trainable_parameters(), dataset),
         )
         if basis is not None:
             engine.set_basis(basis, version=basis_version)

@@ -35,7 +35,7 @@ take the ``vmap`` path over the whole network: the batched affine path
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -140,3 +140,34 @@ def _normalized(module: nn.Module, inputs: Tensor, channels_last: bool) -> Tenso
     if channels_last:
         return F.layer_norm(inputs, module.normalized_shape, None, None, module.eps)
     return F.layer_norm(inputs.permute(0, 2, 3, 1), module.normalized_shape, None, None, module.eps).permute(0, 3, 1, 2)
+
+
+def trains_only_grey_copies(trainable_names: Iterable[str]) -> bool:
+    """Whether a model whose trainable tensors are these trains nothing but grey copies (scenario
+    ``grey_biases_norms``): then a colour image's gradient is exactly zero."""
+    names = list(trainable_names)
+    return bool(names) and all(is_grey_copy_key(name) for name in names)
+
+
+def records_with_gradient(trainable_names: Iterable[str], dataset: Any) -> list[bool] | None:
+    """Which of ``dataset``'s records can move the trainable tensors: None (every one) unless they
+    are grey copies only; then the records whose un-augmented crop is grey (:func:`grey_flags`).
+
+    A DP step fills a sampled unit's fixed row slots (``privacy.max_records_per_unit``) from these
+    records only (:class:`fedpose.privacy.engine.GradientEngine`): a colour row would cost a row's
+    work and add exactly zero. The flag is a function of the record alone, computed for every
+    record with the same work whatever it is, so it changes neither the sensitivity (a unit's sum
+    is still clipped to C once), nor q, nor what a round costs. The augmentation keeps a grey crop
+    grey (black fill, rotation, mirroring); a colour record whose crop would only turn grey under
+    some augmentation is left out: utility, never privacy."""
+    if not trains_only_grey_copies(trainable_names):
+        return None
+    flags: list[bool] = []
+    for start in range(0, len(dataset), _FLAG_CHUNK):
+        images = torch.stack([dataset.load(i, plain=True)["image"] for i in range(start, min(start + _FLAG_CHUNK, len(dataset)))])
+        flags.extend(bool(flag) for flag in grey_flags(images).tolist())
+    return flags
+
+
+#: crops flagged per batch by :func:`records_with_gradient` (bounds its memory only)
+_FLAG_CHUNK = 256

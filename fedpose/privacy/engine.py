@@ -18,7 +18,10 @@ DP mechanisms (see :mod:`fedpose.privacy.mechanisms` for the table):
   probability q = B/N (the sampling the RDP analysis assumes), and then its records do (at most
   ``privacy.max_records_per_unit`` of them, chosen uniformly with the same CSPRNG: a fixed cap, so
   which records stand in for the unit never depends on other units). The sampled units vary in
-  number and may be none (the step then releases noise only, and is still accounted).
+  number and may be none (the step then releases noise only, and is still accounted). Records
+  whose gradient is exactly zero under the trainable set (a colour image when only grey copies
+  train: ``trainable_records``) never fill a row: the cap then takes the unit's records that
+  teach, and a unit with none is sampled all the same, its slot padding only.
 * **Fixed shape** — every DP step computes the same rows (:mod:`fedpose.privacy.fixed_shape`):
   ``max_batch_units`` unit slots × ``max_records_per_unit`` rows, the sampled units' records in
   their slots and zero-weight padding rows (uniformly drawn records, ``row_mask`` False) in every
@@ -236,6 +239,7 @@ class GradientEngine:
         memory_settings: str = STEP_MEMORY_SETTINGS,
         ledger: PrivacyLedger | None = None,
         round_steps: int | None = None,
+        trainable_records: Sequence[bool] | None = None,
     ) -> None:
         if dataset_size < 1:
             raise ValueError(f"the training set is empty (dataset_size = {dataset_size})")
@@ -252,10 +256,16 @@ class GradientEngine:
             raise ValueError(
                 f"the unit index covers {self.units.num_records} records, the training set has {dataset_size}"
             )
+        if trainable_records is not None and len(trainable_records) != dataset_size:
+            raise ValueError(f"{len(trainable_records)} trainable-record flags for a training set of {dataset_size} records")
         self.privacy = privacy
         self.mechanism = mechanism
         #: records in the training set (the batches' row source)
         self.num_records = int(dataset_size)
+        #: each unit's records that can carry a gradient (all of them unless ``trainable_records`` says
+        #: otherwise): the records a sampled unit's row slots are filled from (:meth:`sample_units`)
+        self.unit_rows: tuple[tuple[int, ...], ...] = self.units.members if trainable_records is None else tuple(
+            tuple(r for r in members if trainable_records[r]) for members in self.units.members)
         #: N of the guarantee: the number of protection units (= records for unit "record")
         self.dataset_size = self.units.num_units
         self.batch_size = int(batch_size)
@@ -427,8 +437,8 @@ class GradientEngine:
 
     def sample_units(self) -> tuple[list[int], list[int]]:
         """One step's Poisson draw over units: (record indices, position of each row's unit among
-        the sampled units). Every record of a sampled unit is in (up to the fixed cap), none of an
-        unsampled one; every sampled unit is kept, however many (more than the step's slots take
+        the sampled units). Every record of a sampled unit is in (up to the fixed cap; of those that
+        can carry a gradient: :attr:`unit_rows`), none of an unsampled one; every sampled unit is kept, however many (more than the step's slots take
         more slots, :meth:`fixed_shape_rows`), so the draw is exactly the Poisson sampling the
         accountant analyses. Coins come from the engine's noise source (the CSPRNG unless seeded
         for tests)."""
@@ -438,7 +448,7 @@ class GradientEngine:
         rows: list[int] = []
         unit_of_row: list[int] = []
         for position, unit in enumerate(chosen):
-            members = self.units.members[unit]
+            members = self.unit_rows[unit]
             if len(members) > cap:
                 # uniform subset of size cap: the cap smallest of i.i.d. CSPRNG uniforms
                 keep = torch.argsort(self.noise.uniform(len(members)))[:cap].sort().values.tolist()
@@ -893,6 +903,7 @@ def build_engine(
     memory_settings: str = STEP_MEMORY_SETTINGS,
     ledger: PrivacyLedger | None = None,
     round_steps: int | None = None,
+    trainable_records: Sequence[bool] | None = None,
 ) -> GradientEngine:
     """The engine for ``privacy_cfg.mechanism`` (see the module docstring).
 
@@ -905,6 +916,9 @@ def build_engine(
     ``ledger``: the privacy ledger a resumed run continues — its relation governs the accounting and
     σ's calibration (it must bound the mechanism's relation). ``round_steps``: the steps of a site's
     round, whose work is then fixed per round instead of per step (:mod:`fedpose.privacy.fixed_shape`).
+    ``trainable_records``: one flag per record, False where the record's gradient is exactly zero
+    under the model's trainable set (:func:`fedpose.model.grey_copies.records_with_gradient`; None:
+    every record trains): a sampled unit's rows are its flagged records only.
     """
     mechanism = get_mechanism(privacy_cfg.mechanism)
     params = model.trainable_parameters()
@@ -913,7 +927,7 @@ def build_engine(
     if mechanism.projects and any(is_grey_copy_key(name) for name in params):
         raise ValueError(grey_copies_refuse_projection(f"privacy.mechanism '{mechanism.name}'"))
     engine = GradientEngine(privacy_cfg, mechanism, dataset_size, batch_size, planned_steps, public_dataset, seed, chunk_size,
-                            units, memory_settings, ledger, round_steps)
+                            units, memory_settings, ledger, round_steps, trainable_records)
     if mechanism.noisy:  # the chunk, from the fixed step shape, before any step (see chunk_for)
         engine.decide_chunk(model)
     return engine

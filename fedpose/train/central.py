@@ -215,6 +215,7 @@ def build_training_engine(
     A resumed run (``checkpoint``) continues its ledger: the accountant, unit and neighbouring relation
     it started with (a checkpoint from before accountants were selectable: RDP; an FDP run from before
     ``replace_one``: visible membership, σ calibrated under it), so neither σ nor ε changes silently."""
+    from fedpose.model.grey_copies import records_with_gradient
     from fedpose.privacy.accountant import PrivacyLedger
     from fedpose.privacy.engine import build_engine
 
@@ -230,7 +231,8 @@ def build_training_engine(
         except ValueError as exc:
             raise ConfigError(f"the checkpoint's privacy ledger: {exc}") from None
     engine = build_engine(privacy_cfg, model, len(train_set), cfg.train.batch_size, cfg.train.steps, public_set, seed,
-                          chunk_size=cfg.train.chunk_size, units=units, ledger=ledger)
+                          chunk_size=cfg.train.chunk_size, units=units, ledger=ledger,
+                          trainable_records=records_with_gradient(model.trainable_parameters(), train_set))
     return engine, unit_choice
 
 
