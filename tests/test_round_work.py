@@ -46,7 +46,7 @@ def test_a_round_of_one_step_in_one_slot_chunks_is_never_more_than_the_step_shap
 
 
 def test_the_main_jobs_round_is_60_percent_of_per_step_padding() -> None:
-    shape = step_shape("patient", 32, 1 / 15, None, 4)  # configs/demo.toml: B = 32 of 480 patients, 4 images each
+    shape = step_shape("patient", 32, 1 / 15, None, 4)  # configs/demo.toml until 2026-12-07: B = 32 of 480 patients, 4 rows each
     assert round_work(shape, 1, 4).slots == shape.unit_slots == 86  # one step in one-slot chunks: the step shape
     eight, sixteen = round_work(shape, 8, 16), round_work(shape, 16, 16)
     assert eight.units_per_chunk == 4 and eight.chunk_rows == 16
