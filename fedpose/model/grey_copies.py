@@ -16,7 +16,9 @@ tensors, which stay frozen: the copies are the only trainable tensors. So
   whatever the copies become: its gradient is exactly zero;
 * a grey image's gradient falls in the copies; a unit's clipped gradient still moves the noisy sum
   by at most C, so σ, q and ε are those of any other trainable set;
-* the number of trainable parameters is ``biases_norms``' (30 912 for tiny_vit_5m_224).
+* the number of trainable parameters is ``biases_norms``' (30 912 for tiny_vit_5m_224);
+* a DP step fills a sampled unit's rows from its grey records only (:func:`records_with_gradient`):
+  a colour row would cost a row's work and add exactly zero.
 
 Which images are grey is a function of the image alone (:func:`grey_flags`, a public rule): the
 mean over its pixels of |R − G| + |G − B|, intensities in [0, 1], under :data:`GREY_TOLERANCE`.
@@ -52,6 +54,8 @@ GREY_TOLERANCE = 2.0 / 255
 GREY_PREFIX = "grey_"
 #: the attribute a module's hook reads the current pass's flags from
 _FLAGS = "_fedpose_grey_flags"
+#: crops flagged per batch by :func:`records_with_gradient` (bounds its memory only)
+_FLAG_CHUNK = 256
 
 
 def is_grey_copy_key(name: str) -> bool:
@@ -168,6 +172,3 @@ def records_with_gradient(trainable_names: Iterable[str], dataset: Any) -> list[
         flags.extend(bool(flag) for flag in grey_flags(images).tolist())
     return flags
 
-
-#: crops flagged per batch by :func:`records_with_gradient` (bounds its memory only)
-_FLAG_CHUNK = 256

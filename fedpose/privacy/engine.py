@@ -437,10 +437,11 @@ class GradientEngine:
 
     def sample_units(self) -> tuple[list[int], list[int]]:
         """One step's Poisson draw over units: (record indices, position of each row's unit among
-        the sampled units). Every record of a sampled unit is in (up to the fixed cap; of those that
-        can carry a gradient: :attr:`unit_rows`), none of an unsampled one; every sampled unit is kept, however many (more than the step's slots take
-        more slots, :meth:`fixed_shape_rows`), so the draw is exactly the Poisson sampling the
-        accountant analyses. Coins come from the engine's noise source (the CSPRNG unless seeded
+        the sampled units). Every record of a sampled unit that can carry a gradient
+        (:attr:`unit_rows`) is in, up to the fixed cap; none of an unsampled one; every sampled unit
+        is kept, however many (more than the step's slots take more slots,
+        :meth:`fixed_shape_rows`), so the draw is exactly the Poisson sampling the accountant
+        analyses. Coins come from the engine's noise source (the CSPRNG unless seeded
         for tests)."""
         assert self.noise is not None and self.shape is not None
         chosen = torch.nonzero(self.noise.uniform(self.dataset_size) < self.sample_rate).flatten().tolist()
