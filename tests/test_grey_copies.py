@@ -203,15 +203,13 @@ def test_only_grey_records_can_train_grey_copies_and_their_crops_stay_grey(tmp_p
 def test_a_site_round_fills_its_rows_from_its_grey_records_only(tmp_path: Path):
     """The real site round under grey copies: its engine's unit rows are each patient's grey records
     (the flags of the site's own training set), and the round trains and replies as usual."""
-    import warnings as _warnings
-
     from fedpose.federation.local_training import load_site_dataset, train_site_round
     from fedpose.model.grey_copies import records_with_gradient
     from site_round_helpers import INPUT_SIZE, global_model, make_site_data, site_config
 
     site = site_config(make_site_data(tmp_path / "data"), tmp_path / "state", unit="patient")
-    with _warnings.catch_warnings():
-        _warnings.simplefilter("ignore")  # a partial scenario without init_checkpoint
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a partial scenario without init_checkpoint
         state, spec = global_model(scenario="grey_biases_norms")
     engines: list = []
     result = train_site_round(site, "run", 1, state, spec, 2, engine_hook=engines.append)

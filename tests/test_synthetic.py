@@ -33,8 +33,6 @@ def _small_dataset(out: Path, seed: int = 0, workers: int = 1, **kw) -> dict:
     return generate_dataset(out, **args)
 
 
-
-
 # --- determinism ---------------------------------------------------------------------------------
 
 def test_render_is_a_pure_function_of_seed_split_index():
