@@ -200,6 +200,25 @@ def test_only_grey_records_can_train_grey_copies_and_their_crops_stay_grey(tmp_p
     assert records_with_gradient({}, dataset) is None
 
 
+def test_training_data_without_a_grey_image_is_said_on_the_site_machine(tmp_path: Path):
+    """Grey copies on colour-only data (the synthetic public split: no infrared camera) would train on
+    noise alone; records_with_gradient says so as a local warning (the operator's stderr / log, never
+    a reply), and a site with grey images gets no warning."""
+    from fedpose.data.dataset import PoseDataset, load_records
+    from fedpose.data.synthetic import ensure_dataset
+    from fedpose.model.grey_copies import records_with_gradient
+
+    ensure_dataset(tmp_path / "syn", sites=1, per_site=24, public=12, test=0, size=SIZE, seed=0, progress=False)
+    trainable = make().trainable_parameters()
+    records, root = load_records(tmp_path / "syn" / "public")
+    with pytest.warns(RuntimeWarning, match="none of the 12 training images is grey"):
+        assert records_with_gradient(trainable, PoseDataset(records, root, input_size=SIZE, train=True)) == [False] * 12
+    records, root = load_records(tmp_path / "syn" / "site-1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert any(records_with_gradient(trainable, PoseDataset(records, root, input_size=SIZE, train=True)))
+
+
 def test_a_site_round_fills_its_rows_from_its_grey_records_only(tmp_path: Path):
     """The real site round under grey copies: its engine's unit rows are each patient's grey records
     (the flags of the site's own training set), and the round trains and replies as usual."""

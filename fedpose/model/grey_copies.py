@@ -36,6 +36,7 @@ take the ``vmap`` path over the whole network: the batched affine path
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
 
@@ -170,5 +171,10 @@ def records_with_gradient(trainable_names: Iterable[str], dataset: Any) -> list[
     for start in range(0, len(dataset), _FLAG_CHUNK):
         images = torch.stack([dataset.load(i, plain=True)["image"] for i in range(start, min(start + _FLAG_CHUNK, len(dataset)))])
         flags.extend(bool(flag) for flag in grey_flags(images).tolist())
+    if flags and not any(flags):
+        # said on this machine only (stderr / the local log): in a reply, one record could flip it
+        warnings.warn(f"the model trains only grey copies (scenario grey_biases_norms) but none of the {len(flags)} "
+                      "training images is grey: every step's rows are padding, so training moves the model by DP noise "
+                      "alone; train another scenario on colour-only data", RuntimeWarning, stacklevel=2)
     return flags
 
