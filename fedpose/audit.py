@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 
-from fedpose.config import GREY_SCENARIO, RunConfig
+from fedpose.config import GREY_SCENARIOS, RunConfig
 from fedpose.privacy.accountants.base import ADD_REMOVE
 from fedpose.privacy.audit_bound import GuessResult, best_lower_bound
 from fedpose.privacy.canaries import CanarySet, canary_capacity
@@ -338,7 +338,7 @@ def _black_box_central(cfg: RunConfig, canaries: int | None, confidence: float, 
     records, root = load_records(_training_dir(cfg)[0])
     with tempfile.TemporaryDirectory(prefix="fedpose-audit-canaries-") as directory:
         canary_records = _ood_canary_records(count, cfg.data.input_size, Path(directory), rng,
-                                             grey=cfg.model.scenario == GREY_SCENARIO)
+                                             grey=cfg.model.scenario in GREY_SCENARIOS)
         included = rng.random(count) < 0.5
         train_set = _dataset(records + [r for r, keep in zip(canary_records, included) if keep], root, cfg, train=True)
         if cfg.privacy.sample_rate is None:

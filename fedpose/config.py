@@ -101,11 +101,14 @@ class DataConfig(AugmentationConfig):
 
 #: Which parameters train (:mod:`fedpose.model.pose_model` defines each set). Under DP-SGD the
 #: noise's norm grows with √(trainable parameters), so a smaller set can pay at a given ε.
-Scenario = Literal["finetune", "norms_head", "norms", "biases_norms", "grey_biases_norms", "lora", "full", "scratch"]
+Scenario = Literal["finetune", "norms_head", "norms", "biases_norms", "grey_biases_norms", "grey_early_biases_norms", "lora",
+                   "full", "scratch"]
 #: the scenarios that keep most weights at ``model.init_checkpoint`` (random without one)
-PARTIAL_SCENARIOS: tuple[str, ...] = ("finetune", "norms_head", "norms", "biases_norms", "grey_biases_norms", "lora")
-#: the trainable set of grey copies (fedpose.model.grey_copies)
-GREY_SCENARIO = "grey_biases_norms"
+PARTIAL_SCENARIOS: tuple[str, ...] = ("finetune", "norms_head", "norms", "biases_norms", "grey_biases_norms", "grey_early_biases_norms",
+                                      "lora")
+#: the trainable sets of grey copies (fedpose.model.grey_copies): of every bias and LayerNorm affine,
+#: or of those of the patch embedding and the first two stages only
+GREY_SCENARIOS: tuple[str, ...] = ("grey_biases_norms", "grey_early_biases_norms")
 #: low-rank adapters wider than this are refused (a spec from the coordinator must stay buildable)
 MAX_LORA_RANK = 128
 
@@ -114,7 +117,7 @@ def grey_copies_refuse_projection(where: str) -> str:
     """Why ``where`` (the setting that chose pdp or fpdp) cannot train grey copies: the one message of
     the federation config's check (before a run) and the engine's (when a site's round starts)."""
     return (f"{where}: pdp and fpdp project onto public gradients, which are zero for grey copies "
-            f"(model.scenario '{GREY_SCENARIO}': public images are colour); use dpsgd, fdp or maskdp")
+            f"(model.scenario {' / '.join(repr(s) for s in GREY_SCENARIOS)}: public images are colour); use dpsgd, fdp or maskdp")
 
 
 class ModelConfig(Strict):
@@ -128,6 +131,8 @@ class ModelConfig(Strict):
         "biases_norms: every bias + every LayerNorm (BitFit; 31 k | 31 k); "
         "grey_biases_norms: a copy of biases_norms that grey (infrared) images use and train, colour images keep the "
         "base's (31 k | 31 k; fedpose.model.grey_copies); "
+        "grey_early_biases_norms: those grey copies in the patch embedding and the first two stages only, where grey "
+        "images differ from colour ones (5 k | 5 k); "
         "lora: rank-r adapters on stage 3's attention qkv/proj and MLP fc1/fc2 (base weights frozen) + every "
         "LayerNorm + the head (2.19 M | 1.78 M at r = 8, 82 k of them adapters); full: all; scratch: all, random init",
     )
@@ -313,8 +318,8 @@ class PrivacyConfig(Strict):
         description="record rows of each unit slot in every DP step (unit 'record': 1): a sampled unit with more records "
         "is represented by this many chosen uniformly with the CSPRNG (its sum still clipped to C as one), a smaller one "
         "is padded with zero-weight rows. A fixed number, never derived from the data: with max_batch_units it fixes "
-        "every step's work, so timing does not depend on the data (fedpose.privacy.fixed_shape). Under model.scenario "
-        "grey_biases_norms only a unit's grey records fill its rows (a colour record's gradient is exactly zero there), "
+        "every step's work, so timing does not depend on the data (fedpose.privacy.fixed_shape). Under grey copies "
+        "(model.scenario grey_biases_norms, grey_early_biases_norms) only a unit's grey records fill its rows (a colour record's gradient is exactly zero there), "
         "so this caps grey records per unit and a smaller value saves work",
     )
     max_batch_units: int | None = Field(

@@ -26,7 +26,7 @@ from pydantic import Field, model_validator
 
 from fedpose.config import (
     DEVICE_CHOICES,
-    GREY_SCENARIO,
+    GREY_SCENARIOS,
     AugmentationConfig,
     DataConfig,
     DeviceSetting,
@@ -350,7 +350,7 @@ class FederationConfig(Strict):
     @model_validator(mode="after")
     def _grey_copies_are_not_projected(self) -> "FederationConfig":
         # A site's engine refuses it too, but only when its first round starts: say it before the run.
-        if self.coordinator.model.scenario == GREY_SCENARIO:
+        if self.coordinator.model.scenario in GREY_SCENARIOS:
             projecting = [s.site_id for s in self.sites if get_mechanism(s.privacy.mechanism).projects]
             if projecting:
                 raise ValueError(grey_copies_refuse_projection(f"sites {projecting}"))

@@ -138,7 +138,8 @@ MODEL_SPEC_FIELDS: dict[str, FieldRule] = {
         "network computes; its frozen part is a fixed function of public weights"),
     "scenario": FieldRule(
         "cannot change the guarantee",
-        "which parameters train (finetune, norms_head, norms, biases_norms, the grey copies of grey_biases_norms — which "
+        "which parameters train (finetune, norms_head, norms, biases_norms, the grey copies of grey_biases_norms and "
+        "grey_early_biases_norms — which "
         "image uses them is a fixed function of the image —, lora's adapters, full): Δ holds only those, each "
         "updated only with privatized gradients, the unit's gradient clipped to C over all of them jointly and every "
         "coordinate noised; the others are not released. The set changes what ε costs in utility (the noise's norm "

@@ -8,7 +8,8 @@ colour ones (benchmarks/federated_utility/gain_by_kind/). Every coordinate of a 
 carries DP noise that the colour images pay for and learn nothing from.
 
 Scenario ``grey_biases_norms`` gives every tensor of ``biases_norms`` (every bias and LayerNorm
-affine) a grey copy, registered on its module as ``grey_bias`` / ``grey_weight`` and starting as
+affine) a grey copy (``grey_early_biases_norms``: those of the patch embedding and the first two
+stages only, :data:`fedpose.model.pose_model.GREY_EARLY_UNITS`), registered on its module as ``grey_bias`` / ``grey_weight`` and starting as
 the module's own tensor. A grey image runs with the copies, a colour image with the module's
 tensors, which stay frozen: the copies are the only trainable tensors. So
 
@@ -16,7 +17,8 @@ tensors, which stay frozen: the copies are the only trainable tensors. So
   whatever the copies become: its gradient is exactly zero;
 * a grey image's gradient falls in the copies; a unit's clipped gradient still moves the noisy sum
   by at most C, so σ, q and ε are those of any other trainable set;
-* the number of trainable parameters is ``biases_norms``' (30 912 for tiny_vit_5m_224);
+* the number of trainable parameters is ``biases_norms``' (30 912 for tiny_vit_5m_224; 5 216 of
+  them early);
 * a DP step fills a sampled unit's rows from its grey records only (:func:`records_with_gradient`):
   a colour row would cost a row's work and add exactly zero.
 
@@ -149,7 +151,7 @@ def _normalized(module: nn.Module, inputs: Tensor, channels_last: bool) -> Tenso
 
 def trains_only_grey_copies(trainable_names: Iterable[str]) -> bool:
     """Whether a model whose trainable tensors are these trains nothing but grey copies (scenario
-    ``grey_biases_norms``): then a colour image's gradient is exactly zero."""
+    ``grey_biases_norms``, ``grey_early_biases_norms``): then a colour image's gradient is exactly zero."""
     names = list(trainable_names)
     return bool(names) and all(is_grey_copy_key(name) for name in names)
 
@@ -173,7 +175,7 @@ def records_with_gradient(trainable_names: Iterable[str], dataset: Any) -> list[
         flags.extend(bool(flag) for flag in grey_flags(images).tolist())
     if flags and not any(flags):
         # said on this machine only (stderr / the local log): in a reply, one record could flip it
-        warnings.warn(f"the model trains only grey copies (scenario grey_biases_norms) but none of the {len(flags)} "
+        warnings.warn(f"the model trains only grey copies (model.scenario grey_*) but none of the {len(flags)} "
                       "training images is grey: every step's rows are padding, so training moves the model by DP noise "
                       "alone; train another scenario on colour-only data", RuntimeWarning, stacklevel=2)
     return flags
