@@ -1,4 +1,4 @@
-"""Grey copies (model.scenario "grey_biases_norms", fedpose.model.grey_copies).
+"""Grey copies (model.scenario "grey_biases_norms" and "grey_early_biases_norms", fedpose.model.grey_copies).
 
 Which images count as grey; that a colour image's output and gradient never depend on the copies and
 a grey image's only on them; that per-sample gradients equal a per-sample loop, so a unit's clipped
@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from fedpose.config import ModelConfig, PrivacyConfig
+from fedpose.config import GREY_SCENARIOS, ModelConfig, PrivacyConfig
 from fedpose.data.dataset import normalize
 from fedpose.model import build_model, build_model_from_spec, model_from_checkpoint, save_checkpoint
 from fedpose.model.checkpoint import model_spec
 from fedpose.model.grey_copies import GREY_PREFIX, grey_flags, is_grey_copy_key, own_key
+from fedpose.model.pose_model import GREY_EARLY_UNITS
 from fedpose.privacy.engine import build_engine
 from fedpose.privacy.per_sample import flatten, frozen_features, per_sample_gradients
 
@@ -71,21 +72,32 @@ def test_grey_flags_follow_the_pixels_not_the_padding_or_one_pixel():
     assert grey_flags(normalize(tinted)[None]).tolist() == [0]  # a uniform tint of 3 levels is colour
 
 
-def test_the_copies_are_the_only_trainable_tensors_and_mirror_biases_norms():
-    model, plain = make(), make("biases_norms")
+@pytest.mark.parametrize("scenario", GREY_SCENARIOS)
+def test_the_copies_are_the_only_trainable_tensors_and_mirror_biases_norms(scenario: str):
+    """grey_biases_norms copies every tensor of biases_norms; grey_early_biases_norms those in the patch
+    embedding and the first two stages, nothing after them; the engine sees the copies only."""
+    model, plain = make(scenario), make("biases_norms")
     trainable = set(model.trainable_parameters())
     assert all(is_grey_copy_key(name) for name in trainable)
-    assert {own_key(name) for name in trainable} == set(plain.trainable_parameters())
-    assert model.num_trainable() == plain.num_trainable()
+    copied = set(plain.trainable_parameters())
+    if scenario == "grey_early_biases_norms":
+        copied = {name for name in copied if name.startswith(GREY_EARLY_UNITS)}
+        assert {name.split(".")[1] for name in copied} == {"patch_embed", "stages"} and len(copied) < plain.num_trainable() / 3
+        assert not [name for name in model.state_dict() if is_grey_copy_key(name) and not name.startswith(GREY_EARLY_UNITS)]
+    assert {own_key(name) for name in trainable} == copied
+    assert model.num_trainable() == sum(plain.trainable_parameters()[name].numel() for name in copied)
     assert model.frozen_prefix == [] and model.affine_tuned_part == []  # the images reach every copy's hook
-    with pytest.raises(ValueError, match="built with grey copies"):
+    with pytest.raises(ValueError, match=f"built with the grey copies of '{scenario}'"):
         model.set_scenario("biases_norms")
+    with pytest.raises(ValueError, match=f"built with the grey copies of '{scenario}'"):
+        model.set_scenario(next(other for other in GREY_SCENARIOS if other != scenario))
     with pytest.raises(ValueError, match="built without grey copies"):
-        plain.set_scenario("grey_biases_norms")
+        plain.set_scenario(scenario)
 
 
-def test_colour_images_never_see_the_copies_and_grey_images_see_only_them():
-    model, plain = make(), make("biases_norms")
+@pytest.mark.parametrize("scenario", GREY_SCENARIOS)
+def test_colour_images_never_see_the_copies_and_grey_images_see_only_them(scenario: str):
+    model, plain = make(scenario), make("biases_norms")
     plain.load_state_dict({k: v for k, v in model.state_dict().items() if GREY_PREFIX not in k})
     batch = images("cgcg")
     with torch.no_grad():
@@ -104,8 +116,9 @@ def test_colour_images_never_see_the_copies_and_grey_images_see_only_them():
         assert all(torch.allclose(a[[1, 3]], b[[1, 3]], atol=1e-5) for a, b in zip(model(batch), ours))
 
 
-def test_per_sample_gradients_equal_a_loop_and_are_zero_for_colour_images():
-    model = moved_copies(make())
+@pytest.mark.parametrize("scenario", GREY_SCENARIOS)
+def test_per_sample_gradients_equal_a_loop_and_are_zero_for_colour_images(scenario: str):
+    model = moved_copies(make(scenario))
     batch, (joints, weight) = images("gcgc"), targets(4)
     params = model.trainable_parameters()
     features = frozen_features(model, batch)
@@ -121,8 +134,9 @@ def test_per_sample_gradients_equal_a_loop_and_are_zero_for_colour_images():
             assert reference.norm() > 0 and (ours - reference).norm() / reference.norm() <= 1e-4, i
 
 
-def test_the_engine_noises_exactly_the_copies_and_a_colour_batch_moves_only_by_noise():
-    model = make()
+@pytest.mark.parametrize("scenario", GREY_SCENARIOS)
+def test_the_engine_noises_exactly_the_copies_and_a_colour_batch_moves_only_by_noise(scenario: str):
+    model = make(scenario)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     joints, weight = targets(4)
     batch = {"image": images("cccc"), "joints": joints, "weight": weight, "index": torch.arange(4)}
