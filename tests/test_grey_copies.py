@@ -185,7 +185,7 @@ def test_a_federation_that_would_project_grey_copies_is_refused_before_it_runs(t
     demo = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
     checkpoint = f'coordinator.checkpoint_dir="{tmp_path / "coordinator"}"'
     federation, _, _ = resolve_federation(demo, [checkpoint])
-    assert federation.coordinator.model.scenario == "grey_biases_norms"  # the main job's set
+    assert federation.coordinator.model.scenario == "grey_early_biases_norms"  # the main job's set
     with pytest.raises(ValueError, match=r"sites \['site-2'\]: pdp and fpdp project onto public gradients"):
         resolve_federation(demo, [checkpoint, "sites.1.privacy.mechanism=pdp"])
 
