@@ -149,7 +149,7 @@ def test_main_job_levers_pairs_every_probe_with_the_recipe_it_challenged_as_the_
             (row,) = [row for row in rows if row["file"] == name]
             assert abs(row["mean"] - recorded) <= 0.011, (name, row["mean"], recorded)
     adopted = [row for row in rows if row["decision"] == "adopted"]
-    assert [row["file"] for row in adopted] == ["grey_only_main_job.json", "grey_rows_main_job.json"]
+    assert [row["file"] for row in adopted] == ["grey_only_main_job.json", "grey_rows_main_job.json", "grey_early_main_job.json"]
     committed = json.loads((FEDERATED_UTILITY.parent / "main_job_levers.json").read_text())["rows"]
     assert committed == json.loads(json.dumps(rows)), "main_job_levers.json is stale: rerun main_job_levers.py"
 
