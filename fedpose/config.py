@@ -319,8 +319,9 @@ class PrivacyConfig(Strict):
         "is represented by this many chosen uniformly with the CSPRNG (its sum still clipped to C as one), a smaller one "
         "is padded with zero-weight rows. A fixed number, never derived from the data: with max_batch_units it fixes "
         "every step's work, so timing does not depend on the data (fedpose.privacy.fixed_shape). Under grey copies "
-        "(model.scenario grey_biases_norms, grey_early_biases_norms) only a unit's grey records fill its rows (a colour record's gradient is exactly zero there), "
-        "so this caps grey records per unit and a smaller value saves work",
+        "(model.scenario grey_biases_norms, grey_early_biases_norms) only a unit's grey records fill its rows (a "
+        "colour record's gradient is exactly zero there), so this caps grey records per unit and a smaller value saves "
+        "work",
     )
     max_batch_units: int | None = Field(
         None, ge=1,

@@ -155,11 +155,12 @@ def test_the_engine_noises_exactly_the_copies_and_a_colour_batch_moves_only_by_n
                          model, 8, 4, 1, seed=0)
 
 
-def test_a_base_without_copies_starts_them_as_its_own_tensors_and_checkpoints_keep_them(tmp_path: Path):
+@pytest.mark.parametrize("scenario", GREY_SCENARIOS)
+def test_a_base_without_copies_starts_them_as_its_own_tensors_and_checkpoints_keep_them(tmp_path: Path, scenario: str):
     base = make("biases_norms", seed=5)
     path = save_checkpoint(tmp_path / "base.pt", base)
     torch.manual_seed(9)
-    model = build_model(ModelConfig(backbone="tiny_vit_test", scenario="grey_biases_norms", init_checkpoint=path), SIZE)
+    model = build_model(ModelConfig(backbone="tiny_vit_test", scenario=scenario, init_checkpoint=path), SIZE)
     state = model.state_dict()
     assert all(torch.equal(state[key], state[own_key(key)]) for key in state if is_grey_copy_key(key))
     batch = images("gc")
