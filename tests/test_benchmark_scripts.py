@@ -300,3 +300,30 @@ def test_gain_by_kind_scores_grey_and_lying_images_apart(tmp_path):
     scores = by_kind.scores_by_kind(prediction, masks)
     assert scores["grey"] == 100.0 and scores["colour"] == 0.0 and scores["lying"] == 100.0
     assert 0.0 < scores["all"] < 100.0
+
+
+def test_grey_copies_by_stage_trains_only_each_variants_copies_and_never_moves_colour_images(tmp_path):
+    """The noise-free diagnostic behind grey_early_main_job.json: each variant trains the grey copies
+    under its prefixes only (the early set is the scenario's), and the colour test images' score never
+    moves (they never see the copies)."""
+    import json
+
+    from fedpose.config import ModelConfig
+    from fedpose.data.synthetic import ensure_dataset
+    from fedpose.model import build_model
+    from fedpose.model.pose_model import GREY_EARLY_UNITS
+
+    script = load_benchmark_module(BENCHMARKS / "federated_utility" / "grey_copies_by_stage.py", "grey_copies_by_stage")
+    ensure_dataset(tmp_path / "syn", sites=2, per_site=24, public=0, test=16, size=(64, 64), seed=0, progress=False)
+    out = tmp_path / "by_stage.json"
+    assert script.main(["--data", str(tmp_path / "syn"), "--out", str(out), "--steps", "2", "--threads", "1",
+                        "--backbone", "tiny_vit_test", "--base", "", "--size", "64x64"]) == 0
+    variants = json.loads(out.read_text())["variants"]
+    early = build_model(ModelConfig(backbone="tiny_vit_test", scenario="grey_early_biases_norms"), (64, 64))
+    assert variants["patch embedding, stages 0-1 (grey_early_biases_norms)"]["prefixes"] == list(GREY_EARLY_UNITS)
+    assert variants["patch embedding, stages 0-1 (grey_early_biases_norms)"]["trainable"] == early.num_trainable()
+    counts = {name: v["trainable"] for name, v in variants.items()}
+    assert counts["every copy"] == counts["patch embedding, stages 0-1 (grey_early_biases_norms)"] + counts["stages 2-3 and the head"]
+    for variant in variants.values():
+        curve = variant["curve_every_16_steps"]
+        assert len(curve) == 2 and {point["colour"] for point in curve} == {curve[0]["colour"]}
