@@ -22,12 +22,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fedpose.model.pose_model import GREY_EARLY_UNITS
+
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "checkpoints" / "public" / "public-base-tiny_vit_5m_224-128x96-rotation60.pt"
 #: variant → the name prefixes of the grey copies it trains ("" = every copy)
 VARIANTS: dict[str, tuple[str, ...]] = {
     "every copy": ("",),
-    "patch embedding, stages 0-1 (grey_early_biases_norms)": ("backbone.patch_embed.", "backbone.stages.0.", "backbone.stages.1."),
+    "patch embedding, stages 0-1 (grey_early_biases_norms)": GREY_EARLY_UNITS,
     "patch embedding, stage 0": ("backbone.patch_embed.", "backbone.stages.0."),
     "stage 1": ("backbone.stages.1.",),
     "stages 2-3 and the head": ("backbone.stages.2.", "backbone.stages.3.", "head."),

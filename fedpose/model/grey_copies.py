@@ -10,8 +10,9 @@ carries DP noise that the colour images pay for and learn nothing from.
 Scenario ``grey_biases_norms`` gives every tensor of ``biases_norms`` (every bias and LayerNorm
 affine) a grey copy (``grey_early_biases_norms``: those of the patch embedding and the first two
 stages only, :data:`fedpose.model.pose_model.GREY_EARLY_UNITS`), registered on its module as
-``grey_bias`` / ``grey_weight`` and starting as the module's own tensor. A grey image runs with the copies, a colour image with the module's
-tensors, which stay frozen: the copies are the only trainable tensors. So
+``grey_bias`` / ``grey_weight`` and starting as the module's own tensor. A grey image runs with
+the copies, a colour image with the module's tensors, which stay frozen: the copies are the only
+trainable tensors. So
 
 * a fresh model computes exactly its base model, and a colour image's output stays the base's
   whatever the copies become: its gradient is exactly zero;
