@@ -305,7 +305,8 @@ def test_gain_by_kind_scores_grey_and_lying_images_apart(tmp_path):
 def test_grey_copies_by_stage_trains_only_each_variants_copies_and_never_moves_colour_images(tmp_path):
     """The noise-free diagnostic behind grey_early_main_job.json: each variant trains the grey copies
     under its prefixes only (the early set is the scenario's), and the colour test images' score never
-    moves (they never see the copies)."""
+    moves (they never see the copies); a weight variant trains every weight under its prefixes and
+    scores colour images with the base."""
     import json
 
     from fedpose.config import ModelConfig
@@ -324,6 +325,10 @@ def test_grey_copies_by_stage_trains_only_each_variants_copies_and_never_moves_c
     assert variants["patch embedding, stages 0-1 (grey_early_biases_norms)"]["trainable"] == early.num_trainable()
     counts = {name: v["trainable"] for name, v in variants.items()}
     assert counts["every copy"] == counts["patch embedding, stages 0-1 (grey_early_biases_norms)"] + counts["stages 2-3 and the head"]
-    for variant in variants.values():
+    weights = json.loads(out.read_text())["weight_variants"]
+    full = build_model(ModelConfig(backbone="tiny_vit_test", scenario="full"), (64, 64))
+    assert weights["every weight of the model"]["trainable"] == full.num_trainable()
+    assert weights["every weight of the patch embedding and stages 0-1"]["prefixes"] == list(GREY_EARLY_UNITS)
+    for variant in [*variants.values(), *weights.values()]:  # a weight variant's colour images are the base's
         curve = variant["curve_every_16_steps"]
-        assert len(curve) == 2 and {point["colour"] for point in curve} == {curve[0]["colour"]}
+        assert len(curve) == 2 and {point["colour"] for point in curve} == {variants["every copy"]["curve_every_16_steps"][0]["colour"]}

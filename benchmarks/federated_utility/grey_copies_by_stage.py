@@ -1,15 +1,23 @@
-"""Which grey copies teach the grey images? A noise-free diagnostic: no clipping, no noise, no sites.
+"""What can the grey path learn? A noise-free diagnostic: no clipping, no noise, no sites.
 
     fedpose data synth --out DATA --sites 3 --per-site 1920 --public 0 --test 160 --size 128x96 --seed 7
     python benchmarks/federated_utility/grey_copies_by_stage.py --data DATA --out FILE.json [--steps 32]
 
-From the main job's public base, each variant trains only the grey copies (model.scenario
-``grey_biases_norms``) whose names start with one of its prefixes, for ``--steps`` steps of SGD
-(0.1, momentum 0.9, the main job's) on the mean loss of 38 grey site images a step (about what a
-main-job step's grey rows hold), the sites taking turns; the test split is scored with flip test,
-grey and colour images apart (colour images never see the copies, so their score must not move).
-The numbers say what a subset *can* teach without noise; a smaller subset carries less DP noise
-(norm ∝ √parameters). Chooses nothing: grey_early_main_job.json's rule did, with the private recipe.
+From the main job's public base, each variant trains on the mean loss of 38 grey site images a
+step (about what a main-job step's grey rows hold), the sites taking turns, for ``--steps`` steps of
+SGD with momentum 0.9; the test split is scored with flip test, grey and colour images apart.
+
+* ``variants``: only the grey copies (model.scenario ``grey_biases_norms``) whose names start with
+  one of the variant's prefixes, at the main job's step size 0.1. Colour images never see the
+  copies, so their score must not move.
+* ``weight_variants``: every weight under the prefixes (a whole grey copy of those units, which no
+  scenario offers: the most any trainable set there could teach), at step size 0.003 (the grid's
+  non-private step for every weight; 0.01 and 0.03 learned less in trial runs). The grey test
+  images are scored with the trained model and the colour ones with the base, as grey copies would
+  route them.
+
+The numbers say what a set *can* teach without noise; a larger set carries more DP noise (norm ∝
+√parameters). Chooses nothing: grey_early_main_job.json's rule did, with the private recipe.
 """
 
 from __future__ import annotations
@@ -34,58 +42,103 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "stage 1": ("backbone.stages.1.",),
     "stages 2-3 and the head": ("backbone.stages.2.", "backbone.stages.3.", "head."),
 }
+#: variant → the name prefixes of the weights a separate grey model trains ("" = the whole model)
+WEIGHT_VARIANTS: dict[str, tuple[str, ...]] = {
+    "every weight of the patch embedding": ("backbone.patch_embed.",),
+    "every weight of stage 0": ("backbone.stages.0.",),
+    "every weight of the patch embedding and stages 0-1": GREY_EARLY_UNITS,
+    "every weight of the model": ("",),
+}
+COPIES_LR, WEIGHTS_LR = 0.1, 0.003
 GREY_IMAGES_A_STEP = 38
 
 
-def run_variant(data: Path, prefixes: tuple[str, ...], steps: int, seed: int, backbone: str, base: Path | None,
-                input_size: tuple[int, int]) -> dict:
-    from fedpose.config import ModelConfig
-    from fedpose.data.dataset import PoseDataset
-    from fedpose.data.loaders import load_records
-    from fedpose.eval.pckh import pckh
-    from fedpose.federation.config import SiteDataConfig
-    from fedpose.model import build_model
-    from fedpose.model.grey_copies import grey_flags, is_grey_copy_key, records_with_gradient
-    from fedpose.train.evaluate import predict
+class GreyPath:
+    """The data and scoring every variant shares: each site's grey training records, the test split,
+    its grey flags and the base model's test predictions."""
 
-    torch.manual_seed(seed)
-    model = build_model(ModelConfig(backbone=backbone, scenario="grey_biases_norms", init_checkpoint=base), input_size)
+    def __init__(self, data: Path, seed: int, backbone: str, base: Path | None, input_size: tuple[int, int]):
+        from fedpose.data.dataset import PoseDataset
+        from fedpose.data.loaders import load_records
+        from fedpose.federation.config import SiteDataConfig
+        from fedpose.model.grey_copies import grey_flags, records_with_gradient
+        from fedpose.train.evaluate import predict
+
+        self.seed, self.backbone, self.base, self.input_size = seed, backbone, base, input_size
+        copies = self.model("grey_biases_norms")
+        augmentation = SiteDataConfig(train=data).augmentation_options()
+        self.sites = []
+        for site_dir in sorted(data.glob("site-*")):
+            records, root = load_records(site_dir)
+            dataset = PoseDataset(records, root, input_size=input_size, train=True, seed=seed, **augmentation)
+            flags = records_with_gradient(copies.trainable_parameters(), dataset)  # the grey records
+            self.sites.append((dataset, [i for i, grey in enumerate(flags) if grey]))
+        records, root = load_records(data / "test")
+        self.test = PoseDataset(records, root, input_size=input_size, train=False)
+        self.test_grey = grey_flags(torch.stack([self.test.load(i, plain=True)["image"] for i in range(len(self.test))])).numpy() > 0.5
+        self.base_predictions = predict(copies, self.test, flip_test=True)
+
+    def model(self, scenario: str):
+        from fedpose.config import ModelConfig
+        from fedpose.model import build_model
+
+        torch.manual_seed(self.seed)
+        return build_model(ModelConfig(backbone=self.backbone, scenario=scenario, init_checkpoint=self.base), self.input_size)
+
+    def score(self, model, colour_from_base: bool) -> dict[str, float | None]:
+        from fedpose.eval.pckh import pckh
+        from fedpose.train.evaluate import predict
+
+        out = predict(model, self.test, flip_test=True)
+        model.train_mode()
+        if colour_from_base:
+            out = {key: np.where(self.test_grey.reshape(-1, *[1] * (value.ndim - 1)), value, self.base_predictions[key])
+                   for key, value in out.items()}
+        kinds = (("all", np.ones_like(self.test_grey)), ("grey", self.test_grey), ("colour", ~self.test_grey))
+        return {kind: round(float(pckh(out["preds"][m], out["joints"][m], out["joints_vis"][m], out["headbox"][m])["Mean"]), 2)
+                if m.any() else None for kind, m in kinds}
+
+    def train(self, model, params: list, lr: float, steps: int, colour_from_base: bool) -> dict:
+        """``steps`` noise-free steps on grey images; the scores every 16 steps."""
+        optimizer = torch.optim.SGD(params, lr=lr, momentum=0.9)
+        rng = np.random.default_rng(self.seed)
+        model.train_mode()
+        curve, started = [self.score(model, colour_from_base)], time.perf_counter()
+        for step in range(steps):
+            dataset, grey = self.sites[step % len(self.sites)]
+            batch = [dataset[int(i)] for i in rng.choice(grey, size=min(GREY_IMAGES_A_STEP, len(grey)), replace=False)]
+            optimizer.zero_grad(set_to_none=True)
+            logits = model(torch.stack([b["image"] for b in batch]))
+            model.loss(*logits, torch.stack([b["joints"] for b in batch]), torch.stack([b["weight"] for b in batch])).mean().backward()
+            optimizer.step()
+            if (step + 1) % 16 == 0 or step + 1 == steps:
+                curve.append(self.score(model, colour_from_base))
+        return {"trainable": sum(p.numel() for p in params), "lr": lr, "curve_every_16_steps": curve,
+                "seconds": round(time.perf_counter() - started, 1)}
+
+
+def train_copies(path: GreyPath, prefixes: tuple[str, ...], steps: int) -> dict:
+    """The grey copies under ``prefixes`` only."""
+    from fedpose.model.grey_copies import is_grey_copy_key
+
+    model = path.model("grey_biases_norms")
     params = []
     for name, param in model.named_parameters():
         param.requires_grad_(is_grey_copy_key(name) and name.startswith(prefixes))
         if param.requires_grad:
             params.append(param)
-    augmentation = SiteDataConfig(train=data).augmentation_options()
-    sites = []
-    for site_dir in sorted(data.glob("site-*")):
-        records, root = load_records(site_dir)
-        dataset = PoseDataset(records, root, input_size=input_size, train=True, seed=seed, **augmentation)
-        flags = records_with_gradient(model.trainable_parameters(), dataset)
-        sites.append((dataset, [i for i, grey in enumerate(flags) if grey]))
-    records, root = load_records(data / "test")
-    test = PoseDataset(records, root, input_size=input_size, train=False)
-    test_grey = grey_flags(torch.stack([test.load(i, plain=True)["image"] for i in range(len(test))])).numpy() > 0.5
+    return {"prefixes": list(prefixes), **path.train(model, params, COPIES_LR, steps, colour_from_base=False)}
 
-    def score() -> dict[str, float | None]:
-        out = predict(model, test, flip_test=True)
-        model.train_mode()
-        return {kind: round(float(pckh(out["preds"][m], out["joints"][m], out["joints_vis"][m], out["headbox"][m])["Mean"]), 2)
-                if m.any() else None for kind, m in (("all", np.ones_like(test_grey)), ("grey", test_grey), ("colour", ~test_grey))}
 
-    optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    rng = np.random.default_rng(seed)
-    curve, started = [score()], time.perf_counter()
-    for step in range(steps):
-        dataset, grey = sites[step % len(sites)]
-        batch = [dataset[int(i)] for i in rng.choice(grey, size=min(GREY_IMAGES_A_STEP, len(grey)), replace=False)]
-        optimizer.zero_grad(set_to_none=True)
-        logits = model(torch.stack([b["image"] for b in batch]))
-        model.loss(*logits, torch.stack([b["joints"] for b in batch]), torch.stack([b["weight"] for b in batch])).mean().backward()
-        optimizer.step()
-        if (step + 1) % 16 == 0 or step + 1 == steps:
-            curve.append(score())
-    return {"prefixes": list(prefixes), "trainable": sum(p.numel() for p in params), "curve_every_16_steps": curve,
-            "seconds": round(time.perf_counter() - started, 1)}
+def train_weights(path: GreyPath, prefixes: tuple[str, ...], steps: int) -> dict:
+    """Every weight under ``prefixes`` of a separate grey model (colour images scored with the base)."""
+    model = path.model("full")
+    params = []
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith(prefixes))
+        if param.requires_grad:
+            params.append(param)
+    return {"prefixes": list(prefixes), **path.train(model, params, WEIGHTS_LR, steps, colour_from_base=True)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,14 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     size = tuple(int(v) for v in args.size.split("x"))
-    base = Path(args.base) if args.base else None
-    results = {name: run_variant(args.data, prefixes, args.steps, args.seed, args.backbone, base, size)
-               for name, prefixes in VARIANTS.items()}
-    args.out.write_text(json.dumps({"what": __doc__.split("\n\n")[2].strip(), "data": str(args.data), "steps": args.steps,
-                                    "seed": args.seed, "threads": args.threads, "variants": results}, indent=1, ensure_ascii=False))
-    for name, result in results.items():
-        print(f"{name}: {result['trainable']} parameters, grey {result['curve_every_16_steps'][0]['grey']} -> "
-              f"{result['curve_every_16_steps'][-1]['grey']}, colour {result['curve_every_16_steps'][-1]['colour']}")
+    path = GreyPath(args.data, args.seed, args.backbone, Path(args.base) if args.base else None, size)
+    results = {name: train_copies(path, prefixes, args.steps) for name, prefixes in VARIANTS.items()}
+    weights = {name: train_weights(path, prefixes, args.steps) for name, prefixes in WEIGHT_VARIANTS.items()}
+    args.out.write_text(json.dumps({"what": __doc__.split("\n\n", 2)[2].strip(), "data": str(args.data), "steps": args.steps,
+                                    "seed": args.seed, "threads": args.threads, "variants": results,
+                                    "weight_variants": weights}, indent=1, ensure_ascii=False))
+    for name, result in {**results, **weights}.items():
+        first, last = result["curve_every_16_steps"][0], result["curve_every_16_steps"][-1]
+        print(f"{name}: {result['trainable']} parameters, grey {first['grey']} -> {last['grey']}, colour {last['colour']}")
     return 0
 
 

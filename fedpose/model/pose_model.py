@@ -21,9 +21,11 @@ smaller set can pay at a fixed ε (counts for tiny_vit_5m_224: ``model.scenario`
 - ``grey_early_biases_norms``: the grey copies of ``grey_biases_norms`` in the patch embedding and
   the first two stages (:data:`GREY_EARLY_UNITS`) only, a sixth of them. Grey images differ from
   colour ones in low-level statistics (one channel, flat contrast, sensor noise): on the main job's
-  tuning data, 32 noise-free steps of the early copies alone gained about what all the copies
-  gained (grey test images from 53.2 to 72.8 / 70.8 in two draws, against 71.9 / 71.7), the later
-  stages' and the head's alone 2–3 points; the noise's norm is √6 smaller (benchmarks/federated_utility/grey_early_main_job.json).
+  tuning data, 32 noise-free steps of the early copies alone gained nearly what all the copies
+  gained (grey test images from 53.2 to 72.8 / 70.8 / 69.5 in three draws, against 71.9 / 71.7 /
+  71.7), the later stages' and the head's alone 2–3 points, and every weight of the model 73.3
+  (benchmarks/federated_utility/grey_copies_by_stage.py); the noise's norm is √6 smaller
+  (benchmarks/federated_utility/grey_early_main_job.json).
 - ``lora``: low-rank adapters (:class:`LoRALinear`) on the last stage's attention qkv/proj and MLP
   fc1/fc2, every LayerNorm and the head; every base weight frozen. The last stage only: it is
   the stage ``finetune`` trains, and adapters in stages 1–2 would end their affine-tuned fast path
