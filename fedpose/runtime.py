@@ -40,6 +40,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import platform
 import re
 import sys
 from contextlib import contextmanager
@@ -171,6 +172,18 @@ def describe_device(device: torch.device) -> str:
         return f"{device} ({props.name}, {props.total_memory / 2**30:.1f} GiB)"
     threads = torch.get_num_threads()
     return f"{device} ({threads} thread{'' if threads == 1 else 's'})"
+
+
+def cpu_model() -> str:
+    """The CPU's model name, for benchmark conditions ("Intel(R) Xeon(R) ..."; ``platform.processor()``
+    where /proc/cpuinfo is missing, which on Linux is often empty)."""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

@@ -36,12 +36,13 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "step_cost"))
 
-from run import RandomPoseSet, cpu_model, load_average, privacy_config, timed_step  # noqa: E402  (step_cost's helpers)
+from run import RandomPoseSet, load_average, privacy_config, timed_step  # noqa: E402  (step_cost's helpers)
 
 from fedpose.config import ModelConfig  # noqa: E402
 from fedpose.io import atomic_write_json  # noqa: E402
 from fedpose.model import build_model  # noqa: E402
 from fedpose.privacy.engine import build_engine, collate  # noqa: E402
+from fedpose.runtime import cpu_model  # noqa: E402
 
 #: (backbone, scenario) pairs probed by default: the test backbone, the product's (finetune and full),
 #: and the registered middle-sized candidate for the sweep's base

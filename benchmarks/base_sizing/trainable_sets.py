@@ -21,6 +21,7 @@ import torch
 
 from fedpose.config import ModelConfig
 from fedpose.io import atomic_write_json
+from fedpose.runtime import cpu_model
 
 HERE = Path(__file__).resolve().parent
 # this folder's run.py by path: it imports step_cost's run.py under the module name "run" itself
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         "what": "seconds per step, non-private ('none') and DP-SGD ('dpsgd'), per trainable-parameter set",
         "backbone": args.backbone, "input_size_hw": list(args.size), "batch_rows": args.batch, "repeats": args.repeats,
         "torch_threads": args.threads, "lora_rank": ModelConfig().lora_rank,
-        "machine": {"cpus": os.cpu_count(), "cpu_model": base_sizing.cpu_model(),
+        "machine": {"cpus": os.cpu_count(), "cpu_model": cpu_model(),
                     "load_average_before": load_before, "load_average_after": base_sizing.load_average()},
         "wall_seconds_total": round(time.perf_counter() - started, 1),
         "models": rows,

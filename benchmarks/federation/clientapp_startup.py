@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+from fedpose.runtime import cpu_model
+
 REPO = Path(__file__).resolve().parents[2]
 OUT = Path(__file__).with_name("clientapp_startup_results.json")
 
@@ -40,16 +42,6 @@ def timed_process(code: str) -> tuple[float, bool]:
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True,
                          env={**os.environ, "FLWR_TELEMETRY_ENABLED": "0"})
     return time.perf_counter() - started, out.stdout.strip().splitlines()[-1] == "True"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main(argv: list[str] | None = None) -> int:

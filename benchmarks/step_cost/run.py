@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -61,7 +60,7 @@ from fedpose.model import build_model
 from fedpose.privacy.engine import PUBLIC_SAMPLE_KEY, build_engine, collate
 from fedpose.privacy.mechanisms import MECHANISM_NAMES
 from fedpose.privacy.noise import InsecureSeededNoise, SecureNoise
-from fedpose.runtime import configure_device, describe_device, resolve_device, synchronize
+from fedpose.runtime import configure_device, cpu_model, describe_device, resolve_device, synchronize
 
 HERE = Path(__file__).resolve().parent
 MECHANISMS = MECHANISM_NAMES
@@ -120,13 +119,6 @@ def privacy_config(mechanism: str, k: int, m: int) -> PrivacyConfig:
 
 def load_average() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def noise_seconds(p: int, device: torch.device, repeats: int = NOISE_REPEATS) -> dict[str, list[float]]:
