@@ -328,6 +328,8 @@ def test_grey_copies_by_stage_trains_only_each_variants_copies_and_never_moves_c
     weights = json.loads(out.read_text())["weight_variants"]
     full = build_model(ModelConfig(backbone="tiny_vit_test", scenario="full"), (64, 64))
     assert weights["every weight of the model"]["trainable"] == full.num_trainable()
+    assert weights["every weight of the patch embedding"]["trainable"] == sum(
+        p.numel() for name, p in full.named_parameters() if name.startswith("backbone.patch_embed."))
     assert weights["every weight of the patch embedding and stages 0-1"]["prefixes"] == list(GREY_EARLY_UNITS)
     for variant in [*variants.values(), *weights.values()]:  # a weight variant's colour images are the base's
         curve = variant["curve_every_16_steps"]

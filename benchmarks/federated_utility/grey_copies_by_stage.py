@@ -122,23 +122,22 @@ def train_copies(path: GreyPath, prefixes: tuple[str, ...], steps: int) -> dict:
     from fedpose.model.grey_copies import is_grey_copy_key
 
     model = path.model("grey_biases_norms")
-    params = []
-    for name, param in model.named_parameters():
-        param.requires_grad_(is_grey_copy_key(name) and name.startswith(prefixes))
-        if param.requires_grad:
-            params.append(param)
+    params = _train_only(model, lambda name: is_grey_copy_key(name) and name.startswith(prefixes))
     return {"prefixes": list(prefixes), **path.train(model, params, COPIES_LR, steps, colour_from_base=False)}
 
 
 def train_weights(path: GreyPath, prefixes: tuple[str, ...], steps: int) -> dict:
     """Every weight under ``prefixes`` of a separate grey model (colour images scored with the base)."""
     model = path.model("full")
-    params = []
-    for name, param in model.named_parameters():
-        param.requires_grad_(name.startswith(prefixes))
-        if param.requires_grad:
-            params.append(param)
+    params = _train_only(model, lambda name: name.startswith(prefixes))
     return {"prefixes": list(prefixes), **path.train(model, params, WEIGHTS_LR, steps, colour_from_base=True)}
+
+
+def _train_only(model, trains) -> list:
+    """Freeze every parameter whose name ``trains`` rejects; the ones it keeps."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(trains(name))
+    return [param for param in model.parameters() if param.requires_grad]
 
 
 def main(argv: list[str] | None = None) -> int:
