@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -32,7 +33,12 @@ import torch
 
 from fedpose.model.pose_model import GREY_EARLY_UNITS
 
-REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from gain_by_kind import scores_by_kind  # noqa: E402  (this folder's scoring by kind)
+
+REPO = HERE.parents[1]
 BASE = REPO / "checkpoints" / "public" / "public-base-tiny_vit_5m_224-128x96-rotation60.pt"
 #: variant → the name prefixes of the grey copies it trains ("" = every copy)
 VARIANTS: dict[str, tuple[str, ...]] = {
@@ -85,8 +91,7 @@ class GreyPath:
         torch.manual_seed(self.seed)
         return build_model(ModelConfig(backbone=self.backbone, scenario=scenario, init_checkpoint=self.base), self.input_size)
 
-    def score(self, model, colour_from_base: bool) -> dict[str, float | None]:
-        from fedpose.eval.pckh import pckh
+    def score(self, model, colour_from_base: bool) -> dict[str, float]:
         from fedpose.train.evaluate import predict
 
         out = predict(model, self.test, flip_test=True)
@@ -94,9 +99,7 @@ class GreyPath:
         if colour_from_base:
             out = {key: np.where(self.test_grey.reshape(-1, *[1] * (value.ndim - 1)), value, self.base_predictions[key])
                    for key, value in out.items()}
-        kinds = (("all", np.ones_like(self.test_grey)), ("grey", self.test_grey), ("colour", ~self.test_grey))
-        return {kind: round(float(pckh(out["preds"][m], out["joints"][m], out["joints_vis"][m], out["headbox"][m])["Mean"]), 2)
-                if m.any() else None for kind, m in kinds}
+        return scores_by_kind(out, {"all": np.ones_like(self.test_grey), "grey": self.test_grey, "colour": ~self.test_grey})
 
     def train(self, model, params: list, lr: float, steps: int, colour_from_base: bool) -> dict:
         """``steps`` noise-free steps on grey images; the scores every 16 steps."""
