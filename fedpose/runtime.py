@@ -178,9 +178,10 @@ def cpu_model() -> str:
     """The CPU's model name, for benchmark conditions ("Intel(R) Xeon(R) ..."; ``platform.processor()``
     where /proc/cpuinfo is missing, which on Linux is often empty)."""
     try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
     return platform.processor() or "unknown"
