@@ -163,7 +163,8 @@ def records_with_gradient(trainable_names: Iterable[str], dataset: Any) -> list[
 
     A DP step fills a sampled unit's fixed row slots (``privacy.max_records_per_unit``) from these
     records only (:class:`fedpose.privacy.engine.GradientEngine`): a colour row would cost a row's
-    work and add exactly zero. The flag is a function of the record alone, computed for every
+    work and add exactly zero. Its private sample only: the flag is of the private crop, so a public
+    view's noise-free sample (fdp, maskdp) takes a unit's rows from all of its records. The flag is a function of the record alone, computed for every
     record with the same work whatever it is, so it changes neither the sensitivity (a unit's sum
     is still clipped to C once), nor q, nor what a round costs. The augmentation keeps a grey crop
     grey (black fill, rotation, mirroring); a colour record whose crop would only turn grey under

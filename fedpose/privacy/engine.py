@@ -21,7 +21,9 @@ DP mechanisms (see :mod:`fedpose.privacy.mechanisms` for the table):
   number and may be none (the step then releases noise only, and is still accounted). Records
   whose gradient is exactly zero under the trainable set (a colour image when only grey copies
   train: ``trainable_records``) never fill a row: the cap then takes the unit's records that
-  teach, and a unit with none is sampled all the same, its slot padding only.
+  teach, and a unit with none is sampled all the same, its slot padding only. Those flags are a
+  function of the private image, so a public view's own sample (fdp, maskdp: a noise-free
+  gradient) ignores them and fills its rows from all of a unit's records.
 * **Fixed shape** — every DP step computes the same rows (:mod:`fedpose.privacy.fixed_shape`):
   ``max_batch_units`` unit slots × ``max_records_per_unit`` rows, the sampled units' records in
   their slots and zero-weight padding rows (uniformly drawn records, ``row_mask`` False) in every
@@ -421,7 +423,10 @@ class GradientEngine:
         the step's fixed shape or, in a round of fixed work, in whole chunks — the round's last step
         also taking the slots its earlier steps left (:meth:`RoundWork.slots_for`) — and how many of
         its rows are the step's own: the rest, padding only, are that spare (:class:`SpareRows`)."""
-        rows, unit_of_row = self.sample_units()
+        # A public view's sample takes each unit's rows from all of its records: the flags that
+        # narrow the private sample (trainable_records: grey copies) are computed on the private
+        # image, and the noise-free public gradient must depend on public views only.
+        rows, unit_of_row = self.sample_units(self.unit_rows if sample == 0 else self.units.members)
         if self.round is None:
             records, slots, real = self.fixed_shape_rows(rows, unit_of_row)
             return records, slots, real, len(records)
@@ -435,10 +440,10 @@ class GradientEngine:
         records, slots, real = self.fixed_shape_rows(rows, unit_of_row, num_slots)
         return records, slots, real, own_slots * self.shape.rows_per_slot
 
-    def sample_units(self) -> tuple[list[int], list[int]]:
+    def sample_units(self, unit_members: Sequence[Sequence[int]] | None = None) -> tuple[list[int], list[int]]:
         """One step's Poisson draw over units: (record indices, position of each row's unit among
         the sampled units). Every record of a sampled unit that can carry a gradient
-        (:attr:`unit_rows`) is in, up to the fixed cap; none of an unsampled one; every sampled unit
+        (``unit_members``, default :attr:`unit_rows`) is in, up to the fixed cap; none of an unsampled one; every sampled unit
         is kept, however many (more than the step's slots take more slots,
         :meth:`fixed_shape_rows`), so the draw is exactly the Poisson sampling the accountant
         analyses. Coins come from the engine's noise source (the CSPRNG unless seeded
@@ -449,7 +454,7 @@ class GradientEngine:
         rows: list[int] = []
         unit_of_row: list[int] = []
         for position, unit in enumerate(chosen):
-            members = self.unit_rows[unit]
+            members = (self.unit_rows if unit_members is None else unit_members)[unit]
             if len(members) > cap:
                 # uniform subset of size cap: the cap smallest of i.i.d. CSPRNG uniforms
                 keep = torch.argsort(self.noise.uniform(len(members)))[:cap].sort().values.tolist()
@@ -919,7 +924,7 @@ def build_engine(
     round, whose work is then fixed per round instead of per step (:mod:`fedpose.privacy.fixed_shape`).
     ``trainable_records``: one flag per record, False where the record's gradient is exactly zero
     under the model's trainable set (:func:`fedpose.model.grey_copies.records_with_gradient`; None:
-    every record trains): a sampled unit's rows are its flagged records only.
+    every record trains): a sampled unit's rows in the private sample are its flagged records only.
     """
     mechanism = get_mechanism(privacy_cfg.mechanism)
     params = model.trainable_parameters()
