@@ -153,9 +153,9 @@ class ModelSpec(Strict):
     backbone: str
     scenario: Scenario
     input_size: tuple[int, int]  #: (height, width)
-    split_factor: int
-    label_sigma: float
-    head_hidden: int
+    split_factor: int = Field(ge=1, le=8)  #: ModelConfig's bounds: a coordinator cannot send what no config could build
+    label_sigma: float = Field(gt=0)
+    head_hidden: int = Field(ge=0)
     #: the adapters of scenario "lora" (None otherwise; specs written before adapters existed lack them)
     lora_rank: int | None = Field(None, ge=1, le=MAX_LORA_RANK)
     lora_alpha: float | None = Field(None, gt=0)

@@ -46,7 +46,7 @@ from fedpose.federation.protocol import (
 )
 from fedpose.federation.secagg.site import SecAggRefused, SiteSecAggSession
 from fedpose.federation.site_budget import GENESIS_FILE, BudgetExhausted, SiteBudget
-from fedpose.federation.site_pins import check_global_arrays, check_pinned_settings
+from fedpose.federation.site_pins import GlobalModelRejected, check_global_arrays, check_pinned_settings
 from fedpose.privacy.mechanisms import get_mechanism
 
 log = logging.getLogger(__name__)
@@ -295,6 +295,7 @@ def train_site_round(
     from fedpose.model import build_model_from_spec
     from fedpose.model.grey_copies import records_with_gradient
     from fedpose.privacy.engine import build_engine
+    from fedpose.privacy.noise import check_release_size
     from fedpose.runtime import configure_device, describe_device, resolve_device, subnormals_as_zero
     from fedpose.train.loop import TrainingDiverged, train_steps
     from fedpose.train.optim import build_optimizer, build_scheduler
@@ -363,6 +364,11 @@ def train_site_round(
         check_global_arrays(expected, global_state)
         model.load_state_dict({k: torch.from_numpy(np.asarray(global_state[k]).reshape(expected[k].shape)).to(expected[k].dtype)
                                for k in expected})
+        if mechanism.noisy:
+            try:  # before the spend: a trainable set too large for the accounting would fail at its first noise draw
+                check_release_size(model.num_trainable())
+            except ValueError as too_large:
+                raise GlobalModelRejected(f"the model spec's {model.num_trainable():,} trainable parameters: {too_large}") from None
         model.to(device)
         model.train_mode()
         if secure and secagg is not None and model.num_trainable() != secagg.setup.vector_length:

@@ -102,7 +102,8 @@ def chacha20_normal(
     return out[:size]
 
 
-def _check_size(size: int) -> None:
+def check_release_size(size: int) -> None:
+    """Refuse a Gaussian release of more coordinates than the sampler's-cut accounting assumes."""
     if size > MAX_NOISE_COORDINATES:
         raise ValueError(f"a Gaussian release of {size:,} coordinates: the accounting of the sampler's cut assumes at "
                          f"most {MAX_NOISE_COORDINATES:,} (fedpose.privacy.accountants.sampler_cut); train fewer parameters")
@@ -125,7 +126,7 @@ class SecureNoise:
     def normal(self, size: int, std: float, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> Tensor:
         """``size`` independent N(0, std²) samples (float32, or float64 for numpy users), on ``device``
         (None: the CPU). Off the CPU they are generated on that device (:func:`chacha20_normal`)."""
-        _check_size(size)
+        check_release_size(size)
         if device is not None and torch.device(device).type != "cpu":
             return chacha20_normal(size, std, device, dtype)
         pairs = (size + 1) // 2

@@ -303,6 +303,29 @@ def test_a_broken_global_model_is_refused_before_the_spend(data_root, weights, t
     unspent.check()
 
 
+def test_a_trainable_set_too_large_for_the_accounting_is_refused_before_the_spend(data_root, weights, tmp_path,
+                                                                                monkeypatch) -> None:
+    """A model spec whose trainable set exceeds what the noise's accounting covers (a coordinator
+    sending a huge head) used to fail at the first noise draw, after the spend: a budget burned by
+    an input the site could have refused. The cap is lowered here to below the test model's size,
+    as a head of ~34 M parameters would exceed the real one; the spec's fields keep a config's bounds."""
+    from pydantic import ValidationError
+
+    from fedpose.privacy import noise
+
+    global_state, spec = weights
+    site = site_config(data_root, tmp_path / "state")
+    monkeypatch.setattr(noise, "MAX_NOISE_COORDINATES", 1000)
+    unspent = _Unspent(site)
+    with pytest.raises(GlobalModelRejected, match="trainable parameters: a Gaussian release of .* at most 1,000"):
+        train_site_round(site, "run", 1, global_state, spec, 2)
+    _refused_on_the_wire(run_site_round(site, "run", 1, global_state, spec, 2), "GlobalModelRejected")
+    unspent.check()
+    for field, value in [("split_factor", 4096), ("head_hidden", -1), ("label_sigma", 0.0)]:
+        with pytest.raises(ValidationError, match=field):
+            ModelSpec(**{**spec.model_dump(), field: value})
+
+
 def test_scalars_may_arrive_in_the_shape_flower_gives_them(data_root, weights, tmp_path) -> None:
     """Flower's ArrayRecord turns a 0-d tensor (BatchNorm's num_batches_tracked) into shape (1,):
     that is the same value, not a misshapen array."""
