@@ -104,7 +104,8 @@ class AuditResult:
             "reference_run": self.reference_run,
             "violation": bool(lower > claimed),
             "guarantee_void": bool(self.privacy.get("guarantee_void", False)),
-            "epsilon_text": format_epsilon(claimed, delta, guarantee, accountant, self.privacy.get("protection_unit")),
+            "epsilon_text": format_epsilon(claimed, delta, guarantee, accountant, self.privacy.get("protection_unit"),
+                                           self.privacy.get("neighbouring_relation")),
             "epsilon_lower_text": (f"ε_lower = {lower:.4g} ({guarantee}, δ = {delta:.3g}, one-run audit: max of Steinke et al. "
                                    f"2023 ({self.guess.epsilon_lower_steinke:.4g}) and f-DP ({self.guess.epsilon_lower_fdp:.4g}), "
                                    f"{self.confidence:.0%} confidence, {self.scores.size} canaries, {self.mode})"),

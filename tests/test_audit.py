@@ -471,7 +471,7 @@ delta = 1e-5
     else:  # canaries join as units of their own, half of them expected: q = B / (N + m/2) over patients
         patients = round(3 / trained["sample_rate"])
         assert audited["sample_rate"] == pytest.approx(3 / (patients + 10))
-    assert audited["epsilon_text"].endswith("per patient")
+    assert audited["epsilon_text"].endswith("per patient, add/remove-one-patient adjacency")
     if mode == "black-box":
         return
     # the console line names the unit, q and σ

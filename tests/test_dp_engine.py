@@ -336,7 +336,7 @@ def test_target_epsilon_calibration_never_overspends(model) -> None:
     # σ is calibrated and ε reported by the default accountant for DP: PLD
     assert report["accountant"] == "pld"
     assert report["epsilon"] == pytest.approx(epsilon_for(engine.noise_multiplier, 0.2, 12, 4e-5, accountant="pld")[0])
-    assert report["epsilon_text"].endswith("(DP, δ = 4e-05, PLD) per record")
+    assert report["epsilon_text"].endswith("(DP, δ = 4e-05, PLD) per record, add/remove-one-record adjacency")
     json.dumps(report, allow_nan=False)  # privacy.json is strict JSON
     assert report["accountant_state"]["history"] == [{"noise_multiplier": engine.noise_multiplier, "sample_rate": 0.2, "steps": 12}]
 

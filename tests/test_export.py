@@ -133,7 +133,7 @@ def test_a_federated_model_is_exported_with_every_site_s_guarantee(tmp_path: Pat
         {"site_id": "site-1", "epsilon": 2.5, "delta": 1e-5, "guarantee": "DP", "rounds_joined": 3}]}))
     assert main(["export", str(coordinator), "--out", str(tmp_path / "release")]) == 0
     report = json.loads((tmp_path / "release" / "privacy_report.json").read_text())
-    assert report["sites"][0]["epsilon_text"] == "ε = 2.5 (DP, δ = 1e-05, RDP) per record"  # report.json from before units
+    assert report["sites"][0]["epsilon_text"] == "ε = 2.5 (DP, δ = 1e-05, RDP) per record, add/remove-one-record adjacency"  # report.json from before units
     assert "site-1: ε = 2.5 (DP" in (tmp_path / "release" / "PRIVACY.txt").read_text()
 
 
@@ -222,7 +222,8 @@ def test_a_federated_export_takes_each_site_s_spend_from_the_ledger(tmp_path: Pa
     assert _keys(report) <= ALLOWED_KEYS, _keys(report) - ALLOWED_KEYS
     assert report["sites"] == [{"site_id": "site-1", "guarantee": "DP", "epsilon": 1.7, "delta": 1e-5, "accountant": "rdp",
                                 "rounds_joined": 2, "protection_unit": "record",  # ledger rows without a unit
-                                "epsilon_text": "ε = 1.7 (DP, δ = 1e-05, RDP) per record"}]
+                                "neighbouring_relation": "add_remove",
+                                "epsilon_text": "ε = 1.7 (DP, δ = 1e-05, RDP) per record, add/remove-one-record adjacency"}]
     assert "after round 2" in report["model_selection"]
     assert main(["export", str(coordinator), "--out", str(tmp_path / "b"), "--checkpoint", "best"]) != 0  # no 'best' here
 
@@ -345,8 +346,8 @@ def test_a_federated_model_card_lists_every_site_s_guarantee_and_unit(tmp_path: 
         {"site_id": "site-2", "epsilon": 1.25, "delta": 1e-6, "guarantee": "DP", "rounds_joined": 1}]}))
     assert main(["export", str(coordinator), "--out", str(tmp_path / "release")]) == 0
     card = (tmp_path / "release" / "MODEL_CARD.md").read_text()
-    assert "| site-1 | patient | 2 | ε = 2.5 (DP, δ = 1e-05, PLD) per patient |" in card
-    assert "| site-2 | record | 1 | ε = 1.25 (DP, δ = 1e-06, RDP) per record |" in card
+    assert "| site-1 | patient | 2 | ε = 2.5 (DP, δ = 1e-05, PLD) per patient, add/remove-one-patient adjacency |" in card
+    assert "| site-2 | record | 1 | ε = 1.25 (DP, δ = 1e-06, RDP) per record, add/remove-one-record adjacency |" in card
     assert "Not evaluated at export" in card and "Federated run `demo`" in card
 
 

@@ -367,7 +367,7 @@ def test_the_report_names_the_unit(model) -> None:
     engine.step(model, engine_module.collate([], engine_module.collate([TensorPoseSet(1)[0]])))
     report = engine.privacy_report()
     assert report["protection_unit"] == "patient"
-    assert report["epsilon_text"].endswith("(DP, δ = 1e-05, PLD) per patient")  # PLD: the default accountant
+    assert report["epsilon_text"].endswith("(DP, δ = 1e-05, PLD) per patient, add/remove-one-patient adjacency")  # PLD: the default accountant
     assert report["guarantee_sentence"].endswith("-DP per patient, add/remove-one-patient adjacency, PLD accountant")
     assert report["unit_protected"].startswith("one patient")
     assert report["adjacency"].startswith("add/remove one patient")
@@ -376,7 +376,7 @@ def test_the_report_names_the_unit(model) -> None:
     fdp = build_engine(PrivacyConfig(mechanism="fdp", noise_multiplier=1.0, unit="image"), model, units.num_records, 1, 1,
                        units=UnitIndex.from_records([_record("a.png")] * 8, "image"))
     fdp_report = fdp.privacy_report()
-    assert fdp_report["epsilon_text"].endswith("per image") and "one image" in fdp_report["unit_protected"]
+    assert fdp_report["epsilon_text"].endswith("per image, replace-one-image's-protected-part adjacency") and "one image" in fdp_report["unit_protected"]
     assert "replace-one-image" in fdp_report["guarantee_sentence"]
 
 
@@ -418,7 +418,7 @@ def test_central_training_on_synthetic_patients_is_patient_level_by_default(synt
     report = json.loads((tmp_path / "run" / "privacy.json").read_text())
     assert report["protection_unit"] == "patient" and "every record has a patient_id" in report["protection_unit_choice"]
     assert report["sample_rate"] == pytest.approx(1 / 2)  # 8 images = 2 patients; q over patients
-    assert summary["epsilon_text"].endswith("per patient") and summary["privacy"]["protection_unit"] == "patient"
+    assert summary["epsilon_text"].endswith("per patient, add/remove-one-patient adjacency") and summary["privacy"]["protection_unit"] == "patient"
     assert any(line.startswith("protection unit: patient") for line in lines)
     # the run's ledger is per patient: resuming it per image would mix two guarantees
     with pytest.raises(ConfigError, match="the checkpoint's privacy ledger is per patient"):

@@ -99,7 +99,7 @@ def _run(args: argparse.Namespace) -> int:
     void = f"{SEEDED_NO_GUARANTEE}: " if g["guarantee_void"] else ""
     print(
         f"wrote {len(result.frames)} frame(s) to {out}; {void}ε = {g['epsilon']:g} (DP, δ = {g['delta']:.3g}, "
-        f"basic composition), unit: one frame of the clip; σ_projection = {g['sigma_projection']:.4g}, "
+        f"basic composition), unit: one frame of the clip, replace-one-frame adjacency; σ_projection = {g['sigma_projection']:.4g}, "
         f"σ_covariance = {g['sigma_covariance']:.4g} ({g['covariance_calibration']}); randomness: {g['randomness']}",
         file=sys.stdout,
     )

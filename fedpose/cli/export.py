@@ -70,8 +70,8 @@ PUBLISHABLE_SECTION_KEYS: dict[str, frozenset[str]] = {
     }),
 }
 #: Keys of a federated export's per-site entries.
-SITE_KEYS = frozenset({"site_id", "guarantee", "protection_unit", "epsilon", "delta", "accountant", "epsilon_text",
-                       "rounds_joined"})
+SITE_KEYS = frozenset({"site_id", "guarantee", "protection_unit", "neighbouring_relation", "epsilon", "delta", "accountant",
+                       "epsilon_text", "rounds_joined"})
 #: Keys this command adds around the engine report.
 EXPORT_KEYS = frozenset({"source", "model_selection", "run_id", "sites"})
 
@@ -235,6 +235,7 @@ def _withhold_machine_local(value: Any, words: list[str] | None = None) -> Any:
 
 def _federation(coordinator_dir: Path) -> tuple[Any, dict[str, Any]]:
     from fedpose.federation.report import epsilon_text
+    from fedpose.privacy.report import GUARANTEES
 
     try:
         federated = load_global_model(coordinator_dir)
@@ -253,6 +254,7 @@ def _federation(coordinator_dir: Path) -> tuple[Any, dict[str, Any]]:
         "site_id": s["site_id"], "guarantee": s.get("guarantee"), "epsilon": s.get("epsilon"), "delta": s.get("delta"),
         "accountant": s.get("accountant") or "rdp", "rounds_joined": s.get("rounds_joined"),
         "protection_unit": s.get("unit") or "record",  # summaries from before units: record-level
+        "neighbouring_relation": GUARANTEES[s["guarantee"]].relation if s.get("guarantee") in set(GUARANTEES) - {"none"} else None,
         "epsilon_text": epsilon_text(s.get("epsilon"), s.get("delta"), s.get("guarantee"), s.get("accountant") or "rdp",
                                      s.get("unit")),
     } for s in summaries]

@@ -156,7 +156,7 @@ def _epsilon(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result)
     else:
-        print(format_epsilon(epsilon, args.delta, args.guarantee, accountant, unit=args.unit))
+        print(format_epsilon(epsilon, args.delta, args.guarantee, accountant, unit=args.unit, relation=relation))
         print(f"  {result['guarantee_sentence']}")
         order_text = f", optimal RDP order α = {order:g}" if math.isfinite(order) else ""
         print(f"  σ = {args.noise_multiplier:g}, q = {args.sample_rate:g}, T = {args.steps}{order_text}, relation: {relation}")
@@ -180,7 +180,7 @@ def _noise(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result)
     else:
-        print(f"noise multiplier σ = {sigma:.4f} → {format_epsilon(epsilon, args.delta, args.guarantee, accountant, unit=args.unit)}")
+        print(f"noise multiplier σ = {sigma:.4f} → {format_epsilon(epsilon, args.delta, args.guarantee, accountant, unit=args.unit, relation=relation)}")
         print(f"  target ε = {args.target_epsilon:g}, q = {args.sample_rate:g}, T = {args.steps}, relation: {relation}")
     return 0
 
@@ -232,11 +232,11 @@ def _budget(args: argparse.Namespace) -> int:
     if args.json:
         print_json(result)
         return 0
-    guarantee, delta = result["guarantee"], result["delta"]
-    print(f"site '{result['site_id']}': {result['steps']} steps under the {result['neighbouring_relation']} relation")
-    print(f"  enforced: {format_epsilon(result['epsilon'], delta, guarantee, result['accountant'])}")
+    guarantee, delta, unit, relation = result["guarantee"], result["delta"], result["unit"], result["neighbouring_relation"]
+    print(f"site '{result['site_id']}': {result['steps']} steps under the {relation} relation")
+    print(f"  enforced: {format_epsilon(result['epsilon'], delta, guarantee, result['accountant'], unit, relation)}")
     for name, epsilon in result["epsilon_by_accountant"].items():
-        print(f"  by {name}: {format_epsilon(epsilon, delta, guarantee, name)}")
+        print(f"  by {name}: {format_epsilon(epsilon, delta, guarantee, name, unit, relation)}")
     if result["applied"]:
         print(f"  switched to {result['accountant'].upper()} (recorded in {args.state_dir / 'budget.json'})")
     elif args.accountant is not None and args.accountant != result["accountant"]:
@@ -259,7 +259,7 @@ def _adopt(args: argparse.Namespace) -> int:
         print_json(result)
         return 0
     guarantee, delta, accountant = result["guarantee"], result["delta"], result["accountant"]
-    print(f"site '{result['site_id']}': spent {format_epsilon(result['epsilon_before'], delta, guarantee, accountant, result['unit'])}")
+    print(f"site '{result['site_id']}': spent {format_epsilon(result['epsilon_before'], delta, guarantee, accountant, result['unit'], result['neighbouring_relation'])}")
     if not result["adopted"]:
         print("  its budget already holds every journaled spend and every spend on the coordinator's record: nothing to adopt")
         return 0
@@ -267,6 +267,6 @@ def _adopt(args: argparse.Namespace) -> int:
         print(f"  {'would adopt' if args.dry_run else 'adopted'} run '{spend['run_id']}' round {spend['round']} "
               f"(σ = {spend['noise_multiplier']:g}, q = {spend['sample_rate']:g}, {spend['steps']} steps) from the {spend['from']}")
     verb = "would be" if args.dry_run else "is now"
-    print(f"  the budget {verb} {format_epsilon(result['epsilon_after'], delta, guarantee, accountant, result['unit'])}"
+    print(f"  the budget {verb} {format_epsilon(result['epsilon_after'], delta, guarantee, accountant, result['unit'], result['neighbouring_relation'])}"
           + ("" if args.dry_run else f" (recorded in {args.state_dir / 'budget.json'} under 'adoptions')"))
     return 0

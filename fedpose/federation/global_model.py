@@ -35,7 +35,7 @@ class GlobalModel:
         """Which model this is, for reports: the round's global model or the average up to it."""
         if self.ema:
             return (f"moving average (decay {self.ema['decay']:g}) of the global models of the last "
-                    f"{self.ema['averaged_rounds']} rounds up to round {self.round}")
+                    f"{self.ema['averaged_rounds']} rounds up to round {self.ema.get('round', self.round)}")
         return f"global model after round {self.round}"
 
 

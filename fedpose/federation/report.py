@@ -52,6 +52,8 @@ class SiteRoundRecord(BaseModel):
     guarantee: str | None = None
     accountant: str | None = None
     unit: str | None = None  #: protection unit; None in records written before units (record-level)
+    #: the accountant's neighbouring relation (None in records written before it was kept: the guarantee's own)
+    adjacency: str | None = None
     eps_max: float | None = None  #: the site's own budget, as it reported it (None: no report this round)
     reason: str = ""
     reject_reason: str | None = None  #: the validation's code when status is "rejected"
@@ -85,6 +87,8 @@ class RoundRecord(BaseModel):
     pckh: dict[str, float | None] | None = None  #: PCKh of the global model after the round (None: no held-out split)
     #: coordinator.ema on: ``pckh`` is of the moving average of the global models since this round (else of the iterate)
     averaged_from_round: int | None = None
+    #: ... up to this round: the last that changed the model (None in records from before: ``round``)
+    averaged_to_round: int | None = None
     aggregated: bool = False  #: whether the global model changed
     accepted: int = 0
     rejected: int = 0
@@ -104,7 +108,7 @@ class RoundRecord(BaseModel):
     @property
     def pckh_is_averaged(self) -> bool:
         """Whether ``pckh`` is of an average of several rounds' models (round 1's average is its model)."""
-        return self.averaged_from_round is not None and self.averaged_from_round < self.round
+        return self.averaged_from_round is not None and self.averaged_from_round < (self.averaged_to_round or self.round)
 
 
 def _rounds(raw: Any, path: Path) -> list[RoundRecord]:
@@ -127,15 +131,15 @@ def save_history(directory: str | Path, rounds: list[RoundRecord]) -> None:
 
 
 def epsilon_text(epsilon: float | None, delta: float | None, guarantee: str | None, accountant: str | None = "rdp",
-                 unit: str | None = None) -> str:
-    """The site's ε with guarantee, δ, accountant and protection unit (``unit`` None: a record
-    written before units, which were all record-level)."""
+                 unit: str | None = None, relation: str | None = None) -> str:
+    """The site's ε with guarantee, δ, accountant, protection unit (``unit`` None: a record written
+    before units, which were all record-level) and neighbouring relation (None: the guarantee's)."""
     from fedpose.privacy.report import format_epsilon
 
     if guarantee in (None, "", "none"):
         return format_epsilon(math.inf, 0.0, "none")
     return format_epsilon(math.inf if epsilon is None else float(epsilon), float(delta or 0.0), guarantee, accountant or "rdp",
-                          unit or "record")
+                          unit or "record", relation)
 
 
 #: per-site round statuses that mean the site failed the round (ok / refused / replayed are not failures)
@@ -213,14 +217,15 @@ def round_line(entry: RoundRecord) -> str:
     """One human-readable line per round: PCKh (saying so when it is of the moving average) and every
     site's ε with guarantee, δ, accountant."""
     pckh = (entry.pckh or {}).get("Mean")
-    averaged = f" (moving average of rounds {entry.averaged_from_round}–{entry.round})" if entry.pckh_is_averaged else ""
+    last = entry.averaged_to_round or entry.round
+    averaged = f" (moving average of rounds {entry.averaged_from_round}–{last})" if entry.pckh_is_averaged else ""
     parts = [f"round {entry.round:>3}", f"PCKh@0.5 = {pckh:.2f}{averaged}" if pckh is not None else "PCKh@0.5 = n/a"]
     for site_id, site in sorted(entry.sites.items()):
         reason = f" ({site.reason})" if site.reason else ""
         if site.guarantee is None:  # no privacy report this round (its spend shows in its next one)
             parts.append(f"{site_id}: {site.status}{reason or ' (no report)'}")
         else:
-            eps = epsilon_text(site.epsilon, site.delta, site.guarantee, site.accountant, site.unit)
+            eps = epsilon_text(site.epsilon, site.delta, site.guarantee, site.accountant, site.unit, site.adjacency)
             parts.append(f"{site_id}: {site.status}{reason}, {eps}")
     for site_id in entry.not_asked_exhausted:
         parts.append(f"{site_id}: not asked (its budget is exhausted)")

@@ -755,6 +755,7 @@ def adopt_spends(state_dir: str | Path, spends: list[JournaledSpend], source: st
                                       time.time(), f"adopted from {candidates[spend.key][1]}", new_state.accountant.accountant))
         after = new_state.accountant.get_epsilon(state.delta)[0]
         result = {"site_id": state.site_id, "guarantee": state.guarantee, "delta": state.delta, "unit": state.unit,
+                  "neighbouring_relation": state.accountant.relation,
                   "accountant": state.accountant.accountant, "epsilon_before": before, "epsilon_after": after,
                   "adopted": [{"run_id": e.run_id, "round": e.round, "noise_multiplier": e.noise_multiplier,
                                "sample_rate": e.sample_rate, "steps": e.steps, "from": candidates[e.key][1]} for e in adopted],
@@ -794,7 +795,7 @@ def recompute_budget(state_dir: str | Path, accountant: str | None = None, apply
         before = ledger.get_epsilon(state.delta)[0]
         after = ledger.with_accountant(accountant).get_epsilon(state.delta)[0]
         result: dict[str, Any] = {
-            "site_id": state.site_id, "guarantee": state.guarantee, "delta": state.delta,
+            "site_id": state.site_id, "guarantee": state.guarantee, "delta": state.delta, "unit": state.unit,
             "neighbouring_relation": ledger.relation, "steps": ledger.steps,
             "events": ledger.to_dict()["history"],
             "accountant": ledger.accountant, "epsilon": before,

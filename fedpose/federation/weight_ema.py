@@ -20,7 +20,9 @@ Start: the average begins at the first round's model and is the plain running me
 so far until that mean's weight on the newest round, 1/n, falls to 1 − decay; from then on
 ``ema ← decay · ema + (1 − decay) · w_r``. So the public round-0 model, which no site improved, is
 not averaged in, and a short run is not dominated by its first rounds (no bias correction needed).
-Non-float arrays (integer buffers) are copied from the newest model.
+Non-float arrays (integer buffers) are copied from the newest model. A round that left the global
+model unchanged (no update accepted) adds nothing: folding its model in again would move the
+published model towards an older one with no new site data.
 """
 
 from __future__ import annotations
@@ -60,26 +62,31 @@ def ema_step(ema: Mapping[str, np.ndarray] | None, weights: Mapping[str, np.ndar
 
 
 class WeightEma:
-    """The coordinator's average of the global models of rounds ``first_round`` .. ``round``."""
+    """The coordinator's average of the global models of the rounds ``first_round`` .. ``round``
+    that changed it (``averaged`` of them)."""
 
-    def __init__(self, decay: float, weights: ArrayDict | None = None, averaged: int = 0, round: int = 0) -> None:
+    def __init__(self, decay: float, weights: ArrayDict | None = None, averaged: int = 0, round: int = 0,
+                 first_round: int | None = None) -> None:
         if not 0.0 < decay < 1.0:
             raise ValueError(f"coordinator.ema.decay must be in (0, 1), got {decay}")
         self.decay, self.weights, self.averaged, self.round = decay, weights, averaged, round
+        #: averages saved before skipped rounds existed held consecutive rounds
+        self.first = first_round if first_round is not None or not averaged else round - averaged + 1
 
     def update(self, global_weights: Mapping[str, np.ndarray], round_id: int) -> None:
-        """Fold in round ``round_id``'s global model (called once per finished round)."""
+        """Fold in round ``round_id``'s global model (called once per round that changed it)."""
         self.averaged += 1
         self.weights = ema_step(self.weights, global_weights, self.decay, self.averaged)
         self.round = round_id
+        self.first = round_id if self.first is None else self.first
 
     @property
     def first_round(self) -> int | None:
         """The first round in the average (None before any)."""
-        return self.round - self.averaged + 1 if self.averaged else None
+        return self.first
 
     def meta(self) -> dict[str, Any]:
-        return {"decay": self.decay, "averaged_rounds": self.averaged, "round": self.round}
+        return {"decay": self.decay, "averaged_rounds": self.averaged, "round": self.round, "first_round": self.first}
 
     def save(self, directory: Path, run_meta: Mapping[str, Any]) -> None:
         """Write :data:`EMA_CHECKPOINT` with the run's meta (model spec, round): a global model file
@@ -106,4 +113,6 @@ class WeightEma:
             # written just before a crash that lost global.npz's commit (or an older copy restored)
             echo(f"coordinator.ema: {path} holds the average up to round {saved.get('round')}, the model checkpoint "
                  f"round {round_id}: continuing from it")
-        return cls(decay, arrays, int(saved.get("averaged_rounds", 1)), int(saved.get("round", round_id)))
+        first = saved.get("first_round")
+        return cls(decay, arrays, int(saved.get("averaged_rounds", 1)), int(saved.get("round", round_id)),
+                   None if first is None else int(first))

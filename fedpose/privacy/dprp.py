@@ -176,6 +176,7 @@ def video_dprp(
         "delta_sampler_cut": cut,
         "accountant": "basic composition of two Gaussian mechanisms (δ includes the sampler's cut at 8.57σ)",
         "unit_protected": "one frame of the clip",
+        "neighbouring_relation": "replace_one",  # neighbouring clips differ in one frame (a row of X)
         "public": "nothing (P is data-independent; the guarantee holds for the realised P)",
         "split": split,
         "epsilon_projection": budget.epsilon_projection,

@@ -813,7 +813,8 @@ class GradientEngine:
         assert self.noise is not None  # every noisy mechanism has both a ledger and a noise source
         epsilon, order = self.accountant.get_epsilon(self.privacy.delta)
         unit = self.units.unit
-        epsilon_text = format_epsilon(epsilon, self.privacy.delta, guarantee, self.accountant.accountant, unit=unit)
+        epsilon_text = format_epsilon(epsilon, self.privacy.delta, guarantee, self.accountant.accountant, unit=unit,
+                                      relation=self.accountant.relation)
         rdp = self.accountant.rdp()
         planned = PrivacyLedger(relation=self.accountant.relation, accountant=self.accountant.accountant)
         planned.step(self.noise_multiplier, self.sample_rate, self.planned_steps)

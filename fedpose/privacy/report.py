@@ -103,18 +103,24 @@ MASK_DP = Guarantee(
 
 
 def format_epsilon(
-    epsilon: float, delta: float, guarantee: str | Guarantee, accountant: str = "rdp", unit: str | None = None
+    epsilon: float, delta: float, guarantee: str | Guarantee, accountant: str = "rdp", unit: str | None = None,
+    relation: str | None = None,
 ) -> str:
-    """``ε = 0.800 (DP, δ = 4e-05, RDP) per patient`` — the only way fedpose prints an ε.
+    """``ε = 0.800 (DP, δ = 4e-05, RDP) per patient, add/remove-one-patient adjacency`` — the only way
+    fedpose prints an ε: guarantee, δ, accountant, protection unit and neighbouring relation.
 
     ``unit``: the protection unit (record / image / patient) the ε is about; every report passes
     it. None only where no unit was recorded (callers outside a run, e.g. the accountant CLI's
-    unit-free arithmetic)."""
+    unit-free arithmetic). ``relation``: the accountant's neighbouring relation ("add_remove",
+    "replace_one"); None: the guarantee's own (:func:`relation_of`), which every run since
+    replace-one FDP uses."""
     tag = guarantee.name if isinstance(guarantee, Guarantee) else str(guarantee)
     if tag == "none":
         return "ε = ∞ (no privacy: non-private training)"
     eps_text = "∞" if not math.isfinite(epsilon) else f"{epsilon:.4g}"
-    return f"ε = {eps_text} ({tag}, δ = {delta:.3g}, {accountant.upper()})" + (f" per {unit}" if unit else "")
+    text = f"ε = {eps_text} ({tag}, δ = {delta:.3g}, {accountant.upper()})" + (f" per {unit}" if unit else "")
+    relation = relation or (GUARANTEES[tag].relation if tag in GUARANTEES else None)
+    return f"{text}, {adjacency_words(relation, unit)}" if relation else text
 
 
 #: what of one unit each guarantee protects (the rest is public under that guarantee)
@@ -139,11 +145,13 @@ def protected_unit_text(guarantee: Guarantee, unit: str) -> str:
     return whole if part == "everything" else f"{part}, in every record of {whole}"
 
 
-def adjacency_words(relation: str, unit: str) -> str:
-    """"add/remove-one-patient adjacency" — the neighbouring relation in words, per unit."""
+def adjacency_words(relation: str, unit: str | None) -> str:
+    """"add/remove-one-patient adjacency" — the neighbouring relation in words, per unit (None: a
+    unit-free statement, "add/remove-one adjacency")."""
+    one = f"one-{unit}" if unit else "one"
     if relation == "add_remove":
-        return f"add/remove-one-{unit} adjacency"
-    return f"replace-one-{unit}'s-protected-part adjacency"
+        return f"add/remove-{one} adjacency"
+    return f"replace-{one}'s-protected-part adjacency" if unit else "replace-one adjacency"
 
 
 def guarantee_sentence(
@@ -166,7 +174,8 @@ def describe(report: Mapping[str, Any]) -> str:
         return "\n".join(lines)
     # privacy.json files from before protection units were record-level
     unit = report.get("protection_unit", "record")
-    epsilon_line = format_epsilon(report["epsilon"], report["delta"], report["guarantee"], report["accountant"], unit)
+    epsilon_line = format_epsilon(report["epsilon"], report["delta"], report["guarantee"], report["accountant"], unit,
+                                  report.get("neighbouring_relation"))
     # Seeded test noise can be regenerated and subtracted: the ε above then promises nothing.
     lines.append(f"{SEEDED_NO_GUARANTEE}: {epsilon_line}" if report.get("guarantee_void") else epsilon_line)
     lines.append(f"randomness: {report.get('randomness', 'not recorded (privacy.json predates this field)')}")

@@ -498,6 +498,7 @@ class RoundRunner:
                                    delta=privacy.delta if privacy else None, guarantee=privacy.guarantee if privacy else None,
                                    accountant=privacy.accountant if privacy else None,
                                    unit=privacy.protection_unit if privacy else None,
+                                   adjacency=privacy.adjacency if privacy else None,
                                    eps_max=privacy.eps_max if privacy else None,
                                    reason=site_reply.describe() if site_reply.reason else "",
                                    local_steps=site_reply.local_steps, bytes_down=bytes_down.get(node, 0))
@@ -559,10 +560,11 @@ class RoundRunner:
             aggregated, accepted, rejected = self._aggregate_secure(transport, round_id, secure, updates, sites, entries)
         self.ledger.record_many(entries)  # 1) ledger
         self.state.round = round_id
-        if self.ema is not None:
+        if self.ema is not None and aggregated:  # an unchanged model is not averaged in again
             self.ema.update(self.global_state, round_id)
         entry = RoundRecord(
             round=round_id, pckh=self.evaluate(), averaged_from_round=self.ema.first_round if self.ema else None,
+            averaged_to_round=self.ema.round if self.ema and self.ema.averaged else None,
             aggregated=aggregated, accepted=accepted, rejected=rejected,
             selected=len(selected), basis_version=self.basis.current_version, wall_seconds=time.perf_counter() - started,
             exchange_seconds=round_seconds, sites=sites, exhausted=len(self.exhausted_sites()), basis_bytes=basis_bytes,

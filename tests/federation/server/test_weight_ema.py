@@ -88,7 +88,48 @@ def test_the_average_is_a_recomputation_from_the_released_global_models_and_surv
     assert "(moving average" not in round_line(history[0])  # round 1's average is w1 itself
     assert f"PCKh@0.5 = {scores['Mean']:.2f} (moving average of rounds 1–3) |" in round_line(history[-1])
     report = json.loads((tmp_path / "coordinator" / "report.json").read_text())
-    assert report["evaluated_model"] == {"decay": 0.6, "averaged_rounds": 3, "round": 3, "file": EMA_CHECKPOINT}
+    assert report["evaluated_model"] == {"decay": 0.6, "averaged_rounds": 3, "round": 3, "first_round": 1, "file": EMA_CHECKPOINT}
+
+
+class SilentInRound(RecordingTransport):
+    """Round ``silent``'s site never answers (it is not run: nothing spent): no update is accepted."""
+
+    def __init__(self, sites: list, silent: int) -> None:
+        super().__init__(sites)
+        self.silent = silent
+
+    def send_and_receive(self, requests, timeout):
+        if any(request.instruction.round == self.silent for request in requests):
+            return []
+        return super().send_and_receive(requests, timeout)
+
+
+@pytest.mark.slow  # two real DP site rounds
+def test_a_round_that_leaves_the_global_model_unchanged_adds_nothing_to_the_average(tmp_path: Path) -> None:
+    """Round 2 accepts no update (its site is silent): the global model after it is w1 again. Folding
+    it in would move the published model back towards w1 with no new site data (seen when a finished
+    run was resumed for more rounds than its sites could afford). The average stays w1 after round 2
+    and is the mean of w1 and w3 after round 3 (the second model in it); the lines say which rounds."""
+    from fedpose.federation.global_model import load_global_model
+    from fedpose.federation.report import load_history, round_line
+    from site_round_helpers import make_site_data, site_config
+
+    data = make_site_data(tmp_path / "data")
+    transport = SilentInRound([site_config(data, tmp_path / "site-1")], silent=2)
+    runner = RoundRunner(_run(tmp_path, 3, data), echo=lambda _: None)
+    runner.run_rounds(transport)
+    w1, w3 = transport.sent[3], dict(runner.global_state)  # round 3 was sent the model round 2 left: w1
+    history = load_history(tmp_path / "coordinator")
+    assert [entry.aggregated for entry in history] == [True, False, True]
+    assert runner.ema is not None and (runner.ema.averaged, runner.ema.first_round, runner.ema.round) == (2, 1, 3)
+    published = load_global_model(tmp_path / "coordinator")
+    state = {k: v.numpy() for k, v in published.model.state_dict().items()}
+    for name in [k for k in w3 if np.issubdtype(w3[k].dtype, np.floating)]:
+        np.testing.assert_allclose(state[name], 0.5 * w1[name].astype(np.float64) + 0.5 * w3[name], rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+    assert history[1].pckh == history[0].pckh  # round 2: still w1, scored again
+    assert "(moving average" not in round_line(history[1])
+    assert "(moving average of rounds 1–3) |" in round_line(history[2])
 
 
 def test_an_ema_step_averages_floats_in_float64_and_copies_integer_buffers() -> None:

@@ -99,7 +99,7 @@ def test_the_report_shows_public_values_only(site_rounds, tmp_path: Path, capsys
     assert "ε = " in table and "(DP, δ = 1e-05, PLD) per patient" in table and "resent-earlier-release" in table
     doc = json.loads(outputs[("--json",)])
     assert [e["seq"] for e in doc["entries"]] == [1, 2, 3, 4]
-    assert doc["entries"][0]["epsilon_text"].endswith("(DP, δ = 1e-05, PLD) per patient")
+    assert doc["entries"][0]["epsilon_text"].endswith("(DP, δ = 1e-05, PLD) per patient, add/remove-one-patient adjacency")
     assert doc["entries"][0]["update_sha256"] == read_log(state)[0].update_sha256
     rows = list(csv.DictReader(io.StringIO(outputs[("--csv",)])))
     assert [r["status"] for r in rows] == ["ok", "ok", "ok", "error"] and rows[0]["noise_multiplier"] == "1.0"
