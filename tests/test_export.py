@@ -338,7 +338,7 @@ def test_export_writes_safetensors_and_a_model_card_that_eval_reads_with_the_sam
                  "--out", str(tmp_path / "pred"), "--device", "cpu"]) == 0
 
 
-def test_a_federated_model_card_lists_every_site_s_guarantee_and_unit(tmp_path: Path) -> None:
+def test_a_federated_model_card_lists_every_site_s_guarantee_and_unit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     coordinator = _coordinator_dir(tmp_path, model_round=2)
     (coordinator / "report.json").write_text(json.dumps({"run_id": "demo", "rounds": [{"round": 1}, {"round": 2}], "sites": [
         {"site_id": "site-1", "epsilon": 2.5, "delta": 1e-5, "guarantee": "DP", "rounds_joined": 2, "unit": "patient",
@@ -349,6 +349,16 @@ def test_a_federated_model_card_lists_every_site_s_guarantee_and_unit(tmp_path: 
     assert "| site-1 | patient | 2 | ε = 2.5 (DP, δ = 1e-05, PLD) per patient, add/remove-one-patient adjacency |" in card
     assert "| site-2 | record | 1 | ε = 1.25 (DP, δ = 1e-06, RDP) per record, add/remove-one-record adjacency |" in card
     assert "Not evaluated at export" in card and "Federated run `demo`" in card
+    # `privacy report` reads the federated export too (its help's example), one line per site
+    capsys.readouterr()
+    assert main(["privacy", "report", str(tmp_path / "release")]) == 0
+    shown = capsys.readouterr().out
+    assert "federated run 'demo'" in shown and "model: global model after round 2" in shown
+    assert "site-1: ε = 2.5 (DP, δ = 1e-05, PLD) per patient, add/remove-one-patient adjacency; rounds joined 2" in shown
+    # the coordinator's own directory holds no privacy report: the message says where its sites' ε are
+    (coordinator / "ledger.sqlite").write_bytes(b"")
+    assert main(["privacy", "report", str(coordinator)]) == 2
+    assert "fedpose ledger show --db" in capsys.readouterr().err
 
 
 def test_old_pt_exports_stay_readable_and_a_foreign_safetensors_file_is_named(

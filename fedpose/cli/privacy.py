@@ -91,7 +91,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     rep.add_argument("--json", action="store_true", help="print the report as one JSON object")
     rep.epilog = examples(
         "fedpose privacy report runs/train   # the run's privacy.json",
-        "fedpose privacy report release/ --json   # an export's privacy_report.json",
+        "fedpose privacy report release/ --json   # an export's privacy_report.json (central or federated)",
     )
     rep.set_defaults(handler=_report)
 
@@ -104,8 +104,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="switch the budget to --accountant (recorded in the budget with ε before and after)")
     budget.add_argument("--json", action="store_true", help="print one JSON object only")
     budget.epilog = examples(
-        'fedpose privacy budget runs/demo/site-1',
-        'fedpose privacy budget runs/demo/site-1 --accountant pld --apply',
+        'fedpose privacy budget runs/demo/sites/site-1',
+        'fedpose privacy budget runs/demo/sites/site-1 --accountant pld --apply',
     )
     budget.set_defaults(handler=_budget)
 
@@ -186,20 +186,21 @@ def _noise(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from fedpose.privacy.report import describe
+    from fedpose.privacy.report import describe, describe_federation
 
     path = _report_file(args.path)
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: not valid JSON ({' '.join(str(exc).split())})") from None
-    if not isinstance(report, dict) or "mechanism" not in report:
-        raise UserError(f"{path}: not a fedpose privacy.json (no 'mechanism' key)")
+    federated = isinstance(report, dict) and report.get("source") == "federation"  # a federated export's
+    if not isinstance(report, dict) or "mechanism" not in report and not federated:
+        raise UserError(f"{path}: not a fedpose privacy.json (no 'mechanism' key) nor a federated export's report")
     if args.json:
         print_json(report)
     else:
         try:
-            print(describe(report))
+            print(describe_federation(report) if federated else describe(report))
         except KeyError as exc:
             raise UserError(f"{path}: the privacy report lacks key {exc}") from None
     return 0
@@ -216,6 +217,10 @@ def _report_file(path: Path) -> Path:
     for name in REPORT_FILES:
         if (path / name).is_file():
             return path / name
+    if (path / "ledger.sqlite").is_file():
+        raise UserError(f"{path}: a federation's coordinator directory: its sites' ε are in its ledger (`fedpose ledger show "
+                        f"--db {path / 'ledger.sqlite'}`); `fedpose export {path} --out DIR` writes the privacy_report.json "
+                        "this command reads")
     raise UserError(f"{path}: a directory without {' or '.join(REPORT_FILES)} (give a run or export directory, or the file)")
 
 

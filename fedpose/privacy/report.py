@@ -204,6 +204,17 @@ def describe(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def describe_federation(report: Mapping[str, Any]) -> str:
+    """Human summary of a federated export's privacy_report.json: each site's own guarantee."""
+    lines = [f"federated run '{report.get('run_id')}': {report.get('guarantee_statement', 'each site guarantees its own units')}",
+             f"model: {report.get('model_selection', 'not recorded')}"]
+    for site in report.get("sites", []):
+        lines.append(f"{site.get('site_id')}: {site.get('epsilon_text', 'ε not recorded')}; "
+                     f"rounds joined {site.get('rounds_joined', 'not recorded')}")
+    lines.append(f"what leaves: {WHAT_LEAVES}")
+    return "\n".join(lines)
+
+
 #: What is released, in words (docs/privacy.md says the same)
 WHAT_LEAVES = (
     "central training publishes only what `fedpose export` writes (weights + this report; checkpoints/, metrics.json "
