@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -153,6 +154,32 @@ def flower_log_to(path: Path | None) -> Iterator[None]:
             flower.addHandler(console)
 
 
+#: an environment variable set, with a value of this run's own, for the simulation's Ray processes
+#: (they inherit the environment): an interrupted run ends exactly those
+SIMULATION_MARKER = "FEDPOSE_SIMULATION"
+
+
+def stop_interrupted_simulation(config: str | Path, marker: str) -> None:
+    """End the process after Ctrl-C. Flower's ``run_simulation`` stops its Ray backend but leaves the
+    ServerApp's thread waiting for replies (up to the round timeout), and the interpreter would wait
+    for that thread; Ray's agents whose raylet the terminal's SIGINT killed stay behind. So every
+    process carrying this run's ``marker`` is killed and the process exits (130) at once. Every
+    finished round is already on disk (the coordinator writes its state atomically after each), so
+    ``--resume`` continues from the last one; a site whose round was cut may have spent on it,
+    which its next reply reports (as after any crash)."""
+    print(f"fedpose: interrupted: the simulation stopped; `fedpose simulate --config {config} --resume` continues "
+          "from the last finished round", file=sys.__stderr__, flush=True)
+    wanted = f"{SIMULATION_MARKER}={marker}".encode()
+    for environ in Path("/proc").glob("[0-9]*/environ"):  # Linux; elsewhere Ray's own shutdown is all there is
+        try:
+            if int(environ.parent.name) != os.getpid() and wanted in environ.read_bytes().split(b"\0"):
+                os.kill(int(environ.parent.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
+    sys.stdout.flush()
+    os._exit(130)
+
+
 def _handle(args: argparse.Namespace) -> int:
     from fedpose.federation.run_guard import directory_lock, probe, refuse_fresh_start
 
@@ -187,11 +214,14 @@ def _handle(args: argparse.Namespace) -> int:
     print(f"simulating run '{federation.run_id}': {sites} site{'' if sites == 1 else 's'}, "
           f"{rounds} round{'' if rounds == 1 else 's'}, "
           f"{per_site} per site; state in {checkpoint_dir}; Flower's log in {log_path}", flush=True)
+    marker = os.environ[SIMULATION_MARKER] = f"{os.getpid()}-{time.time_ns()}"
     try:
         # Flower's log (its tracebacks of failed ClientApps included) goes to the log file; the
         # coordinator's round lines still reach the console
         with flower_log_to(log_path), printing_progress(site_progress(federation)):
             run_federation_simulation(federation, resolved, gpus_per_site=gpus, resume=args.resume, worker_output_to_console=False)
+    except KeyboardInterrupt:
+        stop_interrupted_simulation(args.config, marker)
     except Exception:  # noqa: BLE001 - the coordinator printed its error line; the traceback goes to the log
         with log_path.open("a", encoding="utf-8") as log:
             log.write(f"fedpose simulate: the simulation raised\n{traceback.format_exc()}")

@@ -324,3 +324,47 @@ def test_a_killed_site_worker_is_blamed_on_its_site_only_and_the_next_round_runs
         assert spent[-1]["epsilon_after"] == pytest.approx(true_epsilon, rel=1e-6)
         assert max(e.epsilon for (s, _), e in rows.items() if s == site_id and e.epsilon is not None) == \
             pytest.approx(true_epsilon, rel=1e-6)
+
+
+def test_ctrl_c_stops_the_simulation_at_once_and_resume_finishes_it(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C in the terminal (SIGINT to the whole process group, Ray's workers included) during
+    round 1: Flower stopped its Ray backend but left the ServerApp's thread waiting for replies, and
+    the process sat there until the round timeout (Ray restarted the workers the signal killed). It
+    now exits 130 within seconds, says how to continue, leaves no process behind, and `--resume`
+    finishes the run from what was saved."""
+    import threading
+    import time
+
+    from fedpose.cli import main
+    from federation_helpers import FEDPOSE, REPO, flower_env, no_leftover_processes, process_tree, still_running, wait_for
+
+    config = tiny_federation(tmp_path, tmp_path / "data", sites=2, rounds=2, timeout=300.0)
+    proc = subprocess.Popen([*FEDPOSE, "simulate", "--config", str(config)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=flower_env(FLWR_HOME=str(tmp_path / "flwr-home")))
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    started: dict[tuple[int, int], str] = {}
+    try:
+        wait_for(lambda: any(line.startswith("round   0") for line in lines), 300, "round 0", proc, poll=0.2)
+        started.update(process_tree(proc.pid))
+        interrupted = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        assert time.monotonic() - interrupted < 30  # not the 300 s round timeout
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        try:
+            wait_for(lambda: not still_running(started) and not no_leftover_processes(tmp_path), 30,
+                     "every process of the simulation to end", poll=0.5)
+        finally:
+            for pid, _ in still_running(started):
+                os.kill(pid, signal.SIGKILL)
+    output = "".join(lines)
+    assert f"fedpose: interrupted: the simulation stopped; `fedpose simulate --config {config} --resume` continues" in output
+    assert "Traceback" not in output
+    assert len(history(tmp_path)) < 2
+    capfd.readouterr()
+    assert main(["simulate", "--config", str(config), "--resume"]) == 0
+    assert [r["round"] for r in history(tmp_path)][-1] == 2
