@@ -94,8 +94,11 @@ def error_line(exc: BaseException) -> str:
     """One line for an error: an OS error as 'PATH: what happened', anything else as its message."""
     if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
         return f"{exc.filename}: {exc.strerror[:1].lower()}{exc.strerror[1:]}"
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text
+    # a message of several lines (a config's problems, one a line) keeps them apart: "; " between them
+    parts = [" ".join(line.split()) for line in str(exc).splitlines() if line.strip()]
+    text = "".join(part + ("" if i == len(parts) - 1 else " " if part.endswith(":") else "; ")
+                   for i, part in enumerate(parts))
+    return text or type(exc).__name__
 
 
 def _quiet_stdout() -> None:

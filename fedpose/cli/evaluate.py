@@ -24,7 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     ev.add_argument("--checkpoint", required=True, type=Path,
                     help="a checkpoint file (e.g. RUN_DIR/checkpoints/best.pt), a `fedpose train` run directory (its "
                          "last checkpoint), a `fedpose export` directory (model.safetensors), or a federation's model: the "
-                         "coordinator's global.npz or its checkpoint directory")
+                         "coordinator's global.npz or its checkpoint directory (its published model: global_ema.npz, the moving average, "
+                         "when coordinator.ema is on)")
     ev.add_argument("--data", required=True, type=Path, help="dataset directory, annotations json or COCO keypoints json")
     ev.add_argument("--batch-size", type=int, default=32, help="images per forward pass (default 32)")
     ev.add_argument("--max-samples", type=int, default=None, help="evaluate the first N records only")
@@ -47,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pr.add_argument("--checkpoint", required=True, type=Path,
                     help="a checkpoint file (e.g. RUN_DIR/checkpoints/best.pt), a `fedpose train` run directory (its "
                          "last checkpoint), a `fedpose export` directory (model.safetensors), or a federation's model: the "
-                         "coordinator's global.npz or its checkpoint directory")
+                         "coordinator's global.npz or its checkpoint directory (its published model: global_ema.npz, the moving average, "
+                         "when coordinator.ema is on)")
     pr.add_argument("images", nargs="+", type=Path, metavar="IMAGE",
                     help="image files, or directories (walked recursively for images)")
     pr.add_argument("--out", required=True, type=Path, help="output directory")
@@ -104,7 +106,10 @@ def run_eval(args: argparse.Namespace) -> int:
         print_json({"checkpoint": str(args.checkpoint), "data": str(args.data), **scores, "flip_test": args.flip_test, "device": device})
     else:
         test = "flip test" if args.flip_test else "no flip test"
-        print(f"PCKh@0.5 of {args.checkpoint} on {args.data} ({scores['samples']} people, {test}, device {device}):")
+        from fedpose.federation.global_model import global_checkpoint_path
+
+        shown = global_checkpoint_path(args.checkpoint) or args.checkpoint  # a coordinator directory: which of its models
+        print(f"PCKh@0.5 of {shown} on {args.data} ({scores['samples']} people, {test}, device {device}):")
         for key in ("Head", "Shoulder", "Elbow", "Wrist", "Hip", "Knee", "Ankle", "Mean", "Mean@0.1"):
             value = scores[key]
             print(f"  {key:<9} {'n/a' if math.isnan(value) else f'{value:6.2f}'}")
