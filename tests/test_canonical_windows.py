@@ -106,6 +106,10 @@ def test_site_prepare_builds_the_windows_the_first_round_then_reuses(tmp_path: P
     assert built.stat().st_mtime_ns == stamp  # the round's load reads them; nothing is decoded again
     assert main(["site", "prepare", "--site-config", str(config), "--input-size", "0", "64"]) == 2
     assert "--input-size must be positive" in capsys.readouterr().err
+    moved = tmp_path / "site-1-moved.toml"  # a data path that is not there: the error names the key
+    moved.write_text(tomli_w.dumps(site.model_dump(mode="json", exclude_none=True) | {"data": {"train": str(tmp_path / "nowhere")}}))
+    assert main(["site", "prepare", "--site-config", str(moved), "--input-size", *map(str, INPUT_SIZE)]) == 2
+    assert f"data.train = {tmp_path / 'nowhere'}: no such file or directory" in capsys.readouterr().err
 
 
 def test_an_fdp_site_computes_every_records_public_view_before_its_first_step(tmp_path: Path) -> None:

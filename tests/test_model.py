@@ -114,6 +114,13 @@ def test_scratch_rejects_init_checkpoint(tmp_path) -> None:
         build_model(ModelConfig(backbone="tiny_vit_test", scenario="scratch", init_checkpoint=tmp_path / "w.pt"), SIZE)
 
 
+def test_a_missing_init_checkpoint_names_the_key(tmp_path) -> None:
+    from fedpose.model import CheckpointError
+
+    with pytest.raises(CheckpointError, match=r"model.init_checkpoint = .*w.pt: checkpoint not found \(train the run"):
+        build_model(ModelConfig(backbone="tiny_vit_test", scenario="finetune", init_checkpoint=tmp_path / "w.pt"), SIZE)
+
+
 def test_unknown_backbone_is_named() -> None:
     with pytest.raises(ValueError, match="model.backbone: unknown backbone 'resnet50'"):
         create_backbone("resnet50")

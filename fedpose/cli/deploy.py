@@ -363,7 +363,7 @@ def _deploy(args: argparse.Namespace, repo: Path, run_dir: Path, lock_fd: int) -
                   f"this run started is stopped — continue with --resume (see {run_dir / 'logs' / 'superlink.log'})",
                   file=sys.stderr, flush=True)
             return 1
-        print(f"run {run_id}: {status}", flush=True)
+        print(f"run {run_id}: {status.replace(':', ': ', 1)}", flush=True)  # Flower's "finished:completed"
         coordinator_log = save_coordinator_log(group, run_id, run_dir)
         for line in coordinator_log.splitlines():
             if line.startswith(("stopping", "resuming", "--resume")) or "rejected update" in line:

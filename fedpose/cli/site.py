@@ -74,6 +74,8 @@ def _prepare(args: argparse.Namespace) -> int:
     height, width = args.input_size
     if height <= 0 or width <= 0:
         raise UserError(f"--input-size must be positive, got {height} {width}")
+    if not Path(site.data.train).exists():  # before any work, naming the key as the config spells it
+        raise UserError(f"{args.site_config}: data.train = {site.data.train}: no such file or directory")
     dataset = load_site_dataset(site, (height, width))
     assert dataset.windows is not None
     print_json({"site_id": site.site_id, "records": len(dataset), "input_size": [height, width],

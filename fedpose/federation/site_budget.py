@@ -111,18 +111,21 @@ class BudgetExhausted(BudgetError):
     """The planned round would take the site past ``eps_max``: refused, nothing spent."""
 
     def __init__(self, site_id: str, run_id: str, round_id: int, spent: float, planned: float, eps_max: float, delta: float,
-                 guarantee: str, accountant: str = "rdp"):
+                 guarantee: str, accountant: str = "rdp", unit: str | None = None, relation: str | None = None):
         self.site_id, self.run_id, self.round_id = site_id, run_id, round_id
         self.spent, self.planned, self.eps_max = spent, planned, eps_max
         self.delta, self.guarantee, self.accountant = delta, guarantee, accountant
+        self.unit, self.relation = unit, relation
         super().__init__(self.reason)
 
     @property
     def reason(self) -> str:
+        from fedpose.privacy.report import format_epsilon
+
         return (
             f"site '{self.site_id}' refuses round {self.round_id} of run '{self.run_id}': its planned steps would "
-            f"reach ε = {self.planned:.4g} > ε_max = {self.eps_max:.4g} ({self.guarantee}, δ = {self.delta:.3g}, {self.accountant.upper()}); "
-            f"spent so far ε = {self.spent:.4g}"
+            f"reach {format_epsilon(self.planned, self.delta, self.guarantee, self.accountant, self.unit, self.relation)} "
+            f"> ε_max = {self.eps_max:.4g}; spent so far ε = {self.spent:.4g}"
         )
 
 
@@ -518,7 +521,7 @@ class SiteBudget:
             new_state.entries = [e for e in new_state.entries if e.key != (run_id, round_id)]  # drop an old refusal
             if not planned <= self.eps_max:  # also refuses NaN / ∞ (e.g. σ = 0)
                 refusal = BudgetExhausted(self.site_id, run_id, round_id, spent, planned, self.eps_max, self.delta,
-                                          self.guarantee, self.accountant_name)
+                                          self.guarantee, self.accountant_name, self.unit, self._state.accountant.relation)
                 new_state.entries.append(
                     RoundEntry(run_id, round_id, "refused", int(steps), float(noise_multiplier), float(sample_rate),
                                spent, self.delta, time.time(), refusal.reason, self.accountant_name)

@@ -35,6 +35,9 @@ def build_model(cfg: ModelConfig, input_size: tuple[int, int]) -> PoseModel:
         lora_alpha=cfg.lora_alpha,
     )
     if cfg.init_checkpoint is not None:
+        if not Path(cfg.init_checkpoint).exists():  # name the key: the file is often a run still to be made
+            raise CheckpointError(f"model.init_checkpoint = {cfg.init_checkpoint}: checkpoint not found (train the run that "
+                                  "writes it first, or point the key at an existing checkpoint)")
         load_init_weights(model, cfg.init_checkpoint)
     elif cfg.scenario in PARTIAL_SCENARIOS:
         warnings.warn(
