@@ -21,7 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     show.set_defaults(handler=_show)
 
-    export = sub.add_parser("export", help="dump every (site, round) entry")
+    export = sub.add_parser("export", help="dump every (site, round) entry (JSON: also each site's summary, as `show` "
+                                           "gives it; CSV: the entries only, one a row)")
     export.add_argument("--db", required=True, type=Path, help="ledger database")
     export.add_argument("--format", choices=("json", "csv"), default="json", help="json (default) or csv")
     export.add_argument("--out", type=Path, default=None, help="write here (atomically) instead of stdout")

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import re
+import select
 import signal
 import sys
 import threading
@@ -159,25 +160,99 @@ def flower_log_to(path: Path | None) -> Iterator[None]:
 SIMULATION_MARKER = "FEDPOSE_SIMULATION"
 
 
+def _descendants(root: int) -> set[int]:
+    """The PIDs of every live descendant of ``root`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z":
+                children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    found, stack = set(), [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.add(child)
+            stack.append(child)
+    return found
+
+
+def _marked(wanted: bytes) -> set[int]:
+    """The PIDs of the processes whose environment holds ``wanted`` (this process excluded)."""
+    found = set()
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if int(environ.parent.name) != os.getpid() and wanted in environ.read_bytes().split(b"\0"):
+                found.add(int(environ.parent.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
 def stop_interrupted_simulation(config: str | Path, marker: str) -> None:
     """End the process after Ctrl-C. Flower's ``run_simulation`` stops its Ray backend but leaves the
     ServerApp's thread waiting for replies (up to the round timeout), and the interpreter would wait
     for that thread; Ray's agents whose raylet the terminal's SIGINT killed stay behind. So every
-    process carrying this run's ``marker`` is killed and the process exits (130) at once. Every
+    descendant and every process carrying this run's ``marker`` is killed and the process exits
+    (130) at once. Every
     finished round is already on disk (the coordinator writes its state atomically after each), so
     ``--resume`` continues from the last one; a site whose round was cut may have spent on it,
     which its next reply reports (as after any crash)."""
     print(f"fedpose: interrupted: the simulation stopped; `fedpose simulate --config {config} --resume` continues "
           "from the last finished round", file=sys.__stderr__, flush=True)
     wanted = f"{SIMULATION_MARKER}={marker}".encode()
-    for environ in Path("/proc").glob("[0-9]*/environ"):  # Linux; elsewhere Ray's own shutdown is all there is
-        try:
-            if int(environ.parent.name) != os.getpid() and wanted in environ.read_bytes().split(b"\0"):
-                os.kill(int(environ.parent.name), signal.SIGKILL)
-        except (OSError, ValueError):
-            continue
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:  # again until none is left: Ray may be starting a worker meanwhile
+        # every descendant (taken before any is killed: a killed raylet's agents would leave the tree)
+        # and every process with this run's marker; Linux (/proc), elsewhere Ray's own shutdown is all there is
+        doomed = _descendants(os.getpid()) | _marked(wanted)
+        for pid in doomed:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                continue
+        if not doomed:
+            break
+        time.sleep(0.2)
     sys.stdout.flush()
     os._exit(130)
+
+
+@contextmanager
+def interrupt_stops_simulation(config: str | Path, marker: str) -> Iterator[None]:
+    """Ctrl-C ends the simulation whatever the main thread is doing. A KeyboardInterrupt alone is not
+    enough: Ray defers SIGINT while it submits work and drops it when that work fails — as it does
+    when the same Ctrl-C has killed Ray's workers — and the run then goes on. Python writes every
+    signal it handles to the wakeup file descriptor, so a watcher thread sees the SIGINT however the
+    main thread's handler treats it. (Outside the main thread, e.g. some test runners, only the
+    KeyboardInterrupt path is left.)"""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    try:
+        previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread
+        os.close(read_end)
+        os.close(write_end)
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if select.select([read_end], [], [], 0.5)[0] and signal.SIGINT in os.read(read_end, 64):
+                stop_interrupted_simulation(config, marker)
+
+    watcher = threading.Thread(target=watch, name="fedpose-interrupt", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+        signal.set_wakeup_fd(previous)
+        os.close(read_end)
+        os.close(write_end)
 
 
 def _handle(args: argparse.Namespace) -> int:
@@ -218,9 +293,10 @@ def _handle(args: argparse.Namespace) -> int:
     try:
         # Flower's log (its tracebacks of failed ClientApps included) goes to the log file; the
         # coordinator's round lines still reach the console
-        with flower_log_to(log_path), printing_progress(site_progress(federation)):
+        with flower_log_to(log_path), printing_progress(site_progress(federation)), \
+                interrupt_stops_simulation(args.config, marker):
             run_federation_simulation(federation, resolved, gpus_per_site=gpus, resume=args.resume, worker_output_to_console=False)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the watcher's path is first; this one where there is no watcher
         stop_interrupted_simulation(args.config, marker)
     except Exception:  # noqa: BLE001 - the coordinator printed its error line; the traceback goes to the log
         with log_path.open("a", encoding="utf-8") as log:

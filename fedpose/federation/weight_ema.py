@@ -109,7 +109,9 @@ class WeightEma:
             return cls(decay)
         arrays, meta = load_array_checkpoint(path)
         saved = meta.get("ema") or {}
-        if int(saved.get("round", -1)) != round_id:
+        # the run's round when the file was written (the average's own last round may be earlier: rounds
+        # that changed no model are not in it); files from before the run's state was kept name only the latter
+        if int((meta.get("state") or {}).get("round", saved.get("round", -1))) != round_id:
             # written just before a crash that lost global.npz's commit (or an older copy restored)
             echo(f"coordinator.ema: {path} holds the average up to round {saved.get('round')}, the model checkpoint "
                  f"round {round_id}: continuing from it")

@@ -350,7 +350,8 @@ def test_ctrl_c_stops_the_simulation_at_once_and_resume_finishes_it(tmp_path: Pa
         started.update(process_tree(proc.pid))
         interrupted = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=60) == 130
+        code = proc.wait(timeout=60)
+        assert code == 130, "".join(lines)
         assert time.monotonic() - interrupted < 30  # not the 300 s round timeout
     finally:
         if proc.poll() is None:

@@ -109,14 +109,18 @@ def test_a_round_that_leaves_the_global_model_unchanged_adds_nothing_to_the_aver
     """Round 2 accepts no update (its site is silent): the global model after it is w1 again. Folding
     it in would move the published model back towards w1 with no new site data (seen when a finished
     run was resumed for more rounds than its sites could afford). The average stays w1 after round 2
-    and is the mean of w1 and w3 after round 3 (the second model in it); the lines say which rounds."""
+    and is the mean of w1 and w3 after round 3 (the second model in it), also across a resume after
+    round 2; the lines say which rounds."""
     from fedpose.federation.global_model import load_global_model
     from fedpose.federation.report import load_history, round_line
     from site_round_helpers import make_site_data, site_config
 
     data = make_site_data(tmp_path / "data")
     transport = SilentInRound([site_config(data, tmp_path / "site-1")], silent=2)
-    runner = RoundRunner(_run(tmp_path, 3, data), echo=lambda _: None)
+    RoundRunner(_run(tmp_path, 2, data), echo=lambda _: None).run_rounds(transport)
+    said: list[str] = []
+    runner = RoundRunner(_run(tmp_path, 3, data), resume=True, echo=said.append)  # after the silent round
+    assert not any("coordinator.ema" in line for line in said), said  # the average is as saved: nothing to warn of
     runner.run_rounds(transport)
     w1, w3 = transport.sent[3], dict(runner.global_state)  # round 3 was sent the model round 2 left: w1
     history = load_history(tmp_path / "coordinator")
