@@ -339,8 +339,14 @@ def test_ctrl_c_stops_the_simulation_at_once_and_resume_finishes_it(tmp_path: Pa
     from federation_helpers import FEDPOSE, REPO, flower_env, no_leftover_processes, process_tree, still_running, wait_for
 
     config = tiny_federation(tmp_path, tmp_path / "data", sites=2, rounds=2, timeout=300.0)
+    def as_a_terminal_leaves_sigint() -> None:
+        # this test process may ignore or block SIGINT (a test runner's worker; Ray, run in-process by
+        # the tests before this one), and both survive exec: Python would install no handler for it
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
     proc = subprocess.Popen([*FEDPOSE, "simulate", "--config", str(config)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, preexec_fn=as_a_terminal_leaves_sigint,
                             env=flower_env(FLWR_HOME=str(tmp_path / "flwr-home")))
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
