@@ -109,7 +109,8 @@ class AuditResult:
             "epsilon_lower_text": (f"ε_lower = {lower:.4g} ({guarantee}, δ = {delta:.3g}, one-run audit: max of Steinke et al. "
                                    f"2023 ({self.guess.epsilon_lower_steinke:.4g}) and f-DP ({self.guess.epsilon_lower_fdp:.4g}), "
                                    f"{self.confidence:.0%} confidence, {self.scores.size} canaries, {self.mode})"),
-            "guesses": self.guess.guesses, "correct": self.guess.correct, "tests_tried": self.guess.tried,
+            "guesses": self.guess.guesses, "correct": self.guess.correct, "guesses_in": self.guess.guesses_in,
+            "tests_tried": self.guess.tried,
             "included_canaries": int(self.included.sum()),
             "noise_multiplier": self.privacy.get("noise_multiplier"), "sample_rate": self.privacy.get("sample_rate"),
             "steps": self.privacy.get("steps"), "seconds": round(self.seconds, 2),

@@ -478,3 +478,18 @@ delta = 1e-5
     assert main(["audit", "--config", str(config), "--canaries", "20", "--mode", mode]) in (0, 3)
     out = capsys.readouterr().out
     assert "per patient" in out and "audited:   per patient (chosen automatically: the coarsest unit" in out
+
+
+def test_the_guess_line_says_what_the_best_split_was_and_when_none_bounds_epsilon() -> None:
+    from fedpose.cli.audit import guess_line
+
+    scores = np.r_[np.full(20, 5.0), np.zeros(180)]
+    included = np.r_[np.ones(20, dtype=bool), np.zeros(180, dtype=bool)]
+    found = best_lower_bound(scores, included, 1e-5, 0.95)
+    line = guess_line({"guesses": found.guesses, "correct": found.correct, "guesses_in": found.guesses_in,
+                       "tests_tried": found.tried})
+    assert found.epsilon_lower > 0 and line.startswith(f"best guesses: {found.correct} of {found.guesses} correct")
+    nothing = best_lower_bound(np.zeros(200), np.arange(200) % 2 == 0, 1e-5, 0.95)  # scores tell nothing: half right
+    line = guess_line({"guesses": nothing.guesses, "correct": nothing.correct, "guesses_in": nothing.guesses_in,
+                       "tests_tried": nothing.tried})
+    assert nothing.guesses == 0 and "0/0" not in line and f"none of the {nothing.tried} guess tests" in line

@@ -117,10 +117,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"  audited:   per {unit}{f' ({why})' if why else ''}, q = {summary['sample_rate']:.4g}, "
               f"σ = {summary['noise_multiplier']:.4g}, {summary['steps']} steps, {summary['accountant'].upper()} accountant")
         print(f"  empirical: {summary['epsilon_lower_text']}")
-        print(f"  best guesses: {summary['correct']}/{summary['guesses']} correct "
-              f"(Steinke et al.: {summary['epsilon_lower_steinke']:.4g}, f-DP: {summary['epsilon_lower_fdp']:.4g})")
+        print(f"  {guess_line(summary)} (Steinke et al.: {summary['epsilon_lower_steinke']:.4g}, "
+              f"f-DP: {summary['epsilon_lower_fdp']:.4g})")
         if summary["guarantee_void"]:
             print("  NOTE: seeded test noise — the claimed guarantee is void for this run")
         print("  VIOLATION: the release leaks more than the claimed ε" if summary["violation"]
               else "  consistent: the lower bound does not exceed the claimed ε")
     return VIOLATION_EXIT if summary["violation"] else 0
+
+
+def guess_line(summary: dict) -> str:
+    """What the auditor's best guess split was; with none that bounds ε above 0, say so, not "0/0"."""
+    if summary["guesses"] == 0:
+        return (f"best guesses: none of the {summary['tests_tried']} guess tests bounds ε above 0 "
+                "(the canaries' scores give no evidence of inclusion at this confidence)")
+    return (f"best guesses: {summary['correct']} of {summary['guesses']} correct "
+            f"({summary['guesses_in']} guessed included, the rest excluded)")
+
