@@ -40,8 +40,9 @@ import subprocess
 import sys
 import time
 import uuid
+import zipfile
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from fedpose.cli.common import UserError, positive_float
 from fedpose.cli.federation_run import (add_run_args, conclude_run, data_paths, ensure_federation_data, finished_run, pop_synthetic,
@@ -384,14 +385,37 @@ def _deploy(args: argparse.Namespace, repo: Path, run_dir: Path, lock_fd: int) -
         signal.signal(signal.SIGTERM, previous)
 
 
+def _round_printer(history_dir: Path) -> Callable[[list[Any]], None]:
+    """Prints rounds as the coordinator's history gains them, round 0 (the initial model's PCKh,
+    kept in the model checkpoint, written before the history) before round 1 — the lines simulate
+    prints from the ServerApp itself."""
+    from fedpose.federation.aggregation import load_checkpoint_meta
+    from fedpose.federation.global_model import GLOBAL_CHECKPOINT
+    from fedpose.federation.report import initial_line, round_line
+
+    def print_rounds(rounds: list[Any]) -> None:
+        for entry in rounds:
+            if entry.round == 1:
+                try:
+                    initial = load_checkpoint_meta(history_dir / GLOBAL_CHECKPOINT)["state"].get("initial_pckh")
+                except (OSError, ValueError, KeyError, zipfile.BadZipFile):  # no readable checkpoint: no line
+                    initial = None
+                if initial is not None:
+                    print(initial_line(initial), flush=True)
+            print(round_line(entry), flush=True)
+
+    return print_rounds
+
+
 def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float, timeout: float | None,
             superlink: subprocess.Popen, superlink_timeout: float) -> RunStatus:
     """Print each finished round (from the coordinator's history.json) until the run finishes.
     Raises :class:`SuperLinkLost` when the SuperLink exits, or has not answered or not known the run
     for ``superlink_timeout`` seconds (without this, a lost SuperLink was polled for ever)."""
-    from fedpose.federation.report import load_history, round_line
+    from fedpose.federation.report import load_history
 
     printed = 0
+    print_rounds = _round_printer(history_dir)
     status, lost_since, asked = RunStatus(""), None, -math.inf
     coordinator = _Coordinator(history_dir)
     while True:
@@ -400,8 +424,7 @@ def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float,
             rounds = load_history(history_dir)
         except (OSError, ValueError):
             rounds = []
-        for entry in rounds[printed:]:
-            print(round_line(entry), flush=True)
+        print_rounds(rounds[printed:])
         printed = max(printed, len(rounds))
         if superlink.poll() is not None:
             raise SuperLinkLost(f"it exited with code {superlink.returncode} (pid {superlink.pid})")
@@ -424,8 +447,7 @@ def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float,
         else:
             status, lost_since = current, None
         if status.status.startswith(FINISHED):
-            for entry in load_history(history_dir)[printed:]:
-                print(round_line(entry), flush=True)
+            print_rounds(load_history(history_dir)[printed:])
             return status
 
 

@@ -213,6 +213,11 @@ def failure_summary(failures: list[SiteFailure]) -> list[str]:
     return lines
 
 
+def initial_line(initial_pckh: float) -> str:
+    """Round 0's line: the initial global model's PCKh, before any site data."""
+    return f"round   0 | PCKh@0.5 = {initial_pckh:.2f} | initial global model (no site data used)"
+
+
 def round_line(entry: RoundRecord) -> str:
     """One human-readable line per round: PCKh (saying so when it is of the moving average) and every
     site's ε with guarantee, δ, accountant."""

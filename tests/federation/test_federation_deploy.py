@@ -124,6 +124,8 @@ def test_deployment_grpc_tls_auth_results_ledgers_and_budget_stop(tmp_path: Path
         output = _finish(proc)
     assert proc.returncode == 0, output + deploy_logs_tail(run_dir)
     assert "round   2" in output and "(DP, δ = 1e-05, PLD)" in output
+    # round 0 (the initial model's score, which the ServerApp prints to its log) also reaches this console, first
+    assert output.index("round   0 | PCKh@0.5 = ") < output.index("round   1 |"), output
 
     rounds = history(run_dir)
     assert [r["round"] for r in rounds] == [1, 2]

@@ -51,6 +51,7 @@ from fedpose.federation.report import (
     SecureAggregationRecord,
     SiteRoundRecord,
     finished_run_note,
+    initial_line,
     load_history,
     round_line,
     save_history,
@@ -323,7 +324,7 @@ class RoundRunner:
             scores = self.evaluate()
             if scores is not None:  # the reference every private round is compared with
                 self.state.initial_pckh = float(scores["Mean"])
-                self.echo(f"round   0 | PCKh@0.5 = {self.state.initial_pckh:.2f} | initial global model (no site data used)")
+                self.echo(initial_line(self.state.initial_pckh))
         try:
             for round_id in range(self.state.round + 1, self.cfg.rounds + 1):
                 waiting = time.monotonic()
