@@ -451,10 +451,11 @@ class GradientEngine:
         assert self.noise is not None and self.shape is not None
         chosen = torch.nonzero(self.noise.uniform(self.dataset_size) < self.sample_rate).flatten().tolist()
         cap = self.shape.rows_per_unit
+        member_table = self.unit_rows if unit_members is None else unit_members
         rows: list[int] = []
         unit_of_row: list[int] = []
         for position, unit in enumerate(chosen):
-            members = (self.unit_rows if unit_members is None else unit_members)[unit]
+            members = member_table[unit]
             if len(members) > cap:
                 # uniform subset of size cap: the cap smallest of i.i.d. CSPRNG uniforms
                 keep = torch.argsort(self.noise.uniform(len(members)))[:cap].sort().values.tolist()
