@@ -323,10 +323,13 @@ class BudgetLedger:
             events.setdefault(site_id, []).append((int(round_id), float(sigma), float(q), int(steps)))
         return events
 
-    def recorded_epsilon(self, site_id: str, guarantee: str | None) -> float | None:
-        """The largest cumulative ε this ledger holds for ``site_id`` under ``guarantee`` (None: none yet)."""
-        row = self._db.execute("SELECT MAX(epsilon) FROM site_rounds WHERE site_id = ? AND guarantee IS ? AND epsilon IS NOT NULL",
-                               (site_id, guarantee)).fetchone()
+    def recorded_epsilon(self, site_id: str, guarantee: str | None, accountant: str | None) -> float | None:
+        """The largest cumulative ε this ledger holds for ``site_id`` under ``guarantee`` as
+        ``accountant`` computed it (None: none yet). One accountant's ε is never compared with
+        another's: a site that switches to a tighter one (``fedpose privacy budget --accountant
+        pld --apply``) states a lower ε for the same spends."""
+        row = self._db.execute("SELECT MAX(epsilon) FROM site_rounds WHERE site_id = ? AND guarantee IS ? AND accountant IS ? "
+                               "AND epsilon IS NOT NULL", (site_id, guarantee, accountant)).fetchone()
         return None if row[0] is None else float(row[0])
 
     def exhausted_sites(self, eps_max: float | Mapping[str, float] | None = None) -> set[str]:

@@ -23,6 +23,7 @@ import math
 import os
 import random
 import time
+from functools import partial
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -50,6 +51,7 @@ from fedpose.federation.report import (
     RoundRecord,
     SecureAggregationRecord,
     SiteRoundRecord,
+    epsilon_text,
     finished_run_note,
     initial_line,
     load_history,
@@ -610,16 +612,21 @@ class RoundRunner:
         return False, len(result.accepted), len(result.rejected)
 
     def _epsilon_regression(self, reply: protocol.SiteReply) -> str:
-        """Why a reply's cumulative ε cannot be true ('' when it can): it is below what the ledger holds."""
+        """Why a reply's cumulative ε cannot be true ('' when it can): it is below what the ledger
+        holds from the same accountant. (A state rolled back under another accountant is the
+        witness's to catch: the site refuses before any spend, fedpose.federation.witness.)"""
         privacy = reply.privacy
         if privacy is None or privacy.epsilon is None:
             return ""
-        recorded = self.ledger.recorded_epsilon(reply.site_id, privacy.guarantee)
+        recorded = self.ledger.recorded_epsilon(reply.site_id, privacy.guarantee, privacy.accountant)
         # relative slack for float round-off of the same spend reported again
         if recorded is None or privacy.epsilon >= recorded * (1 - 1e-9):
             return ""
-        return (f"reported cumulative ε = {privacy.epsilon:.6g} ({privacy.guarantee}) is below the {recorded:.6g} the ledger "
-                f"already holds: the site's budget state was reset or replaced — restore its state_dir from a backup")
+        statement = partial(epsilon_text, delta=privacy.delta, guarantee=privacy.guarantee, accountant=privacy.accountant,
+                            unit=privacy.protection_unit, relation=privacy.adjacency)
+        return (f"reported cumulative {statement(privacy.epsilon)} is below the {statement(recorded)} the ledger already "
+                f"holds from the same accountant: the site's budget state was reset or replaced — restore its state_dir "
+                f"from a backup")
 
     # -- persistence -----------------------------------------------------------------------------------
     def _save_checkpoint(self) -> None:

@@ -7,6 +7,7 @@ same paths over real Flower processes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -80,12 +81,35 @@ def test_a_site_reporting_less_epsilon_than_the_ledger_holds_is_rejected(tmp_pat
         rows = {e.round: e for e in ledger.entries("site-1")}
         (summary,) = ledger.site_summaries()
     assert [rows[r].status for r in (1, 2, 3)] == ["ok", "rejected", "ok"]
-    assert "below the 2 the ledger already holds" in rows[2].reason
+    assert ("reported cumulative ε = 0.9 (DP, δ = 1e-05, RDP) per record, add/remove-one-record adjacency is below the "
+            "ε = 2 (DP, δ = 1e-05, RDP) per record, add/remove-one-record adjacency the ledger already holds") in rows[2].reason
     assert summary.epsilon == 2.4 and summary.rounds_joined == 3  # the reset never lowered the ledger's ε
     assert any("round 2: rejected site 'site-1'" in line and "reset or replaced" in line for line in lines), lines
     history = load_history(tmp_path / "coordinator")
     assert history[1].sites["site-1"].status == "rejected" and not history[1].aggregated
     assert history[1].sites["site-1"].reject_reason == "epsilon_regressed"
+
+
+def test_a_site_that_switches_to_a_tighter_accountant_is_not_taken_for_a_reset(tmp_path: Path) -> None:
+    """`fedpose privacy budget --accountant pld --apply` restates the same spends with a lower ε:
+    the ledger compares each accountant's ε with its own, so the switch is accepted, and a lower ε
+    from the new accountant afterwards is still a reset."""
+    reported = {1: ("rdp", 2.0), 2: ("pld", 1.8), 3: ("pld", 1.5)}  # round 3: reset under the new accountant
+
+    def answer(request: TrainRequest) -> NodeReply:
+        accountant, epsilon = reported[request.instruction.round]
+        node_reply = ok_reply(request, trainable, epsilon)
+        privacy = node_reply.reply.privacy.model_copy(update={"accountant": accountant})
+        return dataclasses.replace(node_reply, reply=node_reply.reply.model_copy(update={"privacy": privacy}))
+
+    runner = RoundRunner(_run(tmp_path, 3), echo=lambda _: None)
+    trainable = list(runner.global_model().trainable_parameters())
+    runner.run_rounds(ScriptedTransport([11], answer))
+    with BudgetLedger(tmp_path / "coordinator" / "ledger.sqlite", read_only=True) as ledger:
+        rows = {e.round: e for e in ledger.entries("site-1")}
+    assert [rows[r].status for r in (1, 2, 3)] == ["ok", "ok", "rejected"]
+    assert [rows[r].accountant for r in (1, 2, 3)] == ["rdp", "pld", "pld"]
+    assert "is below the ε = 1.8 (DP, δ = 1e-05, PLD)" in rows[3].reason
 
 
 def test_a_site_that_disconnects_is_missing_with_the_true_reason(tmp_path: Path) -> None:
