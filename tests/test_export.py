@@ -223,9 +223,38 @@ def test_a_federated_export_takes_each_site_s_spend_from_the_ledger(tmp_path: Pa
     assert report["sites"] == [{"site_id": "site-1", "guarantee": "DP", "epsilon": 1.7, "delta": 1e-5, "accountant": "rdp",
                                 "rounds_joined": 2, "protection_unit": "record",  # ledger rows without a unit
                                 "neighbouring_relation": "add_remove",
-                                "epsilon_text": "ε = 1.7 (DP, δ = 1e-05, RDP) per record, add/remove-one-record adjacency"}]
+                                "epsilon_text": "ε = 1.7 (DP, δ = 1e-05, RDP) per record, add/remove-one-record adjacency",
+                                "protected_part": "the whole unit", "treated_as_public": "nothing of the site's data"}]
     assert "after round 2" in report["model_selection"]
     assert main(["export", str(coordinator), "--out", str(tmp_path / "b"), "--checkpoint", "best"]) != 0  # no 'best' here
+
+
+def test_a_federated_export_says_what_an_fdp_site_leaves_public_and_every_site_s_spends(tmp_path: Path) -> None:
+    """FDP protects only what ψ discards of a unit: the card, PRIVACY.txt and the report say what such a
+    site treats as public beside its ε, the Limits section does not claim the whole unit, and each site's
+    spends per round (σ, q, steps, from the ledger's witness table) let a reader recompute ε."""
+    from fedpose.federation.ledger import BudgetLedger, LedgerEntry
+    from fedpose.privacy.report import FEATURE_DP
+
+    coordinator = _coordinator_dir(tmp_path, model_round=1)
+    with BudgetLedger(coordinator / "ledger.sqlite") as ledger:
+        ledger.record_many([LedgerEntry("site-1", 1, "ok", epsilon=1.2, delta=1e-5, guarantee="DP", accountant="pld", steps=4),
+                            LedgerEntry("site-2", 1, "ok", epsilon=2.0, delta=1e-5, guarantee="FDP", accountant="pld", steps=4)])
+        ledger.record_spends("site-1", "demo", [(1, 1.5, 0.25, 4)])
+        ledger.record_spends("site-2", "demo", [(1, 1.1, 0.25, 4)])
+    out = tmp_path / "release"
+    assert main(["export", str(coordinator), "--out", str(out)]) == 0
+    report = json.loads((out / "privacy_report.json").read_text())
+    assert _keys(report) <= ALLOWED_KEYS, _keys(report) - ALLOWED_KEYS
+    site_1, site_2 = report["sites"]
+    assert site_1["spends"] == [{"round": 1, "noise_multiplier": 1.5, "sample_rate": 0.25, "steps": 4}]
+    assert (site_2["protected_part"], site_2["treated_as_public"]) == (FEATURE_DP.unit, FEATURE_DP.public)
+    card = (out / "MODEL_CARD.md").read_text()
+    assert f"- site-2 (FDP): protects {FEATURE_DP.unit}; treated as public, not protected: {FEATURE_DP.public}" in card
+    assert "Under FDP or MaskDP the bound covers only the protected part of a unit" in card
+    text = (out / "PRIVACY.txt").read_text()
+    assert f"  protects {FEATURE_DP.unit}; treated as public, not protected: {FEATURE_DP.public}" in text
+    assert "  spends (round: σ, q, steps): 1: 1.5, 0.25, 4" in text and "what leaves:" in text
 
 
 def test_a_federated_export_of_a_run_with_a_moving_average_publishes_the_average(tmp_path: Path) -> None:

@@ -71,7 +71,8 @@ PUBLISHABLE_SECTION_KEYS: dict[str, frozenset[str]] = {
 }
 #: Keys of a federated export's per-site entries.
 SITE_KEYS = frozenset({"site_id", "guarantee", "protection_unit", "neighbouring_relation", "epsilon", "delta", "accountant",
-                       "epsilon_text", "rounds_joined"})
+                       "epsilon_text", "rounds_joined", "protected_part", "treated_as_public", "spends",
+                       "round", "noise_multiplier", "sample_rate", "steps"})
 #: Keys this command adds around the engine report.
 EXPORT_KEYS = frozenset({"source", "model_selection", "run_id", "sites"})
 
@@ -242,7 +243,7 @@ def _federation(coordinator_dir: Path) -> tuple[Any, dict[str, Any]]:
     except GlobalModelError as exc:
         raise UserError(f"export: {exc}") from None
     model, model_round, checkpoint = federated.model, federated.round, federated.path
-    summaries, recorded_round, record = _site_summaries(coordinator_dir)
+    summaries, recorded_round, record, spends = _site_summaries(coordinator_dir, federated.run_id)
     if recorded_round < model_round:
         # report.json is written when a run finishes: one that stopped early has an older one
         raise UserError(
@@ -257,6 +258,10 @@ def _federation(coordinator_dir: Path) -> tuple[Any, dict[str, Any]]:
         "neighbouring_relation": GUARANTEES[s["guarantee"]].relation if s.get("guarantee") in set(GUARANTEES) - {"none"} else None,
         "epsilon_text": epsilon_text(s.get("epsilon"), s.get("delta"), s.get("guarantee"), s.get("accountant") or "rdp",
                                      s.get("unit")),
+        **_protected_part(s.get("guarantee")),
+        # the accountant's inputs per round (declared σ, q, steps: public values), so ε can be recomputed
+        **({"spends": [{"round": r, "noise_multiplier": sigma, "sample_rate": q, "steps": steps}
+                       for r, sigma, q, steps in spends[s["site_id"]]]} if s["site_id"] in spends else {}),
     } for s in summaries]
     report = {"source": "federation", "run_id": federated.run_id or None, "sites": sites,
               "guarantee_statement": "each site's guarantee is about its own protection units (protection_unit: record, image or patient), composed over every local step of every round it joined",
@@ -264,9 +269,23 @@ def _federation(coordinator_dir: Path) -> tuple[Any, dict[str, Any]]:
     return model, report
 
 
-def _site_summaries(coordinator_dir: Path) -> tuple[list[dict[str, Any]], int, Path]:
-    """(per-site summaries, last round they cover, the file they come from): the ledger when it is in
-    the coordinator dir (written before every global checkpoint), else the final report.json."""
+def _protected_part(guarantee: str | None) -> dict[str, str]:
+    """What a site's guarantee protects of a unit, and what it treats as public: all of the unit and
+    nothing under DP; under FDP / MaskDP only part of it, the rest (ψ(x), the keypoints, the crop
+    outside the masked heads) unprotected — a reader of the ε must see that beside it."""
+    from fedpose.privacy.report import GUARANTEES
+
+    if guarantee == "DP":
+        return {"protected_part": "the whole unit", "treated_as_public": "nothing of the site's data"}
+    if guarantee in GUARANTEES and guarantee != "none":
+        return {"protected_part": GUARANTEES[guarantee].unit, "treated_as_public": GUARANTEES[guarantee].public}
+    return {}
+
+
+def _site_summaries(coordinator_dir: Path, run_id: str | None) -> tuple[list[dict[str, Any]], int, Path, dict[str, list]]:
+    """(per-site summaries, last round they cover, the file they come from, each site's spends in
+    ``run_id`` by round): the ledger when it is in the coordinator dir (written before every global
+    checkpoint), else the final report.json (which holds no spends)."""
     from dataclasses import asdict
 
     from fedpose.federation.ledger import BudgetLedger, LedgerError
@@ -275,7 +294,8 @@ def _site_summaries(coordinator_dir: Path) -> tuple[list[dict[str, Any]], int, P
     if ledger_path.exists():
         try:
             with BudgetLedger(ledger_path, read_only=True) as ledger:
-                return [asdict(s) for s in ledger.site_summaries()], ledger.last_round(), ledger_path
+                return ([asdict(s) for s in ledger.site_summaries()], ledger.last_round(), ledger_path,
+                        ledger.spend_events(run_id) if run_id else {})
         except LedgerError as exc:
             raise UserError(f"export: {exc}") from None
     report_path = coordinator_dir / COORDINATOR_REPORT
@@ -285,7 +305,7 @@ def _site_summaries(coordinator_dir: Path) -> tuple[list[dict[str, Any]], int, P
         raise UserError(f"export: cannot read {report_path} ({exc}) and there is no {ledger_path}; a model is never "
                         "exported without its privacy report") from None
     rounds = [int(r["round"]) for r in summary.get("rounds", []) if isinstance(r, dict) and "round" in r]
-    return list(summary.get("sites", [])), max(rounds, default=int(summary.get("rounds_completed") or 0)), report_path
+    return list(summary.get("sites", [])), max(rounds, default=int(summary.get("rounds_completed") or 0)), report_path, {}
 
 
 def _evaluate(model: Any, data: Path, name: str) -> dict[str, Any]:
@@ -326,11 +346,19 @@ def model_card(model: Any, report: dict[str, Any], evaluation: dict[str, Any] | 
              f"{'; weights stored as float16' if half else ''}). "
              "Read by `fedpose eval --checkpoint DIR` and `fedpose predict --checkpoint DIR`.", "",
              "## Training data and privacy guarantees", ""]
-    if report.get("source") == "federation":
+    federated = report.get("source") == "federation"
+    guarantees = {s.get("guarantee") for s in report.get("sites", [])} if federated else {report.get("guarantee")}
+    partial = bool(guarantees - {"DP", "none", None})  # FDP / MaskDP: part of each unit is public
+    if federated:
         lines += [f"Federated run `{report.get('run_id')}`; {report['guarantee_statement']}.", "",
                   "| site | protection unit | rounds joined | guarantee |", "| --- | --- | --- | --- |"]
         lines += [f"| {s['site_id']} | {s.get('protection_unit') or 'record'} | {s.get('rounds_joined')} | {s['epsilon_text']} |"
                   for s in report.get("sites", [])]
+        partial_sites = [s for s in report.get("sites", []) if s.get("guarantee") not in ("DP", "none", None)]
+        if partial_sites:
+            lines += ["", "Sites whose guarantee protects only part of each unit:", ""]
+            lines += [f"- {s['site_id']} ({s['guarantee']}): protects {s.get('protected_part')}; treated as public, "
+                      f"not protected: {s.get('treated_as_public')}" for s in partial_sites]
     else:
         lines += [f"Central training by one data holder, mechanism `{report.get('mechanism')}`.", "",
                   f"- guarantee: {report.get('epsilon_text')}",
@@ -340,7 +368,10 @@ def model_card(model: Any, report: dict[str, Any], evaluation: dict[str, Any] | 
         if report.get("guarantee_void"):
             lines.append("- **the guarantee is void**: the noise was seeded (a test run) and can be regenerated")
     lines += ["", f"Model selection: {report['model_selection']}.", "",
-              f"`{REPORT_FILE}` and `{TEXT_FILE}` beside this card hold the full privacy report.", "", "## Evaluation", ""]
+              f"`{REPORT_FILE}` and `{TEXT_FILE}` beside this card hold "
+              + ("each site's guarantee, what it protects and treats as public, and its spends per round (σ, q, steps) "
+                 "where the coordinator's ledger holds them." if federated else "the full privacy report."),
+              "", "## Evaluation", ""]
     if evaluation is None:
         lines.append("Not evaluated at export. Score it on a public test set: `fedpose eval --checkpoint DIR --data TEST_SET`.")
     else:
@@ -360,7 +391,9 @@ def model_card(model: Any, report: dict[str, Any], evaluation: dict[str, Any] | 
               "- Differential privacy bounds what the weights reveal about one protection unit (record, image or "
               "patient, per site above) to the stated (ε, δ) under the stated accountant; it says nothing about "
               "units a site did not protect, about a site's participation in the run, or about its dataset size "
-              "beyond DP resolution.",
+              "beyond DP resolution." + (" Under FDP or MaskDP the bound covers only the protected part of a unit: "
+                                         "what such a guarantee treats as public (above) is not protected, and the "
+                                         "weights may reveal it." if partial else ""),
               "- DP noise costs accuracy: expect lower PCKh than a non-private model of the same size, and worse on "
               "poses, people and image sources rare in the training data.",
               "- The model takes the whole input as the person box; multi-person images need a person detector first."]
@@ -370,7 +403,7 @@ def model_card(model: Any, report: dict[str, Any], evaluation: dict[str, Any] | 
 def _write(out: Path, model: Any, report: dict[str, Any], evaluation: dict[str, Any] | None = None, half: bool = False) -> int:
     from fedpose.io import atomic_write_json, atomic_write_text
     from fedpose.model.checkpoint import save_safetensors
-    from fedpose.privacy.report import describe
+    from fedpose.privacy.report import describe, describe_federation
 
     # Only ever the export's files: never mixed into a run directory or beside other artefacts.
     known = (*EXPORTED_FILES, LEGACY_MODEL_FILE)
@@ -382,11 +415,9 @@ def _write(out: Path, model: Any, report: dict[str, Any], evaluation: dict[str, 
     atomic_write_text(out / CARD_FILE, _withhold_machine_local(model_card(model, report, evaluation, half)))
     atomic_write_json(out / REPORT_FILE, report)
     if report.get("source") == "federation":
-        lines = [f"federated run {report.get('run_id')}: {report['guarantee_statement']}"]
-        lines += [f"  {s['site_id']}: {s['epsilon_text']}" for s in report["sites"]]
+        text = describe_federation(report)
     else:
-        lines = [describe(report)]
-    lines.append(f"model selection: {report['model_selection']}")
-    atomic_write_text(out / TEXT_FILE, "\n".join(lines) + "\n")
+        text = f"{describe(report)}\nmodel selection: {report['model_selection']}"
+    atomic_write_text(out / TEXT_FILE, text + "\n")
     print(f"exported {out / MODEL_FILE}, {out / CARD_FILE}, {out / REPORT_FILE}, {out / TEXT_FILE}")
     return 0

@@ -211,6 +211,12 @@ def describe_federation(report: Mapping[str, Any]) -> str:
     for site in report.get("sites", []):
         lines.append(f"{site.get('site_id')}: {site.get('epsilon_text', 'ε not recorded')}; "
                      f"rounds joined {site.get('rounds_joined', 'not recorded')}")
+        if site.get("guarantee") not in ("DP", "none", None) and site.get("treated_as_public"):
+            lines.append(f"  protects {site.get('protected_part')}; treated as public, not protected: "
+                         f"{site['treated_as_public']}")
+        if site.get("spends"):
+            lines.append("  spends (round: σ, q, steps): " + "; ".join(
+                f"{e['round']}: {e['noise_multiplier']:.6g}, {e['sample_rate']:.6g}, {e['steps']}" for e in site["spends"]))
     lines.append(f"what leaves: {WHAT_LEAVES}")
     return "\n".join(lines)
 
@@ -219,7 +225,10 @@ def describe_federation(report: Mapping[str, Any]) -> str:
 WHAT_LEAVES = (
     "central training publishes only what `fedpose export` writes (weights + this report; checkpoints/, metrics.json "
     "and curves.png hold private-data statistics and stay internal); a federation site sends only its typed reply — "
-    "the privatized Δ, a status with a fixed reason code, this cumulative report, basis version, run and round ids"
+    "the privatized Δ (under secure aggregation its masked vector instead, and the protocol's own messages: public "
+    "keys, encrypted shares, unmasking shares), a status with a fixed reason code (an error: its exception's class "
+    "name), this cumulative report with its spends per round (declared σ, q, steps), the steps run, its declared "
+    "aggregation weight, basis version, run and round ids (sites/egress.py checks each reply against this list)"
 )
 
 
