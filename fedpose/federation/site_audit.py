@@ -1,4 +1,5 @@
-"""The site's audit log for its privacy officer: every reply the site sent, hash-chained.
+"""The site's audit log for its privacy officer: every reply to a training instruction, hash-chained
+(secure aggregation's stage messages are checked by sites/egress.py, not logged here).
 
 ``<state_dir>/audit.jsonl`` holds one line per reply, written by the site at the moment it replies
 (:func:`record_reply`, called from :func:`~fedpose.federation.local_training.train_site_round` and,
