@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 from fedpose.cli.common import (
     UserError,
@@ -232,14 +233,21 @@ def _budget(args: argparse.Namespace) -> int:
         raise UserError("--apply needs --accountant (the accountant to switch the budget to)")
     try:
         result = recompute_budget(args.state_dir, args.accountant, apply=args.apply)
+        behind = _spends_the_budget_lacks(args.state_dir)
     except BudgetError as exc:
         raise UserError(str(exc)) from None
     if args.json:
-        print_json(result)
+        print_json({**result, "spends_not_in_budget": behind["adopted"] if behind else [],
+                    "epsilon_with_them": behind["epsilon_after"] if behind else None})
         return 0
     guarantee, delta, unit, relation = result["guarantee"], result["delta"], result["unit"], result["neighbouring_relation"]
     print(f"site '{result['site_id']}': {result['steps']} steps under the {relation} relation")
     print(f"  enforced: {format_epsilon(result['epsilon'], delta, guarantee, result['accountant'], unit, relation)}")
+    if behind:  # a restored or replaced state: the budget understates what was spent
+        rounds = ", ".join(f"run '{s['run_id']}' round {s['round']} ({s['from']})" for s in behind["adopted"])
+        print(f"  WARNING: this budget lacks {len(behind['adopted'])} spend(s) held elsewhere — {rounds}; counting them, "
+              f"{format_epsilon(behind['epsilon_after'], delta, guarantee, behind['accountant'], unit, relation)} was spent; "
+              f"`fedpose privacy adopt {args.state_dir}` adds them to the budget")
     for name, epsilon in result["epsilon_by_accountant"].items():
         print(f"  by {name}: {format_epsilon(epsilon, delta, guarantee, name, unit, relation)}")
     if result["applied"]:
@@ -247,6 +255,18 @@ def _budget(args: argparse.Namespace) -> int:
     elif args.accountant is not None and args.accountant != result["accountant"]:
         print(f"  not switched: add --apply to enforce {args.accountant.upper()} from now on")
     return 0
+
+
+def _spends_the_budget_lacks(state_dir: Path) -> dict[str, Any] | None:
+    """What ``privacy adopt`` would add (spends in the journal or in the coordinator's record that
+    the budget lacks; None when there are none): a dry run, nothing written."""
+    from fedpose.federation.site_budget import adopt_spends
+    from fedpose.federation.witness import load_saved_record
+
+    saved = load_saved_record(state_dir)
+    spends, source = saved if saved is not None else ([], "")
+    found = adopt_spends(state_dir, spends, source, dry_run=True)
+    return found if found["adopted"] else None
 
 
 def _adopt(args: argparse.Namespace) -> int:

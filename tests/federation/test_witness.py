@@ -156,8 +156,14 @@ def test_a_state_dir_restored_one_round_older_refuses_until_adopted(data_root: P
     assert site_eps == pytest.approx(true_epsilon(1), rel=1e-9)  # behind: why it refused
     assert ledger_eps == pytest.approx(true_epsilon(2), rel=1e-9)  # the witness
 
+    # the site's own books name what they lack: `privacy budget` warns with the true spend (a dry run)
+    shown = _cli(["privacy", "budget", str(state)])
+    assert "WARNING: this budget lacks 1 spend(s) held elsewhere — run 'r' round 2" in shown, shown
+    assert f"counting them, ε = {true_epsilon(2):.4g} (DP, δ = 1e-05, PLD) per patient" in shown, shown
+    assert "privacy adopt" in shown and not json.loads((state / "budget.json").read_text())["payload"].get("adoptions")
     out = _adopt(state)
     assert "adopted run 'r' round 2" in out and "(DP, δ = 1e-05, PLD) per patient" in out
+    assert "WARNING" not in _cli(["privacy", "budget", str(state)])
     _rounds(tmp_path, Renumbered([site], offset=200), upto=4)
     assert load_history(tmp_path / "coordinator")[-1].sites["site-1"].status == "ok"
     assert log.trained_rounds() == [1, 2, 4] and _released_round(state) == 4
