@@ -285,7 +285,7 @@ class PrivacyConfig(Strict):
         "none", description="gradient mechanism; guarantee: "
         + ", ".join(f"{name} → {m.guarantee.name}" for name, m in MECHANISMS.items() if m.noisy)
     )
-    target_epsilon: float | None = Field(None, gt=0, description="calibrate σ so the planned steps reach this ε (at privacy.delta, privacy.accountant)")
+    target_epsilon: float | None = Field(None, gt=0, description="calibrate σ so the planned steps reach this ε (at privacy.delta, privacy.accountant): in central training train.steps; at a federation site one round's local_steps — per round, not a total: the site's eps_max caps the total")
     accountant: Literal["rdp", "pld", "prv"] | None = Field(
         None,
         description="privacy accountant for ε, σ calibration and site budgets; None: the tightest one exact for the "
