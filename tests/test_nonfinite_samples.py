@@ -45,3 +45,24 @@ def test_the_engine_releases_a_finite_gradient_and_counts_the_zeroed_sample_loca
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
     assert metrics["nonfinite_samples"] == 1.0
     assert engine.accountant is not None and engine.accountant.steps == 1
+
+
+def test_a_row_with_a_non_finite_gradient_drops_out_of_the_public_view_gradient() -> None:
+    """FDP / MaskDP add a noise-free gradient of a public sample: a row whose loss or gradient is not
+    finite (an annotation whose finite but extreme joints overflow the targets, say) is dropped from it
+    as a private row is zeroed — the sum is that of the other rows, never NaN (0·NaN is NaN, so masking
+    its loss alone would not do)."""
+    from fedpose.privacy.per_sample import mean_gradient
+
+    model = make_model()
+    batch = engine_module.collate([TensorPoseSet(4)[i] for i in range(4)])
+    features = frozen_features(model, batch["image"])
+    keep = torch.tensor([True, True, False, True])
+    reference, _ = mean_gradient(model, features, batch["joints"], batch["weight"], row_mask=keep)
+    joints = batch["joints"].clone()
+    joints[2] = 1e30  # finite, passes the annotation checks; its targets are not
+    for chunk_size in (None, 2):
+        total, losses = mean_gradient(model, features, joints, batch["weight"], chunk_size=chunk_size)
+        assert not torch.isfinite(losses[2]) and torch.isfinite(total).all()
+        # the mean's denominator stays the real rows (4), as a zeroed private row stays in the batch
+        assert torch.allclose(total * 4, reference * 3, rtol=1e-4, atol=1e-6), chunk_size

@@ -16,6 +16,7 @@ Synthetic data, MPII and COCO (after joint mapping) all load into :class:`PoseRe
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -87,6 +88,14 @@ class PoseRecord:
             raise AnnotationError(f"{where}: 'headbox' must be [[x1, y1], [x2, y2]], got shape {headbox.shape}")
         if not np.isfinite(joints).all():
             raise AnnotationError(f"{where}: 'joints' contains NaN or Inf")
+        # the crop is warped from center and scale, and MaskDP masks the head box: a non-finite one
+        # would make the record's image non-finite (refused here, before any privacy spend)
+        if not np.isfinite(center).all():
+            raise AnnotationError(f"{where}: 'center' contains NaN or Inf")
+        if not math.isfinite(scale):
+            raise AnnotationError(f"{where}: 'scale' must be finite, got {scale}")
+        if headbox is not None and not np.isfinite(headbox).all():
+            raise AnnotationError(f"{where}: 'headbox' contains NaN or Inf")
         patient_id = parse_patient_id(raw.get("patient_id"), where)
         known = {"image", "joints", "joints_vis", "center", "scale", "headbox", "patient_id"}
         extra = {k: v for k, v in raw.items() if k not in known}

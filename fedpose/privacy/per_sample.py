@@ -534,8 +534,9 @@ def clipped_unit_gradient_sum(
                 norms = norms / augmentations
             finite = torch.isfinite(norms)
             factors = torch.where(finite, clip_factors(norms, max_grad_norm), torch.zeros_like(norms))
-            if not bool(finite.all()):  # 0 · Inf = NaN: zero the overflowing units' rows outright
-                done = torch.where(finite[:, None], done, torch.zeros_like(done))
+            # 0 · Inf = NaN: zero the overflowing units' rows outright — always, so the step's work
+            # does not depend on whether a private unit overflowed
+            done = torch.where(finite[:, None], done, torch.zeros_like(done))
             total.addmv_(done.T, factors if augmentations == 1 else factors / augmentations)
             unit_norms.append(norms)
         losses_sorted.append(chunk_losses)
@@ -609,10 +610,30 @@ def mean_gradient(model: TrainableModel, features: Tensor, joints: Tensor, weigh
     losses = [features.new_zeros(0)]
     for start in range(0, rows, step):
         part = slice(start, start + step)
-        logits_x, logits_y = model.forward_trainable(features[part])
-        chunk_losses = model.loss(logits_x, logits_y, joints[part], weight[part])
-        objective = torch.where(mask[part], chunk_losses, torch.zeros_like(chunk_losses)).sum() / count
-        grads = torch.autograd.grad(objective, list(params.values()), allow_unused=True)
-        total += flatten([torch.zeros_like(p) if g is None else g for p, g in zip(params.values(), grads)])
-        losses.append(chunk_losses.detach())
+        chunk, chunk_losses = _masked_mean_gradient(model, features[part], joints[part], weight[part], mask[part], count)
+        if not bool(torch.isfinite(chunk).all()):
+            # A row whose image or annotation makes its loss or gradient non-finite poisons the whole sum
+            # (0·NaN is NaN, so masking its loss is not enough): take the chunk's real rows one by one and
+            # drop such a row, as a private row's non-finite gradient is zeroed — one record must not make
+            # a round fail after its spend (docs/privacy.md). Only such a chunk pays the row-wise passes: a
+            # time that depends on the public sample's rows only (their public view and keypoints).
+            chunk = torch.zeros_like(chunk)
+            for row in torch.nonzero(mask[part]).flatten().tolist():
+                one = slice(start + row, start + row + 1)
+                row_gradient, _ = _masked_mean_gradient(model, features[one], joints[one], weight[one], mask[one], count)
+                if bool(torch.isfinite(row_gradient).all()):
+                    chunk += row_gradient
+        total += chunk
+        losses.append(chunk_losses)
     return total, torch.cat(losses)
+
+
+def _masked_mean_gradient(model: TrainableModel, features: Tensor, joints: Tensor, weight: Tensor, mask: Tensor,
+                          count: Tensor) -> tuple[Tensor, Tensor]:
+    """Flat gradient of Σ_{masked rows} loss / count over these rows, and their losses (detached)."""
+    params = model.trainable_parameters()
+    logits_x, logits_y = model.forward_trainable(features)
+    row_losses = model.loss(logits_x, logits_y, joints, weight)
+    objective = torch.where(mask, row_losses, torch.zeros_like(row_losses)).sum() / count
+    grads = torch.autograd.grad(objective, list(params.values()), allow_unused=True)
+    return flatten([torch.zeros_like(p) if g is None else g for p, g in zip(params.values(), grads)]), row_losses.detach()
