@@ -22,7 +22,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     show.set_defaults(handler=_show)
 
     export = sub.add_parser("export", help="dump every (site, round) entry (JSON: also each site's summary, as `show` "
-                                           "gives it; CSV: the entries only, one a row)")
+                                           "gives it, and each site's spends per round — σ, q, steps — to recompute ε "
+                                           "from; CSV: the entries only, one a row)")
     export.add_argument("--db", required=True, type=Path, help="ledger database")
     export.add_argument("--format", choices=("json", "csv"), default="json", help="json (default) or csv")
     export.add_argument("--out", type=Path, default=None, help="write here (atomically) instead of stdout")
@@ -65,7 +66,9 @@ def _show(args: argparse.Namespace) -> int:
             eps += f" of its ε_max {s.eps_max:g}" + ("" if s.next_round_affordable is not False else " (next round would not fit)")
         print(
             f"{s.site_id}: {eps}; rounds joined {s.rounds_joined}, refused {s.rounds_refused}, "
-            f"missing {s.rounds_missing}; last round {s.last_round} ({s.last_status}){flag}"
+            f"missing {s.rounds_missing}"
+            + (f" ({s.rounds_spent_unreleased} of them spent, then failed: no update)" if s.rounds_spent_unreleased else "")
+            + f"; last round {s.last_round} ({s.last_status}){flag}"
         )
     return 0
 

@@ -131,6 +131,9 @@ class LedgerEntry:
         local steps it ran. Steps count only where the site trained on this round's request."""
         privacy = reply.privacy
         trained = status in TRAINED_STATUSES or reply.status in ("failed", "error")
+        # a round the site's budget holds as spent (its reply lists it) cost its steps, even when the
+        # round then failed and released nothing (an error reply says local_steps 0)
+        spent = next((e.steps for e in reply.spends if e.round == int(round_id)), None)
         return cls(
             site_id=reply.site_id, round=int(round_id), status=status,
             epsilon=privacy.epsilon if privacy is not None else None,
@@ -140,7 +143,7 @@ class LedgerEntry:
             accountant=privacy.accountant if privacy is not None else None,
             eps_max=privacy.eps_max if privacy is not None else None,
             next_round_affordable=privacy.next_round_affordable if privacy is not None else None,
-            steps=int(reply.local_steps) if trained else 0,
+            steps=int(spent if spent is not None and status != "refused" else reply.local_steps if trained else 0),
             rdp=tuple(privacy.rdp) if privacy is not None and privacy.rdp else None,
             orders=tuple(privacy.orders) if privacy is not None and privacy.rdp else None,
             reason=reason,
@@ -156,7 +159,7 @@ class SiteSummary:
     accountant: str | None  #: the accountant that computed epsilon ("rdp", "pld", "prv")
     rounds_joined: int  #: rounds in which the site trained (ok or rejected)
     rounds_refused: int
-    rounds_missing: int
+    rounds_missing: int  #: rounds with no update from the site (some of them spent: below)
     last_round: int
     last_status: str
     unit: str | None = None  #: protection unit of the latest reported ε
@@ -167,6 +170,9 @@ class SiteSummary:
     #: ε if each unconfirmed round was spent at the site's last reported per-round cost (None: no
     #: unconfirmed round or no report); display only — the site's next reply reconciles it
     epsilon_possible: float | None = None
+    #: rounds the site spent on (its reply lists the spend) that released no update: it failed after
+    #: the spend; its reported ε covers them, rounds_joined does not count them
+    rounds_spent_unreleased: int = 0
 
     @property
     def exhausted(self) -> bool:
@@ -298,6 +304,7 @@ class BudgetLedger:
                     eps_max=reporting[-1].eps_max if reporting else None,
                     next_round_affordable=reporting[-1].next_round_affordable if reporting else None,
                     unconfirmed_rounds=unconfirmed, epsilon_possible=possible,
+                    rounds_spent_unreleased=sum(e.status == "missing" and e.steps > 0 for e in rows),
                 )
             )
         return summaries
@@ -322,6 +329,12 @@ class BudgetLedger:
         for site_id, round_id, sigma, q, steps in rows:
             events.setdefault(site_id, []).append((int(round_id), float(sigma), float(q), int(steps)))
         return events
+
+    def _spend_rows(self) -> list[tuple[str, str, int, float, float, int]]:
+        if not self._has_spends:
+            return []
+        return self._db.execute("SELECT site_id, run_id, round, noise_multiplier, sample_rate, steps FROM site_spends "
+                                "ORDER BY site_id, run_id, round").fetchall()
 
     def recorded_epsilon(self, site_id: str, guarantee: str | None, accountant: str | None) -> float | None:
         """The largest cumulative ε this ledger holds for ``site_id`` under ``guarantee`` as
@@ -354,6 +367,10 @@ class BudgetLedger:
             {
                 "sites": [asdict(s) for s in self.site_summaries()],
                 "entries": [asdict(e) for e in self.entries()],
+                # the witness table: each site's reported spends per (run, round) — declared σ, q and
+                # steps, the accountant's whole input, so an officer can recompute ε
+                "spends": [{"site_id": site, "run_id": run, "round": r, "noise_multiplier": sigma, "sample_rate": q,
+                            "steps": steps} for site, run, r, sigma, q, steps in self._spend_rows()],
             },
             indent=2,
         )

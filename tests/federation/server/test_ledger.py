@@ -192,3 +192,30 @@ def test_ledgers_from_before_the_reported_budget_columns_still_open(tmp_path):
         ledger.record(LedgerEntry("b", 1, "ok", epsilon=0.4, delta=1e-5, guarantee="DP", steps=10, eps_max=2.0,
                                   next_round_affordable=True))
         assert {s.site_id: s.eps_max for s in ledger.site_summaries()} == {"a": None, "b": 2.0}
+
+
+def test_a_round_spent_then_failed_counts_its_steps_and_shows_as_spent(tmp_path, capsys):
+    """A site that spent a round and then failed (an error reply: local_steps 0, no update) lists the
+    spend in its reply: the ledger row keeps its steps, `ledger show` says the missing round was spent,
+    and the JSON export carries every site's spends per round (σ, q, steps) to recompute ε from."""
+    from fedpose.federation import protocol
+
+    privacy = protocol.PrivacyReport(guarantee="DP", unit="record", adjacency="add_remove", accountant="pld", epsilon=1.5,
+                                     delta=1e-5, eps_max=8.0, steps=4, rounds_spent=2, orders=[], rdp=[],
+                                     next_round_affordable=True)
+    spends = [protocol.SpendEvent(round=r, noise_multiplier=1.1, sample_rate=0.25, steps=2) for r in (1, 2)]
+    error = protocol.SiteReply(site_id="a", run_id="r", round=2, status="error", reason="site-error",
+                               error_class="IsADirectoryError", privacy=privacy, local_steps=0, spends=spends)
+    db = tmp_path / "ledger.sqlite"
+    with BudgetLedger(db) as ledger:
+        ledger.record(_ok("a", 1, 1.0, steps=2))
+        ledger.record(LedgerEntry.from_reply(2, error, status="missing", reason="error"))
+        ledger.record_spends("a", "r", [(e.round, e.noise_multiplier, e.sample_rate, e.steps) for e in spends])
+        (summary,) = ledger.site_summaries()
+        assert ledger.entries("a")[1].steps == 2
+        assert (summary.rounds_joined, summary.rounds_missing, summary.rounds_spent_unreleased) == (1, 1, 1)
+        exported = json.loads(ledger.export("json"))
+    assert exported["spends"] == [{"site_id": "a", "run_id": "r", "round": r, "noise_multiplier": 1.1, "sample_rate": 0.25,
+                                   "steps": 2} for r in (1, 2)]
+    assert cli_main(["ledger", "show", "--db", str(db)]) == 0
+    assert "missing 1 (1 of them spent, then failed: no update)" in capsys.readouterr().out
