@@ -208,6 +208,7 @@ def _coordinator_dir(tmp_path: Path, model_round: int) -> Path:
 
 def test_a_federated_export_takes_each_site_s_spend_from_the_ledger(tmp_path: Path) -> None:
     from fedpose.federation.ledger import BudgetLedger, LedgerEntry
+    from fedpose.privacy.report import RECORD_DP, protected_unit_text
 
     coordinator = _coordinator_dir(tmp_path, model_round=2)
     # report.json of an earlier, shorter run state: the ledger beside global.npz is what counts
@@ -224,7 +225,7 @@ def test_a_federated_export_takes_each_site_s_spend_from_the_ledger(tmp_path: Pa
                                 "rounds_joined": 2, "protection_unit": "record",  # ledger rows without a unit
                                 "neighbouring_relation": "add_remove",
                                 "epsilon_text": "ε = 1.7 (DP, δ = 1e-05, RDP) per record, add/remove-one-record adjacency",
-                                "protected_part": "the whole unit", "treated_as_public": "nothing of the site's data"}]
+                                "protected_part": protected_unit_text(RECORD_DP, "record"), "treated_as_public": "nothing"}]
     assert "after round 2" in report["model_selection"]
     assert main(["export", str(coordinator), "--out", str(tmp_path / "b"), "--checkpoint", "best"]) != 0  # no 'best' here
 
@@ -234,12 +235,13 @@ def test_a_federated_export_says_what_an_fdp_site_leaves_public_and_every_site_s
     site treats as public beside its ε, the Limits section does not claim the whole unit, and each site's
     spends per round (σ, q, steps, from the ledger's witness table) let a reader recompute ε."""
     from fedpose.federation.ledger import BudgetLedger, LedgerEntry
-    from fedpose.privacy.report import FEATURE_DP
+    from fedpose.privacy.report import FEATURE_DP, protected_unit_text
 
     coordinator = _coordinator_dir(tmp_path, model_round=1)
     with BudgetLedger(coordinator / "ledger.sqlite") as ledger:
         ledger.record_many([LedgerEntry("site-1", 1, "ok", epsilon=1.2, delta=1e-5, guarantee="DP", accountant="pld", steps=4),
-                            LedgerEntry("site-2", 1, "ok", epsilon=2.0, delta=1e-5, guarantee="FDP", accountant="pld", steps=4)])
+                            LedgerEntry("site-2", 1, "ok", epsilon=2.0, delta=1e-5, guarantee="FDP", accountant="pld", steps=4,
+                                        unit="patient")])
         ledger.record_spends("site-1", "demo", [(1, 1.5, 0.25, 4)])
         ledger.record_spends("site-2", "demo", [(1, 1.1, 0.25, 4)])
     out = tmp_path / "release"
@@ -248,12 +250,14 @@ def test_a_federated_export_says_what_an_fdp_site_leaves_public_and_every_site_s
     assert _keys(report) <= ALLOWED_KEYS, _keys(report) - ALLOWED_KEYS
     site_1, site_2 = report["sites"]
     assert site_1["spends"] == [{"round": 1, "noise_multiplier": 1.5, "sample_rate": 0.25, "steps": 4}]
-    assert (site_2["protected_part"], site_2["treated_as_public"]) == (FEATURE_DP.unit, FEATURE_DP.public)
+    protected = protected_unit_text(FEATURE_DP, "patient")
+    assert protected.startswith("what the public view ψ discards, in every record of one patient")
+    assert (site_2["protected_part"], site_2["treated_as_public"]) == (protected, FEATURE_DP.public)
     card = (out / "MODEL_CARD.md").read_text()
-    assert f"- site-2 (FDP): protects {FEATURE_DP.unit}; treated as public, not protected: {FEATURE_DP.public}" in card
+    assert f"- site-2 (FDP): protects {protected}; treated as public, not protected: {FEATURE_DP.public}" in card
     assert "Under FDP or MaskDP the bound covers only the protected part of a unit" in card
     text = (out / "PRIVACY.txt").read_text()
-    assert f"  protects {FEATURE_DP.unit}; treated as public, not protected: {FEATURE_DP.public}" in text
+    assert f"  protects {protected}; treated as public, not protected: {FEATURE_DP.public}" in text
     assert "  spends (round: σ, q, steps): 1: 1.5, 0.25, 4" in text and "what leaves:" in text
 
 

@@ -258,7 +258,7 @@ def _federation(coordinator_dir: Path) -> tuple[Any, dict[str, Any]]:
         "neighbouring_relation": GUARANTEES[s["guarantee"]].relation if s.get("guarantee") in set(GUARANTEES) - {"none"} else None,
         "epsilon_text": epsilon_text(s.get("epsilon"), s.get("delta"), s.get("guarantee"), s.get("accountant") or "rdp",
                                      s.get("unit")),
-        **_protected_part(s.get("guarantee")),
+        **_protected_part(s.get("guarantee"), s.get("unit") or "record"),
         # the accountant's inputs per round (declared σ, q, steps: public values), so ε can be recomputed
         **({"spends": [{"round": r, "noise_multiplier": sigma, "sample_rate": q, "steps": steps}
                        for r, sigma, q, steps in spends[s["site_id"]]]} if s["site_id"] in spends else {}),
@@ -269,17 +269,16 @@ def _federation(coordinator_dir: Path) -> tuple[Any, dict[str, Any]]:
     return model, report
 
 
-def _protected_part(guarantee: str | None) -> dict[str, str]:
+def _protected_part(guarantee: str | None, unit: str) -> dict[str, str]:
     """What a site's guarantee protects of a unit, and what it treats as public: all of the unit and
     nothing under DP; under FDP / MaskDP only part of it, the rest (ψ(x), the keypoints, the crop
     outside the masked heads) unprotected — a reader of the ε must see that beside it."""
-    from fedpose.privacy.report import GUARANTEES
+    from fedpose.privacy.report import GUARANTEES, protected_unit_text
 
-    if guarantee == "DP":
-        return {"protected_part": "the whole unit", "treated_as_public": "nothing of the site's data"}
-    if guarantee in GUARANTEES and guarantee != "none":
-        return {"protected_part": GUARANTEES[guarantee].unit, "treated_as_public": GUARANTEES[guarantee].public}
-    return {}
+    if guarantee not in GUARANTEES or guarantee == "none":
+        return {}
+    known = GUARANTEES[guarantee]
+    return {"protected_part": protected_unit_text(known, unit), "treated_as_public": known.public}
 
 
 def _site_summaries(coordinator_dir: Path, run_id: str | None) -> tuple[list[dict[str, Any]], int, Path, dict[str, list]]:
