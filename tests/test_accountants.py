@@ -22,6 +22,7 @@ from fedpose.privacy.accountants import (
     get_accountant,
 )
 from fedpose.privacy.accountants.base import effective
+from fedpose.privacy.report import epsilon_digits
 from fedpose.privacy.accountants.pld import gaussian_delta, replace_public_membership_delta
 
 
@@ -175,7 +176,7 @@ def test_an_rdp_budget_keeps_saying_rdp_and_switches_only_deliberately(tmp_path,
     # Without --apply nothing changes; the spend is shown by every accountant, each labelled.
     assert main(["privacy", "budget", str(state), "--accountant", "pld"]) == 0
     out = capsys.readouterr().out
-    assert f"enforced: ε = {rdp_eps:.4g} (DP, δ = 1e-05, RDP)" in out and "(DP, δ = 1e-05, PLD)" in out
+    assert f"enforced: ε = {epsilon_digits(rdp_eps)} (DP, δ = 1e-05, RDP)" in out and "(DP, δ = 1e-05, PLD)" in out
     assert "not switched" in out
     assert SiteBudget(state, "site-a", eps_max=10.0, delta=1e-5, guarantee="DP").accountant_name == "rdp"
 

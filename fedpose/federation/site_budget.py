@@ -83,7 +83,7 @@ import numpy as np
 from fedpose.io import atomic_write_text
 from fedpose.privacy.accountant import PrivacyLedger, default_accountant
 from fedpose.privacy.accountants import bounds, get_accountant
-from fedpose.privacy.report import relation_of
+from fedpose.privacy.report import epsilon_digits, relation_of
 
 STATE_FILE = "budget.json"
 LOCK_FILE = "budget.lock"
@@ -125,7 +125,8 @@ class BudgetExhausted(BudgetError):
         return (
             f"site '{self.site_id}' refuses round {self.round_id} of run '{self.run_id}': its planned steps would "
             f"reach {format_epsilon(self.planned, self.delta, self.guarantee, self.accountant, self.unit, self.relation)} "
-            f"> ε_max = {self.eps_max:.4g}; spent so far ε = {self.spent:.4g}"
+            f"> ε_max = {self.eps_max:.4g}; spent so far "
+            f"{format_epsilon(self.spent, self.delta, self.guarantee, self.accountant, self.unit, self.relation)}"
         )
 
 
@@ -366,7 +367,7 @@ def _guarantee_change_message(state_dir: Path, site_id: str, genesis: dict[str, 
     if before != "none" and budget.exists():
         payload = _read_signed(budget, "site budget state")
         accountant = PrivacyLedger.from_dict(payload["accountant"])
-        spent = (f" It has spent ε = {accountant.get_epsilon(payload['delta'])[0]:.4g} ({before}, δ = {payload['delta']:.3g}, "
+        spent = (f" It has spent ε = {epsilon_digits(accountant.get_epsilon(payload['delta'])[0])} ({before}, δ = {payload['delta']:.3g}, "
                  f"{accountant.accountant.upper()}).")
     released = "non-private updates" if before == "none" else f"releases under the {before} guarantee"
     return (
@@ -414,9 +415,9 @@ class SiteBudget:
         if accountant is not None and accountant != kept:
             ledger = self._state.accountant
             raise BudgetStateError(
-                f"site '{site_id}': budget {self.path} is accounted with {kept.upper()} (ε = {self.epsilon:.4g}, "
+                f"site '{site_id}': budget {self.path} is accounted with {kept.upper()} (ε = {epsilon_digits(self.epsilon)}, "
                 f"{guarantee}, δ = {self.delta:.3g}); the config asks for {accountant.upper()} (ε = "
-                f"{ledger.with_accountant(accountant).get_epsilon(self.delta)[0]:.4g} for the same events). A budget's "
+                f"{epsilon_digits(ledger.with_accountant(accountant).get_epsilon(self.delta)[0])} for the same events). A budget's "
                 f"accountant changes only deliberately: `fedpose privacy budget {self.state_dir} --accountant {accountant} "
                 f"--apply` records the switch; or remove privacy.accountant from the config to keep {kept.upper()}."
             )

@@ -10,6 +10,7 @@ not comparable with DP-SGD's ε on whole records. ``format_epsilon`` is the sing
 from __future__ import annotations
 
 import math
+from decimal import ROUND_CEILING, Decimal
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -102,6 +103,17 @@ MASK_DP = Guarantee(
 )
 
 
+def epsilon_digits(epsilon: float) -> str:
+    """ε to 4 significant digits, rounded up: a printed ε is never below the one computed (0.741045
+    prints 0.7411, not 0.741). The float's shortest decimal form is what is rounded, so a value such as
+    1.7 stays 1.7."""
+    exact = Decimal(repr(float(epsilon)))
+    if exact == 0:
+        return "0"
+    quantum = Decimal(1).scaleb(exact.adjusted() - 3)
+    return f"{float(exact.quantize(quantum, rounding=ROUND_CEILING)):.4g}"
+
+
 def format_epsilon(
     epsilon: float, delta: float, guarantee: str | Guarantee, accountant: str = "rdp", unit: str | None = None,
     relation: str | None = None,
@@ -117,7 +129,7 @@ def format_epsilon(
     tag = guarantee.name if isinstance(guarantee, Guarantee) else str(guarantee)
     if tag == "none":
         return "ε = ∞ (no privacy: non-private training)"
-    eps_text = "∞" if not math.isfinite(epsilon) else f"{epsilon:.4g}"
+    eps_text = "∞" if not math.isfinite(epsilon) else epsilon_digits(epsilon)
     text = f"ε = {eps_text} ({tag}, δ = {delta:.3g}, {accountant.upper()})" + (f" per {unit}" if unit else "")
     relation = relation or (GUARANTEES[tag].relation if tag in GUARANTEES else None)
     return f"{text}, {adjacency_words(relation, unit)}" if relation else text
@@ -160,7 +172,7 @@ def guarantee_sentence(
     """"(ε = 1.2, δ = 1e-05)-DP per patient, add/remove-one-patient adjacency, RDP accountant"."""
     if guarantee == "none" or epsilon is None and delta is None:
         return "no privacy guarantee (non-private training)"
-    eps = "∞" if epsilon is None or not math.isfinite(epsilon) else f"{epsilon:.4g}"
+    eps = "∞" if epsilon is None or not math.isfinite(epsilon) else epsilon_digits(epsilon)
     return (f"(ε = {eps}, δ = {float(delta or 0.0):.3g})-{guarantee} per {unit}, "
             f"{adjacency_words(relation, unit)}, {accountant.upper()} accountant")
 

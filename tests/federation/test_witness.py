@@ -30,6 +30,7 @@ from fedpose.federation.server.rounds import NodeReply, RoundRunner, TrainReques
 from fedpose.federation.site_budget import SiteBudget, read_journal
 from fedpose.federation.witness import RECORD_FILE
 from fedpose.privacy.accountant import epsilon_for
+from fedpose.privacy.report import epsilon_digits
 from site_round_helpers import BATCH_SIZE, PER_SITE, global_model, make_site_data, site_config
 
 SIGMA, RATE, STEPS, DELTA = 1.0, BATCH_SIZE / PER_SITE, 2, 1e-5
@@ -159,7 +160,7 @@ def test_a_state_dir_restored_one_round_older_refuses_until_adopted(data_root: P
     # the site's own books name what they lack: `privacy budget` warns with the true spend (a dry run)
     shown = _cli(["privacy", "budget", str(state)])
     assert "WARNING: this budget lacks 1 spend(s) held elsewhere — run 'r' round 2" in shown, shown
-    assert f"counting them, ε = {true_epsilon(2):.4g} (DP, δ = 1e-05, PLD) per patient" in shown, shown
+    assert f"counting them, ε = {epsilon_digits(true_epsilon(2))} (DP, δ = 1e-05, PLD) per patient" in shown, shown
     assert "privacy adopt" in shown and not json.loads((state / "budget.json").read_text())["payload"].get("adoptions")
     out = _adopt(state)
     assert "adopted run 'r' round 2" in out and "(DP, δ = 1e-05, PLD) per patient" in out
