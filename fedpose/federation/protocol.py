@@ -360,7 +360,7 @@ class SecAggPublicKeys(_BytesWire):
     round: int = Field(ge=1)
     mask_key: bytes = Field(max_length=1024)  #: c^PK: pairwise masks are derived from it (ECDH)
     share_key: bytes = Field(max_length=1024)  #: s^PK: shares for this site are encrypted to it
-    #: Ed25519 signature of the keys (crypto.key_statement: run, round, node, site id) by the site's
+    #: Ed25519 signature of the keys (crypto.key_statement: run, round, node, site id, setup digest) by the site's
     #: long-term identity, so its peers can tell its keys from a coordinator's; a signature of public
     #: values (None: the site has no identity configured)
     signature: bytes | None = Field(None, max_length=64)

@@ -113,7 +113,8 @@ SECAGG_SETUP_FIELDS: dict[str, FieldRule] = {
     "threshold": FieldRule(
         "cannot change the guarantee",
         "t: the site refuses t ≤ n/2, the threshold below which a coordinator showing two views of who dropped "
-        "could collect both secrets of one site and unmask its update"),
+        "could collect both secrets of one site and unmask its update; with identities, its peers must have been "
+        "given the same t (their signed keys cover the setup's digest)"),
     "clip_range": FieldRule(
         "cannot change the guarantee",
         "r: Δ's coordinates are clipped to [−r, r] after privatization (post-processing; it can only bias the sum)"),

@@ -13,7 +13,7 @@ from fedpose.federation.config import SecureAggregationConfig
 from fedpose.federation.secagg import crypto
 from fedpose.federation.secagg.coordinator import CoordinatorSecAggRound, RoundAbandoned
 from fedpose.federation.secagg.quantization import Quantizer
-from fedpose.federation.secagg.site import SecAggRefused, SiteSecAggSession, answer, start
+from fedpose.federation.secagg.site import SecAggRefused, SiteSecAggSession, answer, setup_digest, start
 
 
 # -- quantization ---------------------------------------------------------------------------------------
@@ -279,7 +279,8 @@ def test_a_coordinator_substituting_a_sites_keys_is_refused(tmp_path) -> None:
     swapped = {"mask_key": own[0].public, "share_key": own[1].public}
     (tmp_path / "coordinator.pem").write_bytes(crypto.new_identity())
     coordinator_key = crypto.load_identity(tmp_path / "coordinator.pem")
-    forged = crypto.sign_keys(coordinator_key, crypto.key_statement("run", 1, 2, "site-2", own[0].public, own[1].public))
+    forged = crypto.sign_keys(coordinator_key, crypto.key_statement("run", 1, 2, "site-2", own[0].public, own[1].public,
+                                                                    setup_digest(sessions[2].setup)))
     for attack in ({**swapped, "signature": None}, swapped, {**swapped, "signature": forged}):
         tampered = _directory_with(directory, 2, **attack)
         for node in (1, 3):
@@ -297,7 +298,7 @@ def test_a_coordinator_inventing_a_site_or_moving_one_is_refused(tmp_path) -> No
     own = crypto.new_key_pair(), crypto.new_key_pair()
     invented = _directory_with(directory, 3, site_id="site-9", mask_key=own[0].public, share_key=own[1].public,
                                signature=crypto.sign_keys(stranger, crypto.key_statement(
-                                   "run", 1, 3, "site-9", own[0].public, own[1].public)))
+                                   "run", 1, 3, "site-9", own[0].public, own[1].public, setup_digest(sessions[3].setup))))
     def signed_keys_of(node: int) -> dict:
         return {"site_id": f"site-{node}", **{k: getattr(replies[node], k) for k in ("mask_key", "share_key", "signature")}}
 
@@ -336,6 +337,33 @@ def test_a_coordinator_cannot_unmask_one_site_by_shrinking_its_mask_set_and_spli
     restored = SiteSecAggSession.from_json(sessions[1].to_json())  # N travels with the session between messages
     restored.receive_shares(inbox)
     assert restored.stage == "shares-received"
+
+
+def test_a_coordinator_cannot_give_one_site_a_higher_threshold_than_its_peers(tmp_path) -> None:
+    """The attack a red-team found on 2026-12-07, every per-site check passing: seven sites, the victim
+    (node 1) told t = 5, the others t = 4. At t 5 the victim accepts the shares of four peers
+    (5·4 > 6·2), while each other site, at t 4, may reveal three key shares: enough to rebuild the
+    four peers' keys and, with the victim's seed, its vector alone. The signed key statement now
+    covers the round's setup, and each site checks its peers' signatures against its own setup: the
+    split is refused before any site shares a secret."""
+    identities = _identities(7, tmp_path)
+    coordinator = CoordinatorSecAggRound(SETTINGS, "run", 1, list(range(1, 8)), 50)
+    assert coordinator.threshold == 4
+    sessions, replies = {}, {}
+    for node in coordinator.participants:
+        setup = coordinator.setup(node).model_copy(update={"threshold": 5 if node == 1 else 4})
+        sessions[node], replies[node] = start(f"site-{node}", setup, 50, identities[node])
+        assert sessions[node] is not None  # each setup alone passes the site's checks (t > n/2)
+    coordinator.receive_public_keys(replies)
+    directory = coordinator.key_directory()  # the honest, fully signed directory
+    for node, session in sessions.items():
+        assert _reason(answer(session, session.site_id, directory, identities[node])) == "unsigned-keys", node
+    # the same round with one setup for all goes on
+    (tmp_path / "honest").mkdir()
+    coordinator, sessions, identities, _ = _signed_setup(7, tmp_path / "honest")
+    directory = coordinator.key_directory()
+    assert all(isinstance(answer(s, s.site_id, directory, identities[n]), protocol.SecAggEncryptedShares)
+               for n, s in sessions.items())
 
 
 @pytest.mark.parametrize(("members", "threshold", "smallest_safe"), [(3, 2, 3), (5, 3, 5), (5, 4, 4), (10, 6, 8), (16, 9, 14)])

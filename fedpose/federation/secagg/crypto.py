@@ -180,11 +180,22 @@ def identity_public_key(key: ed25519.Ed25519PrivateKey) -> str:
     return base64.b64encode(raw).decode()
 
 
-def key_statement(run_id: str, round_id: int, node: int, site_id: str, mask_key: bytes, share_key: bytes) -> bytes:
-    """What a site signs: its round keys bound to the run, the round, its node slot and its site id."""
-    return json.dumps({"what": "fedpose secure-aggregation round keys/1", "run_id": run_id, "round": round_id, "node": node,
+def key_statement(run_id: str, round_id: int, node: int, site_id: str, mask_key: bytes, share_key: bytes,
+                  settings: str) -> bytes:
+    """What a site signs: its round keys bound to the run, the round, its node slot, its site id and
+    ``settings``, the digest of the round's setup as the site received it (:func:`settings_digest`).
+    A peer verifies against the digest of *its own* setup, so every site in a round must have been
+    given the same participants, threshold and encoding: a coordinator that gives one site a higher
+    threshold than its peers (which lets that site accept a mask set small enough to unmask it
+    alone) fails every signature check."""
+    return json.dumps({"what": "fedpose secure-aggregation round keys/2", "run_id": run_id, "round": round_id, "node": node,
                        "site_id": site_id, "mask_key": base64.b64encode(mask_key).decode(),
-                       "share_key": base64.b64encode(share_key).decode()}, sort_keys=True).encode()
+                       "share_key": base64.b64encode(share_key).decode(), "settings": settings}, sort_keys=True).encode()
+
+
+def settings_digest(shared_settings: dict) -> str:
+    """SHA-256 (hex) of a round's shared settings (canonical JSON): what every site of the round must agree on."""
+    return hashlib.sha256(json.dumps(shared_settings, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def sign_keys(key: ed25519.Ed25519PrivateKey, statement: bytes) -> bytes:

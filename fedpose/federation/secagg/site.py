@@ -13,7 +13,12 @@ Checks a site makes that Flower's ``secaggplus_mod`` does not:
 * share keys, with an identity (:class:`Identity`, the site's ``identity`` config): every key in
   the directory is signed by the identity its site id was given out of band, and no site id
   appears twice — a coordinator cannot put its own keys in a site's place or invent sites, which
-  is what would let it gather the shares that unmask one site's Δ;
+  is what would let it gather the shares that unmask one site's Δ. The signature also covers the
+  digest of the round's setup (:func:`setup_digest`: participants, threshold, encoding), checked
+  against the site's own: every site of a round has the same t. Before 2026-12-07 it did not, and
+  a coordinator could give one site a higher t than its peers — seven sites, the victim at t 5
+  accepting a mask set of four peers, the others at t 4 — and recover that site's Δ alone with
+  every other check passing (``tests/federation/test_secagg_core.py``);
 * receive shares, with an identity: the site masks with the m − 1 peers whose shares reached it,
   and refuses a mask set too small for the federation's N identities (:func:`mask_set_isolates`).
   A coordinator that hands one site the shares of only a few peers, then tells every other site
@@ -77,6 +82,12 @@ def mask_set_isolates(mask_set: int, threshold: int, members: int) -> bool:
     itself included) of ``members`` sites (N) at threshold t: by counting (module docstring), only
     when m·(t − 1) ≤ (N − 1)·(N − t). Every site in the mask set (m = N, t > N/2): never."""
     return mask_set * (threshold - 1) <= (members - 1) * (members - threshold)
+
+
+def setup_digest(setup: protocol.SecAggSetup) -> str:
+    """The digest of what every site of a round must be told alike: the setup without the receiving
+    node (each site's own). Signed with the site's keys (crypto.key_statement)."""
+    return crypto.settings_digest(setup.model_dump(mode="json", exclude={"node", "kind"}))
 
 
 def threshold_for(sites: int) -> int:
@@ -186,7 +197,8 @@ class SiteSecAggSession:
         signature = None
         if identity is not None:
             signature = crypto.sign_keys(identity.key, crypto.key_statement(
-                self.setup.run_id, self.setup.round, self.node, self.site_id, self._mask_pair.public, self._share_pair.public))
+                self.setup.run_id, self.setup.round, self.node, self.site_id, self._mask_pair.public, self._share_pair.public,
+                setup_digest(self.setup)))
         return protocol.SecAggPublicKeys(site_id=self.site_id, run_id=self.setup.run_id, round=self.setup.round,
                                          mask_key=self._mask_pair.public, share_key=self._share_pair.public, signature=signature)
 
@@ -200,9 +212,10 @@ class SiteSecAggSession:
             if public is None or entry.signature is None:
                 self._refuse("unsigned-keys", f"node {entry.node}: site {entry.site_id!r} is not in identity.peers, or unsigned")
             statement = crypto.key_statement(self.setup.run_id, self.setup.round, entry.node, entry.site_id,
-                                             entry.mask_key, entry.share_key)
+                                             entry.mask_key, entry.share_key, setup_digest(self.setup))
             if not crypto.verify_keys(public, entry.signature, statement):
-                self._refuse("unsigned-keys", f"node {entry.node}: the keys are not signed by site {entry.site_id!r}")
+                self._refuse("unsigned-keys", f"node {entry.node}: the keys are not signed by site {entry.site_id!r} "
+                             "for this round's setup (another identity, or a setup unlike this site's)")
             if (entry.site_id == self.site_id) != (entry.node == self.node):
                 self._refuse("unsigned-keys", f"node {entry.node}: this site's id at another node, or another's at its own")
 
