@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from fedpose.eval.pckh import PCKH_KEYS
+from fedpose.privacy.report import relation_of
 
 if TYPE_CHECKING:
     from fedpose.federation.report import RoundRecord
@@ -41,8 +42,9 @@ class CoordinatorMetrics:
         self.round = Gauge("fedpose_round", "Current federated round", registry=r)
         self.participating_sites = Gauge("fedpose_participating_sites", "Sites whose update was aggregated in the last round", registry=r)
         self.site_epsilon = Gauge(
-            "fedpose_site_epsilon", "Cumulative ε reported by each site (see the guarantee and accountant labels, and fedpose_site_delta)",
-            ["site", "guarantee", "accountant"], registry=r,
+            "fedpose_site_epsilon", "Cumulative ε reported by each site (never bare: see the guarantee, accountant, unit "
+            "(protected) and adjacency labels, and fedpose_site_delta)",
+            ["site", "guarantee", "accountant", "unit", "adjacency"], registry=r,
         )
         self.site_delta = Gauge("fedpose_site_delta", "δ of each site's reported ε", ["site"], registry=r)
         self.update_norm = Gauge("fedpose_update_norm", "L2 norm of each site's last update", ["site"], registry=r)
@@ -74,8 +76,10 @@ class CoordinatorMetrics:
             self._server.close()
             self._server = None
 
-    def observe_site_report(self, site_id: str, epsilon: float, delta: float, guarantee: str, accountant: str) -> None:
-        self.site_epsilon.labels(site=site_id, guarantee=guarantee, accountant=accountant).set(epsilon)
+    def observe_site_report(self, site_id: str, epsilon: float, delta: float, guarantee: str, accountant: str, unit: str,
+                            adjacency: str) -> None:
+        self.site_epsilon.labels(site=site_id, guarantee=guarantee, accountant=accountant, unit=unit,
+                                 adjacency=adjacency).set(epsilon)
         self.site_delta.labels(site=site_id).set(delta)
 
     def observe_round(self, entry: RoundRecord) -> None:
@@ -91,7 +95,8 @@ class CoordinatorMetrics:
             self.site_bytes.labels(site=site_id, direction="up").inc(site.bytes_up)
             if site.epsilon is not None and site.guarantee:
                 self.observe_site_report(site_id, float(site.epsilon), float(site.delta or 0.0), site.guarantee,
-                                         site.accountant or "rdp")
+                                         site.accountant or "rdp", site.unit or "record",
+                                         site.adjacency or relation_of(site.guarantee))
             if site.update_norm is not None:
                 self.update_norm.labels(site=site_id).set(site.update_norm)
             if site.status == "rejected":
@@ -137,8 +142,10 @@ class _BudgetCollector(Collector):
         fresh = SiteBudget(self.budget.state_dir, self.budget.site_id, self.budget.eps_max, self.budget.delta, self.budget.guarantee,
                            unit=self.budget.unit)
         report = fresh.report()
-        labels = {"site": fresh.site_id, "guarantee": fresh.guarantee, "accountant": fresh.accountant_name}
-        eps = GaugeMetricFamily("fedpose_site_epsilon_spent", "ε this site has spent (see the guarantee and accountant labels, and fedpose_site_delta)", labels=list(labels))
+        labels = {"site": fresh.site_id, "guarantee": fresh.guarantee, "accountant": fresh.accountant_name,
+                  "unit": report["unit"], "adjacency": report["relation"]}
+        eps = GaugeMetricFamily("fedpose_site_epsilon_spent", "ε this site has spent (never bare: see the guarantee, accountant, "
+                                "unit (protected) and adjacency labels, and fedpose_site_delta)", labels=list(labels))
         eps.add_metric(list(labels.values()), report["epsilon"])
         eps_max = GaugeMetricFamily("fedpose_site_epsilon_max", "ε budget of this site", labels=list(labels))
         eps_max.add_metric(list(labels.values()), fresh.eps_max)

@@ -311,10 +311,17 @@ def federation_figure(rounds: list[RoundRecord], initial_pckh: float | None = No
         points = [(x, s) for x, s in points if s.epsilon is not None]
         if not points:
             continue
-        last = points[-1][1]
-        label = (f"{site_id} ({last.guarantee} per {last.unit or 'record'}, δ={last.delta or 0.0:.0e}, "
-                 f"{str(last.accountant).upper()})")
-        line, = ax_eps.plot([x for x, _ in points], [s.epsilon for _, s in points], marker="o", label=label)
+        # one line per accountant the site reported with (a switch to PLD restates the same spends
+        # lower): a line never joins one accountant's ε to another's
+        color = None
+        for accountant in dict.fromkeys(s.accountant for _, s in points):
+            same = [(x, s) for x, s in points if s.accountant == accountant]
+            last = same[-1][1]
+            label = (f"{site_id} ({last.guarantee} per {last.unit or 'record'}, δ={last.delta or 0.0:.0e}, "
+                     f"{str(accountant).upper()})")
+            line, = ax_eps.plot([x for x, _ in same], [s.epsilon for _, s in same], marker="o", label=label, color=color,
+                                ls="-" if accountant == points[-1][1].accountant else ":")
+            color = line.get_color()
         budgets = [s.eps_max for _, s in points if s.eps_max is not None]
         if budgets:  # the site's own ε_max, in its colour: where its guard refuses
             ax_eps.axhline(budgets[-1], color=line.get_color(), ls="--", lw=1, label=f"{site_id} ε_max = {budgets[-1]:g}")

@@ -19,8 +19,8 @@ def test_coordinator_metrics_over_http():
     metrics = CoordinatorMetrics()
     metrics.round.set(3)
     metrics.participating_sites.set(2)
-    metrics.observe_site_report("site-a", 1.25, 1e-5, "DP", "pld")
-    metrics.observe_site_report("site-b", 0.5, 1e-5, "FDP", "rdp")
+    metrics.observe_site_report("site-a", 1.25, 1e-5, "DP", "pld", "patient", "add_remove")
+    metrics.observe_site_report("site-b", 0.5, 1e-5, "FDP", "rdp", "record", "replace_one")
     metrics.update_norm.labels(site="site-a").set(4.5)
     metrics.rejected_updates.labels(reason="norm").inc()
     metrics.rejected_updates.labels(reason="norm").inc()
@@ -32,8 +32,8 @@ def test_coordinator_metrics_over_http():
     finally:
         server.close()
     assert values["fedpose_round"] == 3 and values["fedpose_participating_sites"] == 2
-    assert values['fedpose_site_epsilon{accountant="pld",guarantee="DP",site="site-a"}'] == 1.25
-    assert values['fedpose_site_epsilon{accountant="rdp",guarantee="FDP",site="site-b"}'] == 0.5
+    assert values['fedpose_site_epsilon{accountant="pld",adjacency="add_remove",guarantee="DP",site="site-a",unit="patient"}'] == 1.25
+    assert values['fedpose_site_epsilon{accountant="rdp",adjacency="replace_one",guarantee="FDP",site="site-b",unit="record"}'] == 0.5
     assert values['fedpose_site_delta{site="site-a"}'] == 1e-5
     assert values['fedpose_update_norm{site="site-a"}'] == 4.5
     assert values['fedpose_rejected_updates_total{reason="norm"}'] == 2
@@ -53,7 +53,7 @@ def test_site_metrics_read_the_persisted_budget(tmp_path):
     metrics = SiteMetrics("site-a", budget=budget)
     server = start_metrics_server(0, metrics.registry, addr="127.0.0.1")
     try:
-        assert _scrape(server.port)['fedpose_site_epsilon_spent{accountant="pld",guarantee="DP",site="site-a"}'] == 0.0
+        assert _scrape(server.port)['fedpose_site_epsilon_spent{accountant="pld",adjacency="add_remove",guarantee="DP",site="site-a",unit="record"}'] == 0.0
         # Another process (a later ClientApp) spends and refuses; the scrape sees it on disk.
         other = SiteBudget(tmp_path / "s", "site-a", eps_max=10.0, delta=1e-5, guarantee="DP")
         other.authorize_round("run", 1, 1.0, 0.01, 100)
@@ -63,8 +63,8 @@ def test_site_metrics_read_the_persisted_budget(tmp_path):
         values = _scrape(server.port)
     finally:
         server.close()
-    assert values['fedpose_site_epsilon_spent{accountant="pld",guarantee="DP",site="site-a"}'] == pytest.approx(other.epsilon)
-    assert values['fedpose_site_epsilon_max{accountant="pld",guarantee="DP",site="site-a"}'] == 10.0
+    assert values['fedpose_site_epsilon_spent{accountant="pld",adjacency="add_remove",guarantee="DP",site="site-a",unit="record"}'] == pytest.approx(other.epsilon)
+    assert values['fedpose_site_epsilon_max{accountant="pld",adjacency="add_remove",guarantee="DP",site="site-a",unit="record"}'] == 10.0
     assert values['fedpose_site_dp_steps_total{site="site-a"}'] == 100
     assert values['fedpose_site_refusals_total{site="site-a"}'] == 1
     assert values['fedpose_site_round{site="site-a"}'] == 2

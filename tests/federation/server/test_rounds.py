@@ -212,6 +212,23 @@ def test_curves_draw_each_sites_reported_eps_max() -> None:
     plt.close(fig)
 
 
+def test_curves_never_join_one_accountants_epsilon_to_anothers() -> None:
+    """A site that switched from RDP to PLD: one line per accountant, each labelled with its own."""
+    import matplotlib.pyplot as plt
+
+    from fedpose.federation.report import RoundRecord, SiteRoundRecord, federation_figure
+
+    def site(epsilon: float, accountant: str) -> SiteRoundRecord:
+        return SiteRoundRecord(status="ok", epsilon=epsilon, delta=1e-5, guarantee="DP", accountant=accountant, unit="patient")
+
+    rounds = [RoundRecord(round=r, sites={"site-1": site(eps, acc)})
+              for r, eps, acc in ((1, 2.0, "rdp"), (2, 2.9, "rdp"), (3, 2.7, "pld"), (4, 3.3, "pld"))]
+    fig = federation_figure(rounds)
+    lines = {line.get_label(): list(line.get_ydata()) for line in fig.axes[1].get_lines()}
+    assert lines == {"site-1 (DP per patient, δ=1e-05, RDP)": [2.0, 2.9], "site-1 (DP per patient, δ=1e-05, PLD)": [2.7, 3.3]}
+    plt.close(fig)
+
+
 def test_the_in_process_transport_runs_real_site_rounds(tmp_path: Path) -> None:
     """InProcessTransport (benchmarks/federated_utility) runs the real site round for each node: the
     sites' budgets and the coordinator's ledger agree after two rounds."""
