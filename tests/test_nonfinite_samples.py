@@ -62,7 +62,10 @@ def test_a_row_with_a_non_finite_gradient_drops_out_of_the_public_view_gradient(
     joints = batch["joints"].clone()
     joints[2] = 1e30  # finite, passes the annotation checks; its targets are not
     for chunk_size in (None, 2):
-        total, losses = mean_gradient(model, features, joints, batch["weight"], chunk_size=chunk_size)
+        total, losses = mean_gradient(model, features, joints, batch["weight"], chunk_size=chunk_size, drop_nonfinite_rows=True)
         assert not torch.isfinite(losses[2]) and torch.isfinite(total).all()
         # the mean's denominator stays the real rows (4), as a zeroed private row stays in the batch
         assert torch.allclose(total * 4, reference * 3, rtol=1e-4, atol=1e-6), chunk_size
+    # non-private training keeps the row: a gradient that overflows is divergence, reported as such
+    kept, _ = mean_gradient(model, features, joints, batch["weight"])
+    assert not torch.isfinite(kept).all()

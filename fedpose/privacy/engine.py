@@ -720,7 +720,8 @@ class GradientEngine:
             if public_sample is not None:
                 public_real = _real_rows(public_sample, len(public_images), device)
                 public_gradient, public_losses = mean_gradient(model, features[size:], public_sample["joints"],
-                                                               public_sample["weight"], row_mask=public_real, chunk_size=chunk)
+                                                               public_sample["weight"], row_mask=public_real, chunk_size=chunk,
+                                                               drop_nonfinite_rows=True)
                 metrics["public_loss"] = (float(public_losses[public_real].mean()) if bool(public_real.any())
                                           else float("nan"))
             self._run_spare(model, batch.get(SPARE_ROWS_KEY), public_sample, chunk, device)
@@ -769,7 +770,8 @@ class GradientEngine:
             for part in public_spare.chunks():
                 part = batch_to_device(part, device)
                 features = frozen_features(model, view(part, self.privacy), chunk)
-                mean_gradient(model, features, part["joints"], part["weight"], row_mask=part["row_mask"], chunk_size=chunk)
+                mean_gradient(model, features, part["joints"], part["weight"], row_mask=part["row_mask"], chunk_size=chunk,
+                              drop_nonfinite_rows=True)
 
     def _release(self, noisy_sum: Tensor, public_gradient: Tensor | None) -> Tensor:
         """The step's gradient from its noisy clipped sum: ÷ B, projected onto V (pdp, fpdp), plus the

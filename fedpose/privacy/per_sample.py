@@ -594,13 +594,17 @@ def gradient_matrix(
 
 
 def mean_gradient(model: TrainableModel, features: Tensor, joints: Tensor, weight: Tensor,
-                  row_mask: Tensor | None = None, chunk_size: int | None = None) -> tuple[Tensor, Tensor]:
+                  row_mask: Tensor | None = None, chunk_size: int | None = None,
+                  drop_nonfinite_rows: bool = False) -> tuple[Tensor, Tensor]:
     """Plain (unclipped, noise-free) gradient of the batch-mean loss, flat (p,), and losses (B,).
     With ``row_mask``, the mean over the real rows (padding rows computed, weighted 0; no real row:
     a zero gradient). With ``chunk_size``, ``chunk_size`` rows at a time, their gradients summed: the
     same gradient (up to float summation order) with the activations of one chunk held, not of the
     whole batch: a public-view sample as large as a step's U·R rows (640 at B = 160 patients of 4
-    images, the tiny backbone at 128×96) peaked at 4.8 GiB in one pass, 1.0 GiB in chunks of 16."""
+    images, the tiny backbone at 128×96) peaked at 4.8 GiB in one pass, 1.0 GiB in chunks of 16.
+    ``drop_nonfinite_rows``: a DP step's public-view gradient leaves out a row whose gradient is not
+    finite (below); non-private training keeps it, so that a step size that overflows the weights is
+    reported as divergence, not hidden."""
     params = model.trainable_parameters()
     rows = int(features.shape[0])
     mask = _row_mask(row_mask, rows, features.device)
@@ -611,7 +615,7 @@ def mean_gradient(model: TrainableModel, features: Tensor, joints: Tensor, weigh
     for start in range(0, rows, step):
         part = slice(start, start + step)
         chunk, chunk_losses = _masked_mean_gradient(model, features[part], joints[part], weight[part], mask[part], count)
-        if not bool(torch.isfinite(chunk).all()):
+        if drop_nonfinite_rows and not bool(torch.isfinite(chunk).all()):
             # A row whose image or annotation makes its loss or gradient non-finite poisons the whole sum
             # (0·NaN is NaN, so masking its loss is not enough): take the chunk's real rows one by one and
             # drop such a row, as a private row's non-finite gradient is zeroed — one record must not make
