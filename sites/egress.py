@@ -58,7 +58,8 @@ def describe_outgoing(reply: Message) -> dict:
 
 
 #: the answer kinds a site may give to each secure-aggregation request
-_SECAGG_ANSWERS = {"setup": "public-keys", "key-directory": "encrypted-shares", "unmask-request": "unmask-shares"}
+_SECAGG_ANSWERS = {"setup": "public-keys", "key-directory": "encrypted-shares", "view": "view-signature",
+                   "unmask-request": "unmask-shares"}
 
 
 def secagg_violations(incoming: Message, reply: Message) -> list[str]:

@@ -297,7 +297,7 @@ SITE_SECAGG_RECORDS = frozenset({SECAGG_RECORD})
 SITE_MASKED_REPLY_RECORDS = frozenset({MASKED_RECORD, REPLY_RECORD})
 
 SecAggRefusalCode = Literal["settings-refused", "out-of-order", "inconsistent-keys", "unsigned-keys", "inconsistent-shares",
-                            "both-shares-of-one-peer", "unknown-node", "own-key-share", "below-threshold"]
+                            "both-shares-of-one-peer", "unknown-node", "own-key-share", "below-threshold", "inconsistent-view"]
 SECAGG_REFUSAL_TEXT: dict[str, str] = {
     "settings-refused": "the site refused the round's secure-aggregation settings (threshold ≤ n/2, overflow, "
                         "fewer than 2 sites, or a vector length unlike the model's)",
@@ -313,6 +313,9 @@ SECAGG_REFUSAL_TEXT: dict[str, str] = {
     "unknown-node": "asked for shares of a node that was not in the round",
     "own-key-share": "listed the site itself as dropped (its secret-key share would unmask its own update)",
     "below-threshold": "fewer surviving sites than the threshold: unmasking would reveal too little to hide",
+    "inconsistent-view": "the unmask request's view of who survived is not the one the site signed, or fewer than t "
+                         "surviving sites signed that same view (a coordinator showing sites different views could "
+                         "unmask the sum of a few sites)",
 }
 
 
@@ -410,15 +413,45 @@ class SecAggShareInbox(_BytesWire):
     shares: list[EncryptedShare]
 
 
-class SecAggUnmaskRequest(_Wire):
-    """Stage 4, coordinator → site: which sites' masked vectors arrived (survivors: their seed
-    shares are needed) and which did not (dropped after sharing keys: their key shares are needed)."""
+class SecAggViewRequest(_Wire):
+    """Stage 4a, coordinator → site (the consistency check of Bonawitz et al.): which sites' masked
+    vectors arrived (survivors) and which did not (dropped). Each site signs the view it is shown,
+    once; the unmask request must then carry t survivors' signatures of that same view."""
+
+    kind: Literal["view"] = "view"
+    run_id: str
+    round: int = Field(ge=1)
+    survivors: list[int]
+    dropped: list[int]
+
+
+class SecAggViewSignature(_BytesWire):
+    """Stage 4a, site → coordinator: the site's signature of the view it was shown (crypto.view_statement).
+    Why it may leave: a signature of public values (node ids); None when the site has no identity."""
+
+    kind: Literal["view-signature"] = "view-signature"
+    site_id: str = Field(pattern=SITE_ID_PATTERN)
+    run_id: str
+    round: int = Field(ge=1)
+    signature: bytes | None = Field(None, max_length=64)
+
+
+class NodeSignature(_BytesWire):
+    node: int = Field(ge=0)
+    signature: bytes = Field(max_length=64)
+
+
+class SecAggUnmaskRequest(_BytesWire):
+    """Stage 4b, coordinator → site: which sites' masked vectors arrived (survivors: their seed
+    shares are needed) and which did not (dropped after sharing keys: their key shares are needed),
+    with the survivors' signatures of that view (stage 4a)."""
 
     kind: Literal["unmask-request"] = "unmask-request"
     run_id: str
     round: int = Field(ge=1)
     survivors: list[int]
     dropped: list[int]
+    view_signatures: list[NodeSignature] = Field(default_factory=list)
 
 
 class NodeShare(_BytesWire):
@@ -453,22 +486,24 @@ class SecAggRefusal(_Wire):
         return SECAGG_REFUSAL_TEXT[self.reason]
 
 
-SecAggRequest = SecAggSetup | SecAggKeyDirectory | SecAggUnmaskRequest
-SecAggSiteMessage = SecAggPublicKeys | SecAggEncryptedShares | SecAggUnmaskShares | SecAggRefusal
+SecAggRequest = SecAggSetup | SecAggKeyDirectory | SecAggViewRequest | SecAggUnmaskRequest
+SecAggSiteMessage = SecAggPublicKeys | SecAggEncryptedShares | SecAggViewSignature | SecAggUnmaskShares | SecAggRefusal
 
 
 class _CoordinatorEnvelope(_BytesWire):
-    message: SecAggSetup | SecAggKeyDirectory | SecAggShareInbox | SecAggUnmaskRequest = Field(discriminator="kind")
+    message: SecAggSetup | SecAggKeyDirectory | SecAggShareInbox | SecAggViewRequest | SecAggUnmaskRequest = Field(
+        discriminator="kind")
 
 
 class _SiteEnvelope(_BytesWire):
-    message: SecAggPublicKeys | SecAggEncryptedShares | SecAggUnmaskShares | SecAggRefusal = Field(discriminator="kind")
+    message: SecAggPublicKeys | SecAggEncryptedShares | SecAggViewSignature | SecAggUnmaskShares | SecAggRefusal = Field(
+        discriminator="kind")
 
 
 def encode_secagg(message: SecAggRequest | SecAggShareInbox | SecAggSiteMessage) -> dict[str, str]:
     """The ``secagg`` ConfigRecord's content (either direction)."""
-    envelope = (_SiteEnvelope if isinstance(message, (SecAggPublicKeys, SecAggEncryptedShares, SecAggUnmaskShares, SecAggRefusal))
-                else _CoordinatorEnvelope)(message=message)  # type: ignore[arg-type]
+    site_kinds = (SecAggPublicKeys, SecAggEncryptedShares, SecAggViewSignature, SecAggUnmaskShares, SecAggRefusal)
+    envelope = (_SiteEnvelope if isinstance(message, site_kinds) else _CoordinatorEnvelope)(message=message)  # type: ignore[arg-type]
     return {SECAGG_KEY: envelope.model_dump_json()}
 
 
@@ -482,7 +517,7 @@ def _decode_secagg(record: Mapping[str, Any], envelope: type[_BytesWire], what: 
         raise ProtocolError(f"malformed {what}: {validation_problems(exc)}") from None
 
 
-def decode_secagg_request(record: Mapping[str, Any]) -> SecAggSetup | SecAggKeyDirectory | SecAggShareInbox | SecAggUnmaskRequest:
+def decode_secagg_request(record: Mapping[str, Any]) -> SecAggRequest | SecAggShareInbox:
     """A coordinator's secure-aggregation message; :class:`ProtocolError` names what is wrong."""
     return _decode_secagg(record, _CoordinatorEnvelope, "secure-aggregation request")
 

@@ -174,9 +174,13 @@ def test_the_egress_guard_lets_every_secagg_stage_answer_out() -> None:
     masked = Message(RecordDict({protocol.REPLY_RECORD: _ok_reply(),
                                  protocol.MASKED_RECORD: ArrayRecord({protocol.MASKED_KEY: Array(vector)})}), reply_to=train)
     assert violations(train, masked) == []
+    view = protocol.SecAggViewRequest(run_id="run", round=1, survivors=[1, 2], dropped=[3])
+    signed = sessions[1].sign_view(view)
+    assert violations(_query(view), _answer(_query(view), signed)) == []
     unmask = _query(protocol.SecAggUnmaskRequest(run_id="run", round=1, survivors=[1, 2], dropped=[3]))
     shares = sessions[1].unmask(protocol.SecAggUnmaskRequest(run_id="run", round=1, survivors=[1, 2], dropped=[3]))
     assert violations(unmask, _answer(unmask, shares)) == []
+    assert violations(unmask, _answer(unmask, signed)) == ["a 'view-signature' answer to a 'unmask-request' request"]
 
 
 def _shares(survivors: list[tuple[int, bytes]], dropped: list[tuple[int, bytes]]) -> protocol.SecAggUnmaskShares:

@@ -80,12 +80,29 @@ def _updates(n: int, length: int = 50) -> dict[int, np.ndarray]:
     return {node: rng.uniform(-0.9, 0.9, length) for node in range(1, n + 1)}
 
 
+def _sign_view(coordinator: CoordinatorSecAggRound, sessions: dict[int, SiteSecAggSession], nodes, identities=None) -> None:
+    """Stage 4a as the coordinator runs it: every node in ``nodes`` signs the one view."""
+    view = coordinator.view_request()
+    coordinator.receive_view_signatures({n: answer(sessions[n], sessions[n].site_id, view, (identities or {}).get(n))
+                                         for n in nodes})
+
+
+def _view_then_unmask(session: SiteSecAggSession, request: protocol.SecAggUnmaskRequest,
+                      identity=None) -> protocol.SecAggSiteMessage:
+    """One site shown ``request``'s view (4a), then asked to unmask it (4b): its refusal, or its shares."""
+    view = protocol.SecAggViewRequest(run_id=request.run_id, round=request.round, survivors=request.survivors,
+                                      dropped=request.dropped)
+    signed = answer(session, session.site_id, view, identity)
+    return signed if isinstance(signed, protocol.SecAggRefusal) else answer(session, session.site_id, request, identity)
+
+
 @pytest.mark.parametrize(("n", "drop"), [(3, 0), (3, 1), (5, 2)])
 def test_the_sum_of_the_survivors_comes_back_within_the_bound(n: int, drop: int) -> None:
     coordinator, sessions = _round(n)
     updates = _updates(n)
     survivors = list(sessions)[drop:]  # the first `drop` sites vanish after sharing keys
     coordinator.receive_masked({node: sessions[node].mask(updates[node]) for node in survivors})
+    _sign_view(coordinator, sessions, survivors)
     request = coordinator.unmask_request()
     assert request.dropped == list(sessions)[:drop]
     result = coordinator.unmask({node: answer(sessions[node], sessions[node].site_id, request) for node in survivors})
@@ -112,6 +129,7 @@ def test_too_few_unmask_answers_abandon_the_round() -> None:
     coordinator, sessions = _round(3)
     updates = _updates(3)
     coordinator.receive_masked({node: sessions[node].mask(updates[node]) for node in (1, 2, 3)})
+    _sign_view(coordinator, sessions, (1, 2, 3))
     request = coordinator.unmask_request()
     with pytest.raises(RoundAbandoned, match="after unmasking") as abandoned:
         coordinator.unmask({1: answer(sessions[1], "site-1", request)})
@@ -122,11 +140,11 @@ def test_an_abandoned_round_names_the_sites_that_refused_and_why() -> None:
     coordinator, sessions = _round(3)
     updates = _updates(3)
     coordinator.receive_masked({node: sessions[node].mask(updates[node]) for node in (1, 2, 3)})
-    honest = coordinator.unmask_request()
+    honest = coordinator.view_request()
     both = honest.model_copy(update={"dropped": [1]})  # node 1 as survivor and dropped
     with pytest.raises(RoundAbandoned) as abandoned:
-        coordinator.unmask({node: answer(s, s.site_id, both) for node, s in sessions.items()})
-    assert str(abandoned.value) == ("0 of 3 sites after unmasking < threshold t = 2; "
+        coordinator.receive_view_signatures({node: answer(s, s.site_id, both) for node, s in sessions.items()})
+    assert str(abandoned.value) == ("0 of 3 sites after the view check < threshold t = 2; "
                                     "refused by site-1, site-2, site-3 (both-shares-of-one-peer)")
 
 
@@ -146,16 +164,25 @@ def _reason(reply: protocol.SecAggSiteMessage) -> str:
 def test_a_site_refuses_both_shares_of_one_peer_in_one_request() -> None:
     _, sessions = _masked_round()
     greedy = protocol.SecAggUnmaskRequest(run_id="run", round=1, survivors=[1, 2, 3, 4], dropped=[4])
-    assert _reason(answer(sessions[1], "site-1", greedy)) == "both-shares-of-one-peer"
+    assert _reason(_view_then_unmask(sessions[1], greedy)) == "both-shares-of-one-peer"
 
 
 def test_a_site_refuses_a_second_view_of_who_dropped() -> None:
     """Two requests to one site (peer 4 survived, then dropped) would hand over both of 4's shares."""
     _, sessions = _masked_round()
     first = protocol.SecAggUnmaskRequest(run_id="run", round=1, survivors=[1, 2, 3, 4, 5], dropped=[])
-    assert isinstance(answer(sessions[1], "site-1", first), protocol.SecAggUnmaskShares)
+    assert isinstance(_view_then_unmask(sessions[1], first), protocol.SecAggUnmaskShares)
     second = protocol.SecAggUnmaskRequest(run_id="run", round=1, survivors=[1, 2, 3], dropped=[4, 5])
     assert _reason(answer(sessions[1], "site-1", second)) == "out-of-order"
+    assert _reason(_view_then_unmask(sessions[1], second)) == "out-of-order"  # nor a second view to sign
+
+
+def test_a_site_unmasks_only_the_view_it_signed() -> None:
+    _, sessions = _masked_round()
+    signed = protocol.SecAggViewRequest(run_id="run", round=1, survivors=[1, 2, 3, 4, 5], dropped=[])
+    assert isinstance(answer(sessions[1], "site-1", signed), protocol.SecAggViewSignature)
+    other = protocol.SecAggUnmaskRequest(run_id="run", round=1, survivors=[1, 2, 3, 4], dropped=[5])
+    assert _reason(answer(sessions[1], "site-1", other)) == "inconsistent-view"
 
 
 def test_split_views_cannot_rebuild_both_secrets_of_one_site() -> None:
@@ -164,8 +191,9 @@ def test_split_views_cannot_rebuild_both_secrets_of_one_site() -> None:
     coordinator, sessions = _masked_round()
     seed_view = protocol.SecAggUnmaskRequest(run_id="run", round=1, survivors=[1, 2, 3, 4, 5], dropped=[])
     key_view = protocol.SecAggUnmaskRequest(run_id="run", round=1, survivors=[1, 2, 3, 4], dropped=[5])
-    answers = [answer(sessions[n], "s", seed_view) for n in (1, 2, 5)] + [answer(sessions[n], "s", key_view) for n in (3, 4)]
-    answers += [answer(sessions[n], "s", key_view) for n in (1, 2)] + [answer(sessions[5], "s", key_view)]
+    answers = [_view_then_unmask(sessions[n], seed_view) for n in (1, 2, 5)]
+    answers += [_view_then_unmask(sessions[n], key_view) for n in (3, 4)]
+    answers += [_view_then_unmask(sessions[n], key_view) for n in (1, 2)] + [_view_then_unmask(sessions[5], key_view)]
     shares = [a for a in answers if isinstance(a, protocol.SecAggUnmaskShares)]
     seed_of_5 = [s.share for a in shares for s in a.seed_shares if s.node == 5]
     key_of_5 = [s.share for a in shares for s in a.key_shares if s.node == 5]
@@ -182,7 +210,7 @@ def test_split_views_cannot_rebuild_both_secrets_of_one_site() -> None:
 def test_a_site_refuses_requests_outside_the_rule(survivors: list[int], dropped: list[int], code: str) -> None:
     _, sessions = _masked_round()
     request = protocol.SecAggUnmaskRequest(run_id="run", round=1, survivors=survivors, dropped=dropped)
-    assert _reason(answer(sessions[1], "site-1", request)) == code
+    assert _reason(_view_then_unmask(sessions[1], request)) == code
 
 
 def test_a_site_refuses_a_threshold_at_or_below_half() -> None:
@@ -218,7 +246,9 @@ def test_a_forged_share_is_refused_before_masking() -> None:
 
 def test_wire_messages_round_trip_through_their_records() -> None:
     coordinator, sessions = _round(3)
-    for message in (coordinator.setup(1), coordinator.key_directory(), coordinator.inbox(2), coordinator.unmask_request()):
+    for message in (coordinator.setup(1), coordinator.key_directory(), coordinator.inbox(2), coordinator.view_request(),
+                    coordinator.unmask_request().model_copy(update={"view_signatures": [
+                        protocol.NodeSignature(node=1, signature=b"s" * 64)]})):
         assert protocol.decode_secagg_request(protocol.encode_secagg(message)) == message
     keys = sessions[1].public_keys()
     assert protocol.decode_secagg_reply(protocol.encode_secagg(keys)) == keys
@@ -259,7 +289,9 @@ def test_signed_keys_run_the_round_to_the_sum(tmp_path) -> None:
     for node, session in sessions.items():
         session.receive_shares(coordinator.inbox(node))
     coordinator.receive_masked({node: s.mask(updates[node]) for node, s in sessions.items()})
+    _sign_view(coordinator, sessions, sessions, identities)
     request = coordinator.unmask_request()
+    assert len(request.view_signatures) == 3
     result = coordinator.unmask({node: answer(s, s.site_id, request, identities[node]) for node, s in sessions.items()})
     assert np.abs(result.total - sum(updates.values())).max() < result.error_bound
 
@@ -364,6 +396,74 @@ def test_a_coordinator_cannot_give_one_site_a_higher_threshold_than_its_peers(tm
     directory = coordinator.key_directory()
     assert all(isinstance(answer(s, s.site_id, directory, identities[n]), protocol.SecAggEncryptedShares)
                for n, s in sessions.items())
+
+
+def test_a_coordinator_showing_each_site_its_own_view_cannot_unmask_a_pair(tmp_path) -> None:
+    """The attack a red-team found on 2026-12-07, every per-site check passing: five sites, t 3, every
+    directory and inbox honest; each site is told that sites 1 and 2 survived and a different pair of
+    the others dropped, so that every site's seed share of 1 and 2 and t key shares of each of 3, 4, 5
+    reach the coordinator — the sum of sites 1 and 2 alone (and with site 2 colluding, site 1's Δ).
+    Now each site signs the view it is shown and unmasks only a view t survivors signed: the
+    coordinator can certify at most one view, and a site shown another refuses."""
+    coordinator, sessions, identities, _ = _signed_setup(5, tmp_path)
+    directory = coordinator.key_directory()
+    coordinator.receive_shares({node: answer(s, s.site_id, directory, identities[node]) for node, s in sessions.items()})
+    updates = _updates(5)
+    for node, session in sessions.items():
+        session.receive_shares(coordinator.inbox(node))
+    coordinator.receive_masked({node: s.mask(updates[node]) for node, s in sessions.items()})
+    views = {1: ([1, 2, 3], [4, 5]), 2: ([1, 2, 4], [3, 5]), 3: ([1, 2, 3], [4, 5]), 4: ([1, 2, 4], [3, 5]), 5: ([1, 2, 5], [3, 4])}
+    signatures: dict[tuple, list[protocol.NodeSignature]] = {}
+    for node, (survivors, dropped) in views.items():
+        signed = answer(sessions[node], f"site-{node}", protocol.SecAggViewRequest(
+            run_id="run", round=1, survivors=survivors, dropped=dropped), identities[node])
+        assert isinstance(signed, protocol.SecAggViewSignature) and signed.signature is not None
+        signatures.setdefault((tuple(survivors), tuple(dropped)), []).append(
+            protocol.NodeSignature(node=node, signature=signed.signature))
+    every_signature = [sig for sigs in signatures.values() for sig in sigs]
+    refused = {}
+    for node, (survivors, dropped) in views.items():
+        # the coordinator hands each site every signature it holds: no view has t = 3 signers
+        request = protocol.SecAggUnmaskRequest(run_id="run", round=1, survivors=survivors, dropped=dropped,
+                                               view_signatures=every_signature)
+        refused[node] = _reason(answer(sessions[node], f"site-{node}", request, identities[node]))
+    assert refused == {node: "inconsistent-view" for node in views}
+
+
+def test_an_unmask_request_needs_t_survivors_signatures_of_its_view(tmp_path) -> None:
+    """Signatures of the same view by fewer than t survivors, by a dropped node, or forged: refused."""
+    coordinator, sessions, identities, _ = _signed_setup(3, tmp_path)
+    directory = coordinator.key_directory()
+    coordinator.receive_shares({node: answer(s, s.site_id, directory, identities[node]) for node, s in sessions.items()})
+    for node, session in sessions.items():
+        session.receive_shares(coordinator.inbox(node))
+    updates = _updates(3)
+    coordinator.receive_masked({node: s.mask(updates[node]) for node, s in sessions.items()})
+    _sign_view(coordinator, sessions, sessions, identities)
+    request = coordinator.unmask_request()
+    one = request.model_copy(update={"view_signatures": request.view_signatures[:1]})
+    forged = request.model_copy(update={"view_signatures": [protocol.NodeSignature(node=n, signature=b"x" * 64) for n in (1, 2, 3)]})
+    for bad in (one, forged):
+        fresh = SiteSecAggSession.from_json(sessions[1].to_json())  # the signed view travels with the session
+        assert _reason(answer(fresh, "site-1", bad, identities[1])) == "inconsistent-view"
+    result = coordinator.unmask({node: answer(s, s.site_id, request, identities[node]) for node, s in sessions.items()})
+    assert np.abs(result.total - sum(updates.values())).max() < result.error_bound
+
+
+def test_a_round_of_fewer_sites_than_the_federation_holds_is_not_refused(tmp_path) -> None:
+    """With identities, N for the mask-set rule is the round's participants (the signed setup gives
+    every site the same list), not every identity listed: six of ten sites run an honest round."""
+    identities = _identities(10, tmp_path)
+    coordinator = CoordinatorSecAggRound(SETTINGS, "run", 1, list(range(1, 7)), 50)
+    sessions, replies = {}, {}
+    for node in coordinator.participants:
+        sessions[node], replies[node] = start(f"site-{node}", coordinator.setup(node), 50, identities[node])
+    coordinator.receive_public_keys(replies)
+    directory = coordinator.key_directory()
+    coordinator.receive_shares({node: answer(s, s.site_id, directory, identities[node]) for node, s in sessions.items()})
+    for node, session in sessions.items():
+        session.receive_shares(coordinator.inbox(node))
+        assert session.stage == "shares-received"
 
 
 @pytest.mark.parametrize(("members", "threshold", "smallest_safe"), [(3, 2, 3), (5, 3, 5), (5, 4, 4), (10, 6, 8), (16, 9, 14)])

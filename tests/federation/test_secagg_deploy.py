@@ -361,8 +361,8 @@ from fedpose.federation.secagg.coordinator import CoordinatorSecAggRound
 
 
 class AsksForBothShares(CoordinatorSecAggRound):
-    def unmask_request(self):
-        honest = super().unmask_request()
+    def view_request(self):  # the view the sites sign, and the unmask request built from it
+        honest = super().view_request()
         victim = honest.survivors[0]  # its masked vector arrived; now ask for its mask key too
         return honest.model_copy(update={"dropped": sorted({*honest.dropped, victim})})
 
@@ -416,12 +416,12 @@ def test_five_sites_equal_plain_fedavg_and_a_coordinator_asking_for_both_shares_
 
         output, timings["evil"] = deployment.run(evil, app_dir=evil_app_dir(tmp_path))
         (entry,) = history(tmp_path / "evil")
-        assert not entry["aggregated"] and entry["secure_aggregation"]["abandoned"].startswith("0 of 3 sites after unmasking")
+        assert not entry["aggregated"] and entry["secure_aggregation"]["abandoned"].startswith("0 of 3 sites after the view check")
         assert all(site["status"] == "rejected" and site["reject_reason"] == "secure_aggregation_abandoned"
                    for site in entry["sites"].values()), entry["sites"]
         (line,) = round_lines(output)
         refused = f"refused by {', '.join(sorted(entry['sites']))} (both-shares-of-one-peer)"
-        assert f"secure aggregation: abandoned (0 of 3 sites after unmasking < threshold t = 2; {refused})" in line, line
+        assert f"secure aggregation: abandoned (0 of 3 sites after the view check < threshold t = 2; {refused})" in line, line
         for site_id in entry["sites"]:  # each site refused (its own log says why); no share left it
             assert "both-shares-of-one-peer" in site_log(tmp_path / "sites" / site_id), site_id
         answers = [json.loads(m["records"]["secagg"]["values"]["secagg"])["message"]

@@ -59,7 +59,7 @@ class ScriptedSites:
     """Sites that answer with fixed updates, through their real secure-aggregation sessions.
 
     ``lost[stage]``: nodes whose answer at that stage never arrives ("setup", "share-keys",
-    "masked-vector" — they trained and spent, the reply was lost — or "unmask")."""
+    "masked-vector" — they trained and spent, the reply was lost — "view" or "unmask")."""
 
     def __init__(self, nodes: list[int], trainable: list[str], lost: dict[str, set[int]] | None = None):
         self.nodes, self.trainable, self.lost = nodes, trainable, lost or {}
@@ -101,7 +101,8 @@ class ScriptedSites:
                     self.sessions[node] = session
             else:
                 answer = secagg_site.answer(self.sessions.get(node), SITE_OF[node], message)
-                stage = "share-keys" if isinstance(message, protocol.SecAggKeyDirectory) else "unmask"
+                stage = ("share-keys" if isinstance(message, protocol.SecAggKeyDirectory)
+                         else "view" if isinstance(message, protocol.SecAggViewRequest) else "unmask")
             if node not in self.lost.get(stage, set()):
                 answers[node] = answer
         return answers

@@ -7,7 +7,8 @@ has tens of sites, where the full graph costs a few key agreements per site and 
 simplest security argument (any two honest sites' masks cancel only in the full sum).
 
 Sets, as in the paper: U1 answered the setup with keys, U2 sent their encrypted shares, U3 sent a
-masked vector (the survivors), U4 answered the unmask request. Each must hold at least t =
+masked vector (the survivors), U4 signed the view of who survived (the consistency check: sites
+with identities unmask only a view t survivors signed), U5 answered the unmask request. Each must hold at least t =
 ⌊n/2⌋ + 1 sites (n = sites asked), else the round is **abandoned**: nothing is unmasked, nothing
 aggregated. Sites in U2 \\ U3 (dropped after sharing keys: offline, refused, failed) are the
 dropped: their pairwise masks are removed with their secret keys, rebuilt from t key shares; each
@@ -56,6 +57,7 @@ class CoordinatorSecAggRound:
     keys: dict[int, protocol.NodeKeys] = field(default_factory=dict)  #: U1
     sealed: dict[int, dict[int, bytes]] = field(default_factory=dict)  #: U2: src → dst → ciphertext
     masked: dict[int, np.ndarray] = field(default_factory=dict)  #: U3
+    view_signatures: dict[int, bytes | None] = field(default_factory=dict)  #: U3 members that signed the view (4a)
     refusals: dict[int, protocol.SecAggRefusal] = field(default_factory=dict)
     bytes: int = 0  #: stage messages both ways (setup, share keys, unmask), counted by the caller
     abandoned: str = ""  #: why the round was abandoned ('' while it is not)
@@ -144,9 +146,25 @@ class CoordinatorSecAggRound:
         self._enough(len(self.masked), "masking")
 
     # -- stage 4 ---------------------------------------------------------------------------------------
+    def view_request(self) -> protocol.SecAggViewRequest:
+        """4a, the consistency check: every survivor is shown the same view and signs it."""
+        return protocol.SecAggViewRequest(run_id=self.run_id, round=self.round, survivors=sorted(self.masked),
+                                          dropped=sorted(set(self.sealed) - set(self.masked)))
+
+    def receive_view_signatures(self, replies: Mapping[int, protocol.SecAggSiteMessage]) -> None:
+        for node, message in replies.items():
+            if node not in self.masked or self._note_refusal(node, message):
+                continue
+            if isinstance(message, protocol.SecAggViewSignature) and (message.run_id, message.round) == (self.run_id, self.round):
+                self.view_signatures[node] = message.signature
+        self._enough(len(self.view_signatures), "the view check")
+
     def unmask_request(self) -> protocol.SecAggUnmaskRequest:
-        return protocol.SecAggUnmaskRequest(run_id=self.run_id, round=self.round, survivors=sorted(self.masked),
-                                            dropped=sorted(set(self.sealed) - set(self.masked)))
+        """4b: the view, with the signatures of it the survivors sent (sites with identities check t of them)."""
+        view = self.view_request()
+        return protocol.SecAggUnmaskRequest(run_id=self.run_id, round=self.round, survivors=view.survivors, dropped=view.dropped,
+                                            view_signatures=[protocol.NodeSignature(node=n, signature=sig)
+                                                             for n, sig in sorted(self.view_signatures.items()) if sig is not None])
 
     def unmask(self, replies: Mapping[int, protocol.SecAggSiteMessage]) -> SecureSum:
         """Rebuild the survivors' seeds and the dropped sites' mask keys from t shares each; the sum."""
@@ -155,7 +173,7 @@ class CoordinatorSecAggRound:
         key_shares: dict[int, list[bytes]] = {n: [] for n in request.dropped}
         answered = 0
         for node, message in replies.items():
-            if node not in self.masked or self._note_refusal(node, message):
+            if node not in self.view_signatures or self._note_refusal(node, message):
                 continue
             if not isinstance(message, protocol.SecAggUnmaskShares) or (message.run_id, message.round) != (self.run_id, self.round):
                 continue

@@ -193,6 +193,13 @@ def key_statement(run_id: str, round_id: int, node: int, site_id: str, mask_key:
                        "share_key": base64.b64encode(share_key).decode(), "settings": settings}, sort_keys=True).encode()
 
 
+def view_statement(run_id: str, round_id: int, settings: str, survivors: list[int], dropped: list[int]) -> bytes:
+    """What a site signs in the consistency check: the view of who survived it was shown, for this
+    run, round and setup (``settings``: :func:`settings_digest`)."""
+    return json.dumps({"what": "fedpose secure-aggregation view/1", "run_id": run_id, "round": round_id, "settings": settings,
+                       "survivors": sorted(survivors), "dropped": sorted(dropped)}, sort_keys=True).encode()
+
+
 def settings_digest(shared_settings: dict) -> str:
     """SHA-256 (hex) of a round's shared settings (canonical JSON): what every site of the round must agree on."""
     return hashlib.sha256(json.dumps(shared_settings, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

@@ -27,6 +27,14 @@ Checks a site makes that Flower's ``secaggplus_mod`` does not:
   m·(t − 1) ≤ (N − 1)·(N − t). Before 2026-12-06 nothing stopped it: five sites, t 3, a mask set
   of the site and two peers (6 ≤ 8) unmasked the site's Δ alone with every other check passing
   (``tests/federation/test_secagg_core.py``);
+* view (the consistency check of Bonawitz et al.): the site signs, once, the view of who survived
+  that it is shown; with an identity it then answers an unmask request only for that same view and
+  only when t surviving sites' signatures of it come with the request. Each site signs one view and
+  t > n/2, so no two views can both be certified: every site that reveals shares reveals them for
+  one view. Before 2026-12-07 there was no such check, and a coordinator showing each site its own
+  view — the victims surviving in every view, each other site dropped in at least t views — rebuilt
+  the victims' seeds and every other site's key, and with them the sum of two sites' updates (five
+  or seven sites), every per-site check passing (``tests/federation/test_secagg_core.py``);
 * unmask, **SecAgg's security rule**: for one peer the site reveals the share of its mask seed
   (peer survived) or of its secret key (peer dropped), never both — in one request or over
   several (it answers one unmask request per round); a node outside the round, the site itself
@@ -116,8 +124,10 @@ class SessionState(BaseModel):
     seed_shares: dict[int, bytes]
     key_shares: dict[int, bytes]
     mask_with: list[int]
-    #: N, the federation's members by the site's identity config (None: no identity)
+    #: N, the sites that could reveal shares: the round's participants listed in its identity config (None: no identity)
     members: int | None = None
+    #: the view of who survived the site signed (stage 4a): (survivors, dropped); None before
+    view: tuple[list[int], list[int]] | None = None
 
 
 class SiteSecAggSession:
@@ -150,6 +160,7 @@ class SiteSecAggSession:
         self._key_shares: dict[int, bytes] = {}  # node → its share of that node's mask secret key, held here
         self._mask_with: list[int] = []
         self._members: int | None = None
+        self._view: tuple[list[int], list[int]] | None = None
 
     @property
     def node(self) -> int:
@@ -165,7 +176,7 @@ class SiteSecAggSession:
                             mask_private=self._mask_pair.private_bytes(), share_private=self._share_pair.private_bytes(),
                             peers=list(self._peers.values()), seed=self._seed, seed_shares=self._seed_shares,
                             key_shares=self._key_shares, mask_with=self._mask_with,
-                            members=self._members).model_dump_json()
+                            members=self._members, view=self._view).model_dump_json()
 
     @classmethod
     def from_json(cls, raw: str) -> "SiteSecAggSession":
@@ -179,6 +190,7 @@ class SiteSecAggSession:
         session._seed, session._seed_shares, session._key_shares = state.seed, dict(state.seed_shares), dict(state.key_shares)
         session._mask_with = list(state.mask_with)
         session._members = state.members
+        session._view = (list(state.view[0]), list(state.view[1])) if state.view is not None else None
         return session
 
     def _refuse(self, code: protocol.SecAggRefusalCode, detail: str) -> None:
@@ -226,7 +238,9 @@ class SiteSecAggSession:
         self._expect("keys-sent", directory)
         if identity is not None:
             self._check_signatures(directory, identity)
-            self._members = len(identity.peers)
+            # who could reveal shares: the round's participants (the signed setup digest gives every site
+            # the same list) that hold an identity — never more than the federation's N
+            self._members = min(len(identity.peers), len(self.setup.participants))
         entries = {entry.node: entry for entry in directory.keys}
         if len(entries) != len(directory.keys) or not set(entries) <= set(self.setup.participants):
             self._refuse("inconsistent-keys", "repeated nodes, or nodes outside the round")
@@ -307,11 +321,54 @@ class SiteSecAggSession:
         return vector.astype(wire_dtype(m))
 
     # -- stage 4 ---------------------------------------------------------------------------------------
-    def unmask(self, request: protocol.SecAggUnmaskRequest) -> protocol.SecAggUnmaskShares:
-        """The shares asked for, under the security rule (module docstring). Answers once per round."""
+    def sign_view(self, request: protocol.SecAggViewRequest, identity: Identity | None = None) -> protocol.SecAggViewSignature:
+        """Stage 4a, the consistency check: sign the view of who survived (with ``identity``; without
+        one the coordinator is trusted and the signature is None), once per round."""
         self._expect("masked", request)  # only a site whose vector is in the sum helps unmask it
+        self._check_view(request.survivors, request.dropped)
+        self._view = (sorted(request.survivors), sorted(request.dropped))
+        self._stage = "view-signed"  # one view per round: a second (another story of who dropped) is refused
+        signature = None
+        if identity is not None:
+            signature = crypto.sign_keys(identity.key, crypto.view_statement(
+                self.setup.run_id, self.setup.round, setup_digest(self.setup), *self._view))
+        return protocol.SecAggViewSignature(site_id=self.site_id, run_id=self.setup.run_id, round=self.setup.round,
+                                            signature=signature)
+
+    def _check_view_signatures(self, request: protocol.SecAggUnmaskRequest, identity: Identity) -> None:
+        """At least t survivors signed this very view: as each site signs one view and t > n/2, no
+        two views can both be certified, so every site that answers reveals shares for the same one."""
+        statement = crypto.view_statement(self.setup.run_id, self.setup.round, setup_digest(self.setup),
+                                          request.survivors, request.dropped)
+        signers = set()
+        for entry in request.view_signatures:
+            keys = self._peers.get(entry.node)
+            public = identity.peers.get(keys.site_id) if keys is not None and keys.site_id is not None else None
+            if entry.node in request.survivors and public is not None and crypto.verify_keys(public, entry.signature, statement):
+                signers.add(entry.node)
+        if len(signers) < self.setup.threshold:
+            self._refuse("inconsistent-view", f"{len(signers)} surviving sites signed this view < threshold {self.setup.threshold}")
+
+    def unmask(self, request: protocol.SecAggUnmaskRequest, identity: Identity | None = None) -> protocol.SecAggUnmaskShares:
+        """The shares asked for, under the security rule (module docstring), for the view the site
+        signed and, with an identity, t survivors signed too. Answers once per round."""
+        self._expect("view-signed", request)
+        if (sorted(request.survivors), sorted(request.dropped)) != self._view:
+            self._refuse("inconsistent-view", "the request's view of who survived is not the one this site signed")
+        if identity is not None:
+            self._check_view_signatures(request, identity)
         survivors, dropped = set(request.survivors), set(request.dropped)
-        if len(survivors) != len(request.survivors) or len(dropped) != len(request.dropped):
+        self._stage = "unmasked"  # one answer per round: a second request (another view of who dropped) is refused
+        shares = protocol.SecAggUnmaskShares(
+            site_id=self.site_id, run_id=self.setup.run_id, round=self.setup.round,
+            seed_shares=[protocol.NodeShare(node=n, share=self._seed_shares[n]) for n in sorted(survivors)],
+            key_shares=[protocol.NodeShare(node=n, share=self._key_shares[n]) for n in sorted(dropped)])
+        self._forget()
+        return shares
+
+    def _check_view(self, survivor_list: list[int], dropped_list: list[int]) -> None:
+        survivors, dropped = set(survivor_list), set(dropped_list)
+        if len(survivors) != len(survivor_list) or len(dropped) != len(dropped_list):
             self._refuse("unknown-node", "a node is listed twice")
         both = survivors & dropped
         if both:
@@ -326,13 +383,6 @@ class SiteSecAggSession:
             self._refuse("own-key-share", "the site sent its vector but is not listed as a survivor")
         if len(survivors) < self.setup.threshold:
             self._refuse("below-threshold", f"{len(survivors)} survivors < threshold {self.setup.threshold}")
-        self._stage = "unmasked"  # one answer per round: a second request (another view of who dropped) is refused
-        shares = protocol.SecAggUnmaskShares(
-            site_id=self.site_id, run_id=self.setup.run_id, round=self.setup.round,
-            seed_shares=[protocol.NodeShare(node=n, share=self._seed_shares[n]) for n in sorted(survivors)],
-            key_shares=[protocol.NodeShare(node=n, share=self._key_shares[n]) for n in sorted(dropped)])
-        self._forget()
-        return shares
 
     def _forget(self) -> None:
         """Drop the round's secrets (Python cannot wipe memory; this ends the references)."""
@@ -345,7 +395,8 @@ def refusal(site_id: str, run_id: str, round_id: int, refused: SecAggRefused) ->
     return protocol.SecAggRefusal(site_id=site_id, run_id=run_id, round=round_id, reason=refused.code)
 
 
-def answer(session: SiteSecAggSession | None, site_id: str, message: protocol.SecAggKeyDirectory | protocol.SecAggUnmaskRequest,
+def answer(session: SiteSecAggSession | None, site_id: str,
+           message: protocol.SecAggKeyDirectory | protocol.SecAggViewRequest | protocol.SecAggUnmaskRequest,
            identity: Identity | None = None) -> protocol.SecAggSiteMessage:
     """The session's reply to a stage-2 or stage-4 message, a refusal when it refuses (or has no session)."""
     try:
@@ -353,7 +404,9 @@ def answer(session: SiteSecAggSession | None, site_id: str, message: protocol.Se
             raise SecAggRefused("out-of-order", "no secure-aggregation session for this round")
         if isinstance(message, protocol.SecAggKeyDirectory):
             return session.share_keys(message, identity)
-        return session.unmask(message)
+        if isinstance(message, protocol.SecAggViewRequest):
+            return session.sign_view(message, identity)
+        return session.unmask(message, identity)
     except SecAggRefused as refused:
         return refusal(site_id, message.run_id, message.round, refused)
 

@@ -399,14 +399,20 @@ class RoundRunner:
 
     def _aggregate_secure(self, transport: Transport, round_id: int, secure: CoordinatorSecAggRound, updates: list[NodeReply],
                           sites: dict[str, SiteRoundRecord], entries: list[LedgerEntry]) -> tuple[bool, int, int]:
-        """Stages 3–4: collect the masked vectors, unmask their sum, validate it, step the optimizer.
+        """Stages 3–4: collect the masked vectors, have the survivors sign one view of who survived,
+        unmask their sum, validate it, step the optimizer.
         An abandoned round aggregates nothing; its sites trained, so each is recorded as spent
         (ledger "rejected", the reason saying the secure sum was abandoned)."""
         replies = {u.node: u.reply for u in updates if u.reply is not None}
         try:
             secure.receive_masked({u.node: u.masked() for u in updates if u.masked is not None})
+            view = secure.view_request()  # the consistency check: every survivor signs the one view
+            shown = {node: view for node in secure.masked}
+            signed = transport.secagg_exchange(shown, self.cfg.round_timeout_s)
+            secure.bytes += _stage_bytes(shown.values(), signed.values())
+            secure.receive_view_signatures(signed)
             request = secure.unmask_request()
-            asked = {node: request for node in secure.masked}
+            asked = {node: request for node in secure.view_signatures}
             answers = transport.secagg_exchange(asked, self.cfg.round_timeout_s)
             secure.bytes += _stage_bytes(asked.values(), answers.values())
             for node, refusal in secure.refusals.items():
