@@ -122,6 +122,14 @@ class SiteIdentityConfig(Strict):
         "may share a secure sum with, its own included — exchanged between the sites out of band, never through the "
         "coordinator: a directory key that is not signed by the listed identity of its site id is refused",
     )
+    max_colluding_sites: int = Field(
+        0, ge=0,
+        description="c: how many other sites of a round may collude with the coordinator while this site's update "
+        "stays hidden in the sum. The site refuses a setup whose threshold t ≤ (n + c)/2 (two views of who survived "
+        "could then both gather t signatures, the colluders signing both) and, for c > 0, masks only with every key "
+        "holder of the round. The coordinator's secure_aggregation.max_colluding_sites must be at least this. 0: "
+        "protection holds against a coordinator that colludes with no site",
+    )
 
     @model_validator(mode="after")
     def _peer_ids(self) -> "SiteIdentityConfig":
@@ -265,6 +273,12 @@ class SecureAggregationConfig(Strict):
     bits: int = Field(16, ge=2, le=30, description="quantization levels per coordinate: 2^bits (stochastic rounding)")
     modulus_bits: int = Field(32, ge=8, le=62, description="m: the masked sum is computed modulo M = 2^m")
     max_sites: int = Field(64, ge=2, description="n_max: most sites in one secure sum (the no-overflow proof's n)")
+    max_colluding_sites: int = Field(
+        0, ge=0,
+        description="c: the threshold is t = ⌊(n + c)/2⌋ + 1, so that no two views of who survived can both be "
+        "certified by t sites when up to c of them collude with the coordinator; a site refuses a lower t than its own "
+        "identity.max_colluding_sites asks for. Larger c tolerates fewer dropouts (n − t)",
+    )
 
     @model_validator(mode="after")
     def _no_overflow(self) -> "SecureAggregationConfig":

@@ -466,6 +466,47 @@ def test_a_round_of_fewer_sites_than_the_federation_holds_is_not_refused(tmp_pat
         assert session.stage == "shares-received"
 
 
+def test_with_colluders_allowed_two_views_cannot_both_be_certified(tmp_path) -> None:
+    """The attack a red-team found on 2026-12-07 against the view check: five sites at t 3, site 5
+    colluding, signs view A (survivors 1, 2, 5) with sites 1 and 2 and view B (3, 4, 5) with 3 and 4 —
+    two certified views, and every honest site's Δ alone. A site that allows c colluders refuses
+    t ≤ (n + c)/2; the coordinator's t = ⌊(n + c)/2⌋ + 1 (4 of 5 at c = 1) leaves no two views three
+    signers (the c colluders and 2t − n − c honest sites) could share, and the honest round still sums."""
+    from fedpose.federation.secagg.site import Identity
+
+    plain = _identities(5, tmp_path)
+    identities = {n: Identity(i.key, i.peers, max_colluding=1) for n, i in plain.items()}
+    lenient = CoordinatorSecAggRound(SETTINGS, "run", 1, list(range(1, 6)), 50)
+    assert lenient.threshold == 3
+    session, reply = start("site-1", lenient.setup(1), 50, identities[1])
+    assert session is None and _reason(reply) == "settings-refused"  # t 3 ≤ (5 + 1)/2
+
+    settings = SETTINGS.model_copy(update={"max_colluding_sites": 1})
+    coordinator = CoordinatorSecAggRound(settings, "run", 1, list(range(1, 6)), 50)
+    assert coordinator.threshold == 4
+    sessions, replies = {}, {}
+    for node in coordinator.participants:
+        sessions[node], replies[node] = start(f"site-{node}", coordinator.setup(node), 50, identities[node])
+    coordinator.receive_public_keys(replies)
+    directory = coordinator.key_directory()
+    coordinator.receive_shares({node: answer(s, s.site_id, directory, identities[node]) for node, s in sessions.items()})
+    short = coordinator.inbox(1).model_copy(update={"shares": coordinator.inbox(1).shares[:3]})
+    with pytest.raises(SecAggRefused, match="every key holder's must arrive"):  # colluders reveal all they hold
+        SiteSecAggSession.from_json(sessions[1].to_json()).receive_shares(short)
+    updates = _updates(5)
+    for node, session in sessions.items():
+        session.receive_shares(coordinator.inbox(node))
+    coordinator.receive_masked({node: s.mask(updates[node]) for node, s in sessions.items()})
+    view_a = protocol.SecAggViewRequest(run_id="run", round=1, survivors=[1, 2, 5], dropped=[3, 4])
+    assert _reason(answer(SiteSecAggSession.from_json(sessions[1].to_json()), "site-1", view_a, identities[1])) == "below-threshold"
+    _sign_view(coordinator, sessions, sessions, identities)
+    request = coordinator.unmask_request()
+    result = coordinator.unmask({node: answer(s, s.site_id, request, identities[node]) for node, s in sessions.items()})
+    assert np.abs(result.total - sum(updates.values())).max() < result.error_bound
+    with pytest.raises(RoundAbandoned, match="cannot hide an update"):  # 3 sites, c 3: t = 4 > n
+        CoordinatorSecAggRound(SETTINGS.model_copy(update={"max_colluding_sites": 3}), "run", 1, [1, 2, 3], 50).check_collusion_bound()
+
+
 @pytest.mark.parametrize(("members", "threshold", "smallest_safe"), [(3, 2, 3), (5, 3, 5), (5, 4, 4), (10, 6, 8), (16, 9, 14)])
 def test_the_smallest_mask_set_a_site_accepts_is_where_the_counting_rules_isolation_out(
         members: int, threshold: int, smallest_safe: int) -> None:

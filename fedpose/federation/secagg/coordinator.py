@@ -70,7 +70,7 @@ class CoordinatorSecAggRound:
         if len(self.participants) > self.settings.max_sites:
             raise ValueError(f"secure aggregation: {len(self.participants)} sites selected > "
                              f"coordinator.secure_aggregation.max_sites = {self.settings.max_sites} (the overflow bound's n)")
-        self.threshold = threshold_for(len(self.participants))
+        self.threshold = threshold_for(len(self.participants), self.settings.max_colluding_sites)
         self.quantizer = Quantizer(self.settings.clip_range * self.settings.max_weight, self.settings.bits,
                                    self.settings.modulus_bits, self.settings.max_sites)
 
@@ -90,6 +90,13 @@ class CoordinatorSecAggRound:
         return False
 
     # -- stage 1 ---------------------------------------------------------------------------------------
+    def check_collusion_bound(self) -> None:
+        """Before any setup: with c colluders allowed, t = ⌊(n + c)/2⌋ + 1 may exceed the n sites selected."""
+        if self.threshold > len(self.participants):
+            raise RoundAbandoned(f"{len(self.participants)} sites cannot hide an update from a coordinator colluding with "
+                                 f"{self.settings.max_colluding_sites} of them (threshold {self.threshold}); lower "
+                                 "secure_aggregation.max_colluding_sites or select more sites")
+
     def setup(self, node: int) -> protocol.SecAggSetup:
         s = self.settings
         return protocol.SecAggSetup(run_id=self.run_id, round=self.round, node=node, participants=self.participants,

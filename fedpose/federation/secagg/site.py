@@ -73,6 +73,7 @@ class Identity:
 
     key: Ed25519PrivateKey
     peers: Mapping[str, str]
+    max_colluding: int = 0  #: c: other sites that may collude with the coordinator (the site's own config)
 
     @classmethod
     def from_config(cls, site_id: str, config: SiteIdentityConfig | None) -> "Identity | None":
@@ -82,7 +83,7 @@ class Identity:
         key = crypto.load_identity(config.key)
         if crypto.identity_public_key(key) != config.peers.get(site_id):
             raise ValueError(f"site '{site_id}': the key in {config.key} is not the one identity.peers lists for this site")
-        return cls(key, dict(config.peers))
+        return cls(key, dict(config.peers), config.max_colluding_sites)
 
 
 def mask_set_isolates(mask_set: int, threshold: int, members: int) -> bool:
@@ -98,9 +99,10 @@ def setup_digest(setup: protocol.SecAggSetup) -> str:
     return crypto.settings_digest(setup.model_dump(mode="json", exclude={"node", "kind"}))
 
 
-def threshold_for(sites: int) -> int:
-    """t = ⌊n/2⌋ + 1: the smallest threshold the sites accept (t > n/2)."""
-    return sites // 2 + 1
+def threshold_for(sites: int, colluding: int = 0) -> int:
+    """t = ⌊(n + c)/2⌋ + 1: the smallest threshold sites allowing c colluders accept (t > (n + c)/2:
+    two sets of t signers of a view share more than c sites, so the colluders cannot certify two)."""
+    return (sites + colluding) // 2 + 1
 
 
 def quantizer_of(setup: protocol.SecAggSetup) -> Quantizer:
@@ -128,21 +130,26 @@ class SessionState(BaseModel):
     members: int | None = None
     #: the view of who survived the site signed (stage 4a): (survivors, dropped); None before
     view: tuple[list[int], list[int]] | None = None
+    #: c, colluding sites the site allows (its identity config)
+    colluding: int = 0
 
 
 class SiteSecAggSession:
     """One site's secure-aggregation state for one round (see the module docstring)."""
 
-    def __init__(self, site_id: str, setup: protocol.SecAggSetup, vector_length: int | None = None):
+    def __init__(self, site_id: str, setup: protocol.SecAggSetup, vector_length: int | None = None, colluding: int = 0):
         """Stage 1: check the setup (``vector_length``: the site's own count of trainable parameters,
-        when it knows it already) and make the round's key pairs."""
+        when it knows it already; ``colluding``: c, its identity's max_colluding_sites) and make the
+        round's key pairs."""
         self.site_id = site_id
         self.setup = setup
+        self._colluding = colluding
         n = len(setup.participants)
         if n < 2:
             self._refuse("settings-refused", f"{n} participant: a secure sum of one site is its update")
-        if 2 * setup.threshold <= n:
-            self._refuse("settings-refused", f"threshold {setup.threshold} ≤ n/2 = {n / 2:g}")
+        if 2 * setup.threshold <= n + colluding:
+            self._refuse("settings-refused", f"threshold {setup.threshold} ≤ (n + c)/2 = {(n + colluding) / 2:g} "
+                                             f"(n = {n} sites, c = {colluding} colluding sites allowed)")
         if n > setup.max_sites:
             self._refuse("settings-refused", f"{n} participants > max_sites {setup.max_sites}")
         try:
@@ -176,7 +183,7 @@ class SiteSecAggSession:
                             mask_private=self._mask_pair.private_bytes(), share_private=self._share_pair.private_bytes(),
                             peers=list(self._peers.values()), seed=self._seed, seed_shares=self._seed_shares,
                             key_shares=self._key_shares, mask_with=self._mask_with,
-                            members=self._members, view=self._view).model_dump_json()
+                            members=self._members, view=self._view, colluding=self._colluding).model_dump_json()
 
     @classmethod
     def from_json(cls, raw: str) -> "SiteSecAggSession":
@@ -191,6 +198,7 @@ class SiteSecAggSession:
         session._mask_with = list(state.mask_with)
         session._members = state.members
         session._view = (list(state.view[0]), list(state.view[1])) if state.view is not None else None
+        session._colluding = state.colluding
         return session
 
     def _refuse(self, code: protocol.SecAggRefusalCode, detail: str) -> None:
@@ -282,6 +290,9 @@ class SiteSecAggSession:
             self._refuse("inconsistent-shares", "repeated sources, the site itself, or sources outside the key directory")
         if len(sources) + 1 < self.setup.threshold:
             self._refuse("inconsistent-shares", f"{len(sources) + 1} sites < threshold {self.setup.threshold}")
+        if self._colluding and len(sources) + 1 < len(self._peers):  # colluders reveal all they hold: mask with everyone
+            self._refuse("inconsistent-shares", f"shares from {len(sources)} of {len(self._peers) - 1} peers: with "
+                                                f"{self._colluding} colluding sites allowed, every key holder's must arrive")
         if self._members is not None and mask_set_isolates(len(sources) + 1, self.setup.threshold, self._members):
             self._refuse("inconsistent-shares", f"shares from {len(sources)} peers: a mask set of {len(sources) + 1} of "
                                                 f"{self._members} sites at threshold {self.setup.threshold} could be unmasked alone")
@@ -415,7 +426,7 @@ def start(site_id: str, setup: protocol.SecAggSetup, vector_length: int | None =
           ) -> tuple[SiteSecAggSession | None, protocol.SecAggSiteMessage]:
     """Stage 1: a new session and its public keys (signed with ``identity``), or a refusal."""
     try:
-        session = SiteSecAggSession(site_id, setup, vector_length)
+        session = SiteSecAggSession(site_id, setup, vector_length, identity.max_colluding if identity is not None else 0)
     except SecAggRefused as refused:
         return None, refusal(site_id, setup.run_id, setup.round, refused)
     return session, session.public_keys(identity)

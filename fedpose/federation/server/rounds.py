@@ -386,6 +386,7 @@ class RoundRunner:
         """Stages 1–2 (setup, share keys): the train requests of the sites that shared their keys,
         each with its share inbox. Raises :class:`RoundAbandoned` before anyone trains."""
         timeout = self.cfg.round_timeout_s
+        secure.check_collusion_bound()
         setups = {node: secure.setup(node) for node in secure.participants}
         keys = transport.secagg_exchange(setups, timeout)
         secure.bytes += _stage_bytes(setups.values(), keys.values())
