@@ -158,6 +158,24 @@ def test_dp_resume_continues_the_privacy_ledger(synth: Path, tmp_path: Path) -> 
     assert resumed["epsilon"] == pytest.approx(straight["epsilon"])
 
 
+def test_a_dp_run_never_resumes_from_a_checkpoint_behind_its_spend(synth: Path, tmp_path: Path) -> None:
+    """best.pt (or any older checkpoint) restores its own, shorter ledger: resuming from it would drop
+    the later steps — whose validation scores chose it — from ε. Refused, nothing written."""
+    from fedpose.config import ConfigError
+
+    quiet = dict(progress=False, log=lambda _: None)
+    dp = ('privacy.mechanism="dpsgd"', "privacy.noise_multiplier=1.0", "train.steps=3", "train.checkpoint_every=1")
+    run = tmp_path / "run"
+    cfg = run_config(synth, run, *dp, val=False)
+    run_training(cfg, **quiet)
+    older = run / "checkpoints" / "step-1.pt"
+    torch.save(torch.load(run / "checkpoints" / "last.pt", weights_only=False) | {"step": 1}, older)
+    before = (run / "privacy.json").read_bytes()
+    with pytest.raises(ConfigError, match=r"at step 1, but .*privacy.json holds 3 DP steps already spent: .*drop steps 2–3"):
+        run_training(run_config(synth, run, *dp, "train.steps=5", val=False), resume=older, **quiet)
+    assert (run / "privacy.json").read_bytes() == before
+
+
 def _rewrite_ledger(checkpoint_path: Path, **changes) -> None:
     """The checkpoint as an older fedpose would have written it: its ledger state changed."""
     checkpoint = torch.load(checkpoint_path, weights_only=False)

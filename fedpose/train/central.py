@@ -23,6 +23,7 @@ seeded by (seed, step): replaying a seeded noise stream would reuse noise alread
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from dataclasses import dataclass, field
@@ -84,6 +85,22 @@ def resolve_resume(path: str | Path) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"--resume {path}: no such run directory or checkpoint")
     return path
+
+
+def refuse_rewinding_the_spend(run_dir: Path, start_step: int, resume: str | Path) -> None:
+    """A DP run resumes only from its latest spend: a checkpoint behind the steps its privacy.json
+    holds (``best.pt``, an older copy) would restore that checkpoint's ledger and drop the later
+    steps from ε — steps whose outputs chose ``best.pt`` in the first place."""
+    try:
+        spent = json.loads((run_dir / "privacy.json").read_text())
+    except (OSError, ValueError):
+        return  # no report yet (a run stopped before its first checkpoint): nothing to rewind
+    steps = spent.get("steps") if spent.get("guarantee") not in (None, "none") else None
+    if isinstance(steps, int) and steps > start_step:
+        raise ConfigError(
+            f"--resume {resume}: this checkpoint is at step {start_step}, but {run_dir / 'privacy.json'} holds {steps} DP "
+            f"steps already spent: resuming from it would drop steps {start_step + 1}–{steps} from ε. Resume the run's "
+            f"latest checkpoint (--resume {run_dir})")
 
 
 def resume_run_dir(path: str | Path) -> Path:
@@ -275,6 +292,8 @@ def run_training(
             f"train.out_dir: {run_dir} already holds a run; continue it with --resume {run_dir} or choose another train.out_dir"
         )
     start_step = int(checkpoint["step"]) if checkpoint else 0
+    if checkpoint is not None:
+        refuse_rewinding_the_spend(run_dir, start_step, resume)
     total_steps = cfg.train.steps
     if start_step >= total_steps:
         raise ConfigError(f"train.steps: the checkpoint is at step {start_step}; raise train.steps (--set train.steps=N) to continue")
