@@ -450,17 +450,23 @@ def test_an_unmask_request_needs_t_survivors_signatures_of_its_view(tmp_path) ->
     assert np.abs(result.total - sum(updates.values())).max() < result.error_bound
 
 
-def test_a_round_of_fewer_sites_than_the_federation_holds_is_not_refused(tmp_path) -> None:
-    """With identities, N for the mask-set rule is the round's participants (the signed setup gives
-    every site the same list), not every identity listed: six of ten sites run an honest round."""
-    identities = _identities(10, tmp_path)
-    coordinator = CoordinatorSecAggRound(SETTINGS, "run", 1, list(range(1, 7)), 50)
+def _keys_shared(coordinator: CoordinatorSecAggRound, identities: dict) -> dict[int, SiteSecAggSession]:
+    """Stages 1–2 with identities, every site honest: the sessions, their shares at the coordinator."""
     sessions, replies = {}, {}
     for node in coordinator.participants:
         sessions[node], replies[node] = start(f"site-{node}", coordinator.setup(node), 50, identities[node])
     coordinator.receive_public_keys(replies)
     directory = coordinator.key_directory()
     coordinator.receive_shares({node: answer(s, s.site_id, directory, identities[node]) for node, s in sessions.items()})
+    return sessions
+
+
+def test_a_round_of_fewer_sites_than_the_federation_holds_is_not_refused(tmp_path) -> None:
+    """With identities, N for the mask-set rule is the round's participants (the signed setup gives
+    every site the same list), not every identity listed: six of ten sites run an honest round."""
+    identities = _identities(10, tmp_path)
+    coordinator = CoordinatorSecAggRound(SETTINGS, "run", 1, list(range(1, 7)), 50)
+    sessions = _keys_shared(coordinator, identities)
     for node, session in sessions.items():
         session.receive_shares(coordinator.inbox(node))
         assert session.stage == "shares-received"
@@ -484,12 +490,7 @@ def test_with_colluders_allowed_two_views_cannot_both_be_certified(tmp_path) -> 
     settings = SETTINGS.model_copy(update={"max_colluding_sites": 1})
     coordinator = CoordinatorSecAggRound(settings, "run", 1, list(range(1, 6)), 50)
     assert coordinator.threshold == 4
-    sessions, replies = {}, {}
-    for node in coordinator.participants:
-        sessions[node], replies[node] = start(f"site-{node}", coordinator.setup(node), 50, identities[node])
-    coordinator.receive_public_keys(replies)
-    directory = coordinator.key_directory()
-    coordinator.receive_shares({node: answer(s, s.site_id, directory, identities[node]) for node, s in sessions.items()})
+    sessions = _keys_shared(coordinator, identities)
     short = coordinator.inbox(1).model_copy(update={"shares": coordinator.inbox(1).shares[:3]})
     with pytest.raises(SecAggRefused, match="every key holder's must arrive"):  # colluders reveal all they hold
         SiteSecAggSession.from_json(sessions[1].to_json()).receive_shares(short)
