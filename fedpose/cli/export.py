@@ -346,14 +346,14 @@ def model_card(model: Any, report: dict[str, Any], evaluation: dict[str, Any] | 
              "Read by `fedpose eval --checkpoint DIR` and `fedpose predict --checkpoint DIR`.", "",
              "## Training data and privacy guarantees", ""]
     federated = report.get("source") == "federation"
-    guarantees = {s.get("guarantee") for s in report.get("sites", [])} if federated else {report.get("guarantee")}
-    partial = bool(guarantees - {"DP", "none", None})  # FDP / MaskDP: part of each unit is public
+    # FDP / MaskDP: part of each unit is public
+    partial_sites = [s for s in report.get("sites", []) if s.get("guarantee") not in ("DP", "none", None)]
+    partial = bool(partial_sites) if federated else report.get("guarantee") not in ("DP", "none", None)
     if federated:
         lines += [f"Federated run `{report.get('run_id')}`; {report['guarantee_statement']}.", "",
                   "| site | protection unit | rounds joined | guarantee |", "| --- | --- | --- | --- |"]
         lines += [f"| {s['site_id']} | {s.get('protection_unit') or 'record'} | {s.get('rounds_joined')} | {s['epsilon_text']} |"
                   for s in report.get("sites", [])]
-        partial_sites = [s for s in report.get("sites", []) if s.get("guarantee") not in ("DP", "none", None)]
         if partial_sites:
             lines += ["", "Sites whose guarantee protects only part of each unit:", ""]
             lines += [f"- {s['site_id']} ({s['guarantee']}): protects {s.get('protected_part')}; treated as public, "
