@@ -301,6 +301,19 @@ def test_patient_ids_that_differ_only_in_case_or_spacing_are_one_patient() -> No
     assert records[1].patient_id == "p-017"  # the record keeps the id as written
 
 
+def test_patient_ids_written_with_invisible_look_alike_or_padding_characters_are_one_patient() -> None:
+    """A red-team (2026-12-07) split one patient into 7 units with spellings case-folding missed: a
+    zero-width space, a byte-order mark, a soft hyphen, a full-width letter, dash variants — and
+    17 / "017" / "0017", as a spreadsheet writes them. Each is one patient now; distinct ids stay apart."""
+    spellings = ["P-017", "P\u200b-017", "\ufeffP-017", "P\u00ad-017", "\uff30-017", "P\u2011017", "P\u2013017",
+                 "P\u2212017", "p-017\u00a0"]
+    records = [_record(f"{i}.png", spelling) for i, spelling in enumerate(spellings)]
+    records += [_record("x.png", 17), _record("y.png", "017"), _record("z.png", "0017"), _record("w.png", "P-018"),
+                _record("v.png", "1017")]
+    n = len(spellings)
+    assert UnitIndex.from_records(records, "patient").members == (tuple(range(n)), (n, n + 1, n + 2), (n + 3,), (n + 4,))
+
+
 def test_patient_unit_without_patient_ids_names_the_problem_and_where() -> None:
     records = [_record("a.png", "p1"), _record("b.png"), _record("c.png")]
     with pytest.raises(UnitError, match=r"site B: privacy.unit = 'patient' needs 'patient_id' on every record, but 2 of 3 "

@@ -21,6 +21,7 @@ report; a federation site pins it in its budget state, where changing it is a gu
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -136,12 +137,22 @@ class UnitIndex:
         return cls(unit, tuple(tuple(g) for g in groups.values()))
 
 
+#: characters a registry or a spreadsheet writes for "-": hyphen-minus, hyphen, non-breaking hyphen,
+#: figure dash, en and em dash, minus sign, small and full-width hyphen-minus
+_DASHES = dict.fromkeys(map(ord, "\u2010\u2011\u2012\u2013\u2014\u2212\ufe63\uff0d"), "-")
+
+
 def patient_key(patient_id: str) -> str:
-    """The unit a patient id names: ids that differ only in letter case or spacing ("P-017", "p-017",
-    "P -017" is not one of them) are one patient — registries and hand-typed annotations mix them,
-    and one patient split into two units would be protected only as each half (merging two real
-    patients can only protect both more)."""
-    return " ".join(patient_id.split()).casefold()
+    """The unit a patient id names. Ids that differ only in how they are written are one patient:
+    letter case, spacing, Unicode compatibility forms (full-width "Ｐ"), invisible format characters
+    (a zero-width space, a byte-order mark, a soft hyphen), dash variants, and the leading zeros of
+    an all-digit id ("017" and 17: a spreadsheet drops them) — registries and hand-typed annotations
+    mix them, and one patient split into two units would be protected only as each part (merging
+    two real patients can only protect both more)."""
+    text = unicodedata.normalize("NFKC", patient_id)
+    text = "".join(c for c in text if unicodedata.category(c) != "Cf").translate(_DASHES)
+    text = " ".join(text.split()).casefold()
+    return str(int(text)) if text.isascii() and text.isdigit() else text
 
 
 def _patients_sharing_an_image(records: Sequence[PoseRecord], patients: list[str]) -> list[str]:
