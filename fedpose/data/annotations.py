@@ -15,6 +15,7 @@ Synthetic data, MPII and COCO (after joint mapping) all load into :class:`PoseRe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -148,12 +149,24 @@ def resolve_image(dataset_dir: Path, image: str) -> Path:
     raise AnnotationError(f"{dataset_dir}: image '{image}' not found (looked in . and images/)")
 
 
-def refuse_image_aliases(dataset_dir: Path, files: Mapping[str, Path]) -> None:
-    """:class:`AnnotationError` when two image names of the annotations are one file ("x.png" and
-    "images/x.png", "./x.png", a link): units, LDP-Slicing's single release and MaskDP's head boxes
-    count images by name, so an image named twice would be two units, privatized twice, or masked
-    for only one name's people."""
+def file_digest(path: Path) -> str:
+    """SHA-256 (hex) of a file's bytes: an image's identity whatever it is named."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def refuse_image_aliases(dataset_dir: Path, files: Mapping[str, Path], digests: Mapping[str, str] | None = None) -> None:
+    """:class:`AnnotationError` when two image names of the annotations are one image: one file
+    ("x.png" and "images/x.png", "./x.png", a link) or two files with the same bytes (a copy). Units,
+    LDP-Slicing's single release and MaskDP's head boxes count images by name, so an image named
+    twice would be two units (its patients not merged), privatized twice (twice its ε per pixel), or
+    masked for only one name's people. ``digests``: name → :func:`file_digest`, where the caller has
+    them (else each file is read)."""
     seen: dict[tuple[int, int], str] = {}
+    by_content: dict[str, str] = {}
     for name, path in files.items():
         status = os.stat(path)  # follows links: one file, one identity
         key = (status.st_dev, status.st_ino)
@@ -161,3 +174,8 @@ def refuse_image_aliases(dataset_dir: Path, files: Mapping[str, Path]) -> None:
             raise AnnotationError(f"{dataset_dir}: the image names '{seen[key]}' and '{name}' are one file ({path}); "
                                   "name each image one way in the annotations")
         seen[key] = name
+        content = digests[name] if digests is not None and name in digests else file_digest(path)
+        if content in by_content:
+            raise AnnotationError(f"{dataset_dir}: the images '{by_content[content]}' and '{name}' hold the same bytes: one "
+                                  "photograph under two names; keep one file and name it in every record that shows it")
+        by_content[content] = name

@@ -2,8 +2,8 @@
 
 The dataset decodes lazily, so without this a corrupt file is found only when a batch happens to
 draw it — possibly rounds later, after budget was spent, or never. A site therefore checks all of
-its files when its data is first loaded. The result is cached per file (size, modification time)
-so later rounds re-read only files that changed.
+its files when its data is first loaded. The result is cached per file (size, modification time,
+SHA-256) so later rounds re-read only files that changed.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from fedpose.data.annotations import PoseRecord, refuse_image_aliases
+from fedpose.data.annotations import PoseRecord, file_digest, refuse_image_aliases
 from fedpose.data.loaders import ImageLoadError, resolve_image_or_raise
 from fedpose.io import atomic_write_json
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  #: 2: each file's entry also holds its SHA-256 (copies of one photograph are refused)
 MAX_NAMED = 5  #: how many bad files the error names (the count is always given)
 
 
@@ -25,7 +25,7 @@ def _stamp(path: Path) -> list[int]:
     return [stat.st_size, stat.st_mtime_ns]
 
 
-def _read_cache(cache_file: Path | None, root: Path) -> dict[str, list[int]]:
+def _read_cache(cache_file: Path | None, root: Path) -> dict[str, list]:
     if cache_file is None or not cache_file.exists():
         return {}
     try:
@@ -50,7 +50,8 @@ def check_images(
     root = Path(root)
     cache_path = Path(cache_file) if cache_file is not None else None
     known = _read_cache(cache_path, root)
-    sound: dict[str, list[int]] = {}
+    sound: dict[str, list] = {}
+    digests: dict[str, str] = {}
     files: dict[str, Path] = {}
     bad: list[str] = []
     names = sorted({r.image for r in records})
@@ -59,10 +60,13 @@ def check_images(
         try:
             path = resolve_image_or_raise(root, name)
             stamp = _stamp(path)
-            if known.get(name) != stamp:
+            entry = known.get(name)
+            if not (isinstance(entry, list) and entry[:2] == stamp and len(entry) == 3):
                 load_image(path)  # a full decode: truncated files fail only when the pixels are read
                 decoded += 1
-            sound[name] = stamp
+                entry = [*stamp, file_digest(path)]
+            sound[name] = entry
+            digests[name] = entry[2]
             files[name] = path
         except (ImageLoadError, OSError) as exc:
             bad.append(f"{name} ({exc.__class__.__name__}: {str(exc).splitlines()[0][:200]})")
@@ -71,7 +75,7 @@ def check_images(
     if cache_path is not None and sound != known:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(cache_path, {"version": CACHE_VERSION, "root": str(root), "files": sound})
-    refuse_image_aliases(root, files)
+    refuse_image_aliases(root, files, digests)
     if bad:
         listed = "; ".join(bad[:MAX_NAMED]) + (f"; and {len(bad) - MAX_NAMED} more" if len(bad) > MAX_NAMED else "")
         raise ImageLoadError(f"{len(bad)} of {len(names)} images under {root} cannot be read: {listed}")

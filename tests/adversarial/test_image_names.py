@@ -23,8 +23,8 @@ def _record(name: str) -> PoseRecord:
     return PoseRecord(name, joints, np.ones(16, np.float32), np.array([24, 24], np.float32), 0.2)
 
 
-def _image(path) -> np.ndarray:
-    rgb = np.random.default_rng(1).integers(0, 256, (48, 48, 3), dtype=np.uint8)
+def _image(path, seed: int = 1) -> np.ndarray:
+    rgb = np.random.default_rng(seed).integers(0, 256, (48, 48, 3), dtype=np.uint8)
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(rgb).save(path)
     return rgb
@@ -63,10 +63,27 @@ def test_one_file_under_two_names_is_refused(tmp_path, alias) -> None:
         check_images([_record("img.png"), _record(alias)], src)
 
 
+def test_a_copy_of_one_photograph_under_another_name_is_refused(tmp_path) -> None:
+    """A red-team (2026-12-07): a byte-identical copy passed every check — two image units for one
+    photograph, its patients not merged, and LDP-Slicing released it twice (twice its ε per pixel;
+    the two releases averaged came closer to the raw photograph). Images are compared by content."""
+    import shutil
+
+    src = tmp_path / "site"
+    _image(src / "ward_0001.png")
+    shutil.copyfile(src / "ward_0001.png", src / "ward_0001_copy.png")
+    _dataset(src, ["ward_0001.png", "ward_0001_copy.png"])
+    with pytest.raises(AnnotationError, match="'ward_0001.png' and 'ward_0001_copy.png' hold the same bytes"):
+        privatize_dataset(src, tmp_path / "private", CFG)
+    with pytest.raises(AnnotationError, match="hold the same bytes"):
+        check_images([_record("ward_0001.png"), _record("ward_0001_copy.png")], src, cache_file=tmp_path / "check.json")
+    assert not list((tmp_path).glob("private*/*.png"))  # nothing released
+
+
 def test_one_name_per_file_still_privatizes(tmp_path) -> None:
     src = tmp_path / "site"
     _image(src / "images" / "a.png")
-    _image(src / "b.png")
+    _image(src / "b.png", seed=2)
     _dataset(src, ["a.png", "b.png", "a.png"])  # one image, two people: one name
     assert privatize_dataset(src, tmp_path / "private", CFG)["mechanism"] == "ldp-slicing"
     assert check_images([_record("a.png"), _record("b.png")], src) == 2

@@ -127,6 +127,7 @@ def synthetic_site(tmp: Path, factor: float, margin: float, seed: int) -> None:
             box = np.array([[hx - size / 2, hy - size / 2], [hx + size / 2, hy + size * 0.6]], np.float32)
             joints = np.stack([rng.uniform(cx - 40 * scale, cx + 40 * scale, 16),
                                rng.uniform(cy - 90 * scale, cy + 90 * scale, 16)], 1).astype(np.float32)
+            joints[8], joints[9] = (hx, hy + size * 0.5), (hx, hy - size * 0.45)  # upper neck, head top: in the box
             records.append(PoseRecord(name, joints, np.ones(16, np.float32), np.array([cx, cy], np.float32), scale, box))
     write_sites(tmp, images, records, margin, rng)
 
@@ -182,3 +183,27 @@ def test_a_maskdp_site_decodes_at_full_size_and_a_reduced_decode_masks_the_whole
     reduced = collate([PoseDataset(records, root, INPUT_SIZE, reduced_decode=True)[big]])
     assert bool(torch.isinf(reduced["private_reach"]).all())
     assert bool((mask_view(reduced, privacy) == 0).all())  # fill 'mean' is 0 in normalized space
+
+
+def test_a_head_box_that_does_not_hold_the_head_masks_the_person_instead(tmp_path: Path) -> None:
+    """A red-team (2026-12-07) loaded degenerate, 2-px and shifted head boxes without a word, and the
+    real head reached the noise-free masked view. A box must have an area and hold the visible upper
+    neck and head top (with a quarter of its size to spare); otherwise the person box is masked."""
+    from fedpose.data.dataset import head_box_holds_head
+
+    joints = np.zeros((16, 2), np.float32)
+    joints[8], joints[9] = (50, 40), (50, 10)  # upper neck, head top
+    def record(box) -> PoseRecord:
+        return PoseRecord("a.png", joints, np.ones(16, np.float32), np.array([50, 80], np.float32), 0.5,
+                          np.asarray(box, np.float32))
+    assert head_box_holds_head(record([[35, 8], [65, 42]]))
+    assert head_box_holds_head(record([[35, 12], [65, 42]]))  # head top on (near) the edge
+    for bad in ([[0, 0], [0, 0]], [[49, 10], [51, 11]], [[95, 8], [125, 42]], [[65, 42], [35, 8]]):
+        assert not head_box_holds_head(record(bad)), bad
+    hidden = joints.copy()
+    hidden_record = PoseRecord("a.png", hidden, np.r_[np.ones(8), np.zeros(2), np.ones(6)].astype(np.float32),
+                               np.array([50, 80], np.float32), 0.5, np.asarray([[95, 8], [125, 42]], np.float32))
+    assert head_box_holds_head(hidden_record)  # no visible head joint to contradict the box
+    dataset = PoseDataset([record([[95, 8], [125, 42]])], tmp_path, INPUT_SIZE, train=False)
+    assert dataset.head_boxes_replaced == 1
+    assert np.allclose(dataset._image_heads["a.png"][0], dataset._person_box(record([[95, 8], [125, 42]])))
