@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -131,23 +131,34 @@ def site_progress(federation: Any) -> Any:
 
 
 @contextmanager
-def printing_progress(lines: Any, poll_s: float = PROGRESS_POLL_S) -> Iterator[None]:
-    """Print ``lines.line()`` whenever it has one, from a thread, for the duration of the block."""
+def repeating_on_a_thread(name: str, tick: Callable[[], None], every_s: float) -> Iterator[None]:
+    """Call ``tick()`` every ``every_s`` seconds (0: back to back — a tick that waits itself) from a
+    daemon thread named ``name``, for the duration of the block; the thread is joined when it ends."""
     done = threading.Event()
 
-    def watch() -> None:
-        while not done.wait(poll_s):
-            if (line := lines.line()) is not None:
-                sys.stdout.write(line + "\n")  # one write: the coordinator's round lines come from another thread
-                sys.stdout.flush()
+    def repeat() -> None:
+        while not done.wait(every_s):
+            tick()
 
-    thread = threading.Thread(target=watch, name="fedpose-progress", daemon=True)
+    thread = threading.Thread(target=repeat, name=name, daemon=True)
     thread.start()
     try:
         yield
     finally:
         done.set()
         thread.join()
+
+
+@contextmanager
+def printing_progress(lines: Any, poll_s: float = PROGRESS_POLL_S) -> Iterator[None]:
+    """Print ``lines.line()`` whenever it has one, from a thread, for the duration of the block."""
+    def show() -> None:
+        if (line := lines.line()) is not None:
+            sys.stdout.write(line + "\n")  # one write: the coordinator's round lines come from another thread
+            sys.stdout.flush()
+
+    with repeating_on_a_thread("fedpose-progress", show, poll_s):
+        yield
 
 
 # -- resume and the end of a run -----------------------------------------------------------------------

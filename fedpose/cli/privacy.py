@@ -257,27 +257,29 @@ def _budget(args: argparse.Namespace) -> int:
     return 0
 
 
-def _spends_the_budget_lacks(state_dir: Path) -> dict[str, Any] | None:
-    """What ``privacy adopt`` would add (spends in the journal or in the coordinator's record that
-    the budget lacks; None when there are none): a dry run, nothing written."""
+def _adoption(state_dir: Path, dry_run: bool) -> dict[str, Any]:
+    """``privacy adopt``: add to the budget the spends its journal or the coordinator's record (the one
+    the site last refused on) hold and it lacks; with ``dry_run`` nothing is written."""
     from fedpose.federation.site_budget import adopt_spends
     from fedpose.federation.witness import load_saved_record
 
     saved = load_saved_record(state_dir)
     spends, source = saved if saved is not None else ([], "")
-    found = adopt_spends(state_dir, spends, source, dry_run=True)
+    return adopt_spends(state_dir, spends, source, dry_run=dry_run)
+
+
+def _spends_the_budget_lacks(state_dir: Path) -> dict[str, Any] | None:
+    """What ``privacy adopt`` would add (None when there is nothing): a dry run, nothing written."""
+    found = _adoption(state_dir, dry_run=True)
     return found if found["adopted"] else None
 
 
 def _adopt(args: argparse.Namespace) -> int:
-    from fedpose.federation.site_budget import BudgetError, adopt_spends
-    from fedpose.federation.witness import load_saved_record
+    from fedpose.federation.site_budget import BudgetError
     from fedpose.privacy.report import format_epsilon
 
     try:
-        saved = load_saved_record(args.state_dir)
-        spends, source = saved if saved is not None else ([], "")
-        result = adopt_spends(args.state_dir, spends, source, dry_run=args.dry_run)
+        result = _adoption(args.state_dir, args.dry_run)
     except BudgetError as exc:
         raise UserError(str(exc)) from None
     if args.json:

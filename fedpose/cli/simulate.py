@@ -32,7 +32,7 @@ from typing import Any
 
 from fedpose.cli.common import UserError, add_config_args
 from fedpose.cli.federation_run import (add_run_args, conclude_run, data_paths, ensure_federation_data, finished_run, pop_synthetic,
-                                        printing_progress, site_progress)
+                                        printing_progress, repeating_on_a_thread, site_progress)
 from fedpose.federation.report import REPORT_FILE
 
 SIMULATION_LOG = "simulation.log"  #: Flower's log and Python warnings, in the coordinator's checkpoint_dir
@@ -236,20 +236,14 @@ def interrupt_stops_simulation(config: str | Path, marker: str) -> Iterator[None
         os.close(write_end)
         yield
         return
-    done = threading.Event()
+    def watch() -> None:  # waits up to 0.5 s itself, so the block's end is seen within that
+        if select.select([read_end], [], [], 0.5)[0] and signal.SIGINT in os.read(read_end, 64):
+            stop_interrupted_simulation(config, marker)
 
-    def watch() -> None:
-        while not done.is_set():
-            if select.select([read_end], [], [], 0.5)[0] and signal.SIGINT in os.read(read_end, 64):
-                stop_interrupted_simulation(config, marker)
-
-    watcher = threading.Thread(target=watch, name="fedpose-interrupt", daemon=True)
-    watcher.start()
     try:
-        yield
+        with repeating_on_a_thread("fedpose-interrupt", watch, 0.0):
+            yield
     finally:
-        done.set()
-        watcher.join()
         signal.set_wakeup_fd(previous)
         os.close(read_end)
         os.close(write_end)

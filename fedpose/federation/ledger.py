@@ -321,16 +321,14 @@ class BudgetLedger:
 
     def spend_events(self, run_id: str) -> dict[str, list[tuple[int, float, float, int]]]:
         """site id → the (round, σ, q, steps) events it reported spent in ``run_id``, by round."""
-        if not self._has_spends:
-            return {}
-        rows = self._db.execute("SELECT site_id, round, noise_multiplier, sample_rate, steps FROM site_spends "
-                                "WHERE run_id = ? ORDER BY site_id, round", (run_id,)).fetchall()
         events: dict[str, list[tuple[int, float, float, int]]] = {}
-        for site_id, round_id, sigma, q, steps in rows:
-            events.setdefault(site_id, []).append((int(round_id), float(sigma), float(q), int(steps)))
+        for site_id, run, round_id, sigma, q, steps in self._spend_rows():
+            if run == run_id:
+                events.setdefault(site_id, []).append((int(round_id), float(sigma), float(q), int(steps)))
         return events
 
     def _spend_rows(self) -> list[tuple[str, str, int, float, float, int]]:
+        """Every row of the witness table: (site, run, round, σ, q, steps), by site, run and round."""
         if not self._has_spends:
             return []
         return self._db.execute("SELECT site_id, run_id, round, noise_multiplier, sample_rate, steps FROM site_spends "
