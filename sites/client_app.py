@@ -228,11 +228,28 @@ def site_log(site: SiteConfig) -> Iterator[None]:
         handler.close()
 
 
+def record_blocked_reply(msg: Message, context: Context, problems: list[str], federation_config: str | Path | None = None) -> None:
+    """Enter in the site's audit log that the egress guard blocked its reply to a training instruction
+    (the log's line for that reply was written before the guard looked). Stage messages of secure
+    aggregation are not in the log; an instruction or config that cannot be read left no line."""
+    from fedpose.federation.site_audit import record_blocked
+
+    if msg.metadata.message_type != protocol.MESSAGE_TYPE_TRAIN:
+        return
+    site = site_from_context(context, federation_config)
+    instruction = protocol.decode_instruction(dict(msg.content[protocol.CONFIG_RECORD]))
+    with site_log(site):
+        logged = record_blocked(site.state_dir, site.site_id, instruction.run_id, instruction.round)
+        log.error("site %s round %d: the egress guard blocked the reply (%s)%s", site.site_id, instruction.round,
+                  "; ".join(problems), f"; audit.jsonl entry {logged.seq} records it" if logged else "")
+
+
 def build_client_app(federation_config: str | Path | None = None, outer_mods: Sequence[Mod] = ()) -> ClientApp:
     """A ClientApp whose sites come from node config (or ``federation_config`` in simulation).
 
     ``outer_mods`` run outside the egress guard (tests use them to tamper with what leaves)."""
-    client_app = ClientApp(mods=[*outer_mods, egress_guard])
+    guard = functools.partial(egress_guard, on_blocked=functools.partial(record_blocked_reply, federation_config=federation_config))
+    client_app = ClientApp(mods=[*outer_mods, guard])
 
     @client_app.train()
     def train(msg: Message, context: Context) -> Message:

@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import traceback
+from collections.abc import Callable
 
 import numpy as np
 from flwr.app import ArrayRecord, ConfigRecord, Context, Error, Message
@@ -148,7 +149,12 @@ def violations(incoming: Message, reply: Message) -> list[str]:
     return problems
 
 
-def egress_guard(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+BlockedHook = Callable[[Message, Context, list[str]], None]
+
+
+def egress_guard(msg: Message, context: Context, call_next: ClientAppCallable, on_blocked: BlockedHook | None = None) -> Message:
+    """The mod. ``on_blocked(msg, context, problems)`` runs after a reply to ``msg`` is blocked (the site's
+    ClientApp enters it in its audit log); a failure there is logged locally, the error still leaves."""
     try:
         reply = call_next(msg, context)
     except Exception as exc:  # noqa: BLE001 - nothing unsanitized may leave, whatever failed
@@ -160,6 +166,11 @@ def egress_guard(msg: Message, context: Context, call_next: ClientAppCallable) -
         # they come from fixed checks, never from values
         log.error("egress guard blocked a reply: %s", "; ".join(problems))
         reply = Message(Error(code=EGRESS_ERROR_CODE, reason="egress guard blocked the reply: " + "; ".join(problems)[:1000]), reply_to=msg)
+        if on_blocked is not None:
+            try:
+                on_blocked(msg, context, problems)
+            except Exception:  # noqa: BLE001 - the blocked reply must not leave, whatever the hook does
+                log.error("cannot record the blocked reply:\n%s", traceback.format_exc())
     log_path = os.environ.get("FEDPOSE_EGRESS_LOG")
     if log_path:
         with open(log_path, "a", encoding="utf-8") as fh:

@@ -101,7 +101,7 @@ def _identity(args: argparse.Namespace) -> int:
 CSV_COLUMNS = ("seq", "at_utc", "site_id", "run_id", "round", "asked_local_steps", "asked_basis_version", "asked_backbone",
                "asked_input_size", "global_sha256", "ledger_record_rounds", "status", "reason", "error_class", "local_steps",
                "guarantee", "protection_unit", "delta", "accountant", "epsilon", "eps_max", "epsilon_text", "rounds_spent",
-               "noise_multiplier", "sample_rate", "steps", "update_bytes", "update_sha256", "prev", "hash")
+               "noise_multiplier", "sample_rate", "steps", "update_bytes", "update_sha256", "blocked_seq", "prev", "hash")
 
 
 def _utc(at: float) -> str:
@@ -132,6 +132,7 @@ def _row(entry: Any) -> dict[str, Any]:
         "epsilon_text": _epsilon_text(entry), "rounds_spent": "" if entry.rounds_spent is None else entry.rounds_spent,
         "noise_multiplier": spend.noise_multiplier if spend else "", "sample_rate": spend.sample_rate if spend else "",
         "steps": spend.steps if spend else "", "update_bytes": entry.update_bytes, "update_sha256": entry.update_sha256 or "",
+        "blocked_seq": "" if entry.blocked_seq is None else entry.blocked_seq,
         "prev": entry.prev, "hash": entry.hash,
     }
 

@@ -4,7 +4,9 @@
 ``<state_dir>/audit.jsonl`` holds one line per reply, written by the site at the moment it replies
 (:func:`record_reply`, called from :func:`~fedpose.federation.local_training.train_site_round` and,
 for an error reply, :func:`~fedpose.federation.local_training.run_site_round`) and before the
-reply is handed to Flower: an update that could not be logged is not sent. Each line
+reply is handed to Flower: an update that could not be logged is not sent. The egress guard
+(``sites/egress.py``) checks the reply after that; one it blocks gets a second line
+(:func:`record_blocked`, ``blocked_seq``) saying that the guard's error left instead. Each line
 (:class:`AuditEntry`) says what was asked (the instruction's public fields), what the site answered
 (status, reason code), its cumulative ε after the round with guarantee, unit, δ and accountant, the
 (σ, q, steps) it spent for the round, and the size and SHA-256 of the update it released — public
@@ -33,7 +35,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,8 @@ from fedpose.federation.protocol import ReasonCode, ReplyStatus, SiteReply, Spen
 log = logging.getLogger(__name__)
 
 AUDIT_FILE = "audit.jsonl"
+#: ``error_class`` of the entry that records a reply the egress guard blocked
+BLOCKED_ERROR_CLASS = "EgressGuardBlocked"
 AUDIT_FORMAT = "fedpose.site-audit/1"
 #: ``prev`` of the first entry
 GENESIS = "0" * 64
@@ -92,6 +96,9 @@ class AuditEntry(_Entry):
     spend: SpendEvent | None  #: this round's (σ, q, steps) when the site's budget holds it as spent
     update_bytes: int  #: bytes of the released update's arrays (0: nothing released)
     update_sha256: str | None  #: :func:`arrays_sha256` of the released update (None: nothing released)
+    #: set on the entry that records that the egress guard blocked the reply logged at this seq
+    #: (:func:`record_blocked`): that reply did not leave, the guard's error did
+    blocked_seq: int | None = None
     hash: str = ""  #: SHA-256 of the canonical JSON of every other field
 
 
@@ -126,30 +133,62 @@ def record_reply(state_dir: str | Path, reply: SiteReply, update: Mapping[str, n
     """Append the entry of ``reply`` (and the ``update`` it carries) to the site's audit log, chained
     to the last entry, fsynced, under the state lock. Raises OSError when it cannot be written: the
     caller then sends no update."""
-    from fedpose.federation.site_budget import _state_lock
-
-    state_dir = Path(state_dir)
     privacy = reply.privacy
     spend = next((e for e in reply.spends if e.round == reply.round), None)
     released = dict(update) if reply.carries_update else {}
+    return _append(Path(state_dir), lambda entries: dict(
+        site_id=reply.site_id, run_id=reply.run_id, round=reply.round, asked=asked, status=reply.status,
+        reason=reply.reason, error_class=reply.error_class, local_steps=reply.local_steps,
+        guarantee=privacy.guarantee if privacy else None, protection_unit=privacy.protection_unit if privacy else None,
+        delta=privacy.delta if privacy else None, accountant=privacy.accountant if privacy else None,
+        epsilon=privacy.epsilon if privacy else None, eps_max=privacy.eps_max if privacy else None,
+        rounds_spent=privacy.rounds_spent if privacy else None, spend=spend,
+        update_bytes=int(sum(np.asarray(a).nbytes for a in released.values())),
+        update_sha256=arrays_sha256(released) if released else None,
+    ))
+
+
+def record_blocked(state_dir: str | Path, site_id: str, run_id: str, round_id: int) -> AuditEntry | None:
+    """Append that the egress guard blocked the reply last logged for (site, run, round): the
+    coordinator got the guard's error instead, and no update left. The blocked entry keeps its place
+    in the chain (it was written before the guard looked); this one corrects it. Its spend, ε and
+    instruction are the blocked entry's (the spend stands). None when no reply for that round was
+    logged (a reply made outside the round, e.g. for a config that does not load: nothing to correct)."""
+
+    def correction(entries: Sequence[AuditEntry]) -> dict[str, Any] | None:
+        blocked = next((e for e in reversed(entries) if (e.site_id, e.run_id, e.round) == (site_id, run_id, round_id)
+                        and e.blocked_seq is None), None)
+        if blocked is None:
+            return None
+        kept = blocked.model_dump(include={"site_id", "run_id", "round", "asked", "local_steps", "guarantee",
+                                           "protection_unit", "delta", "accountant", "epsilon", "eps_max",
+                                           "rounds_spent", "spend"})
+        return dict(kept, status="error", reason=None, error_class=BLOCKED_ERROR_CLASS, update_bytes=0,
+                    update_sha256=None, blocked_seq=blocked.seq)
+
+    return _append(Path(state_dir), correction)
+
+
+def _append(state_dir: Path, fields_of: Callable[[Sequence[AuditEntry]], dict[str, Any] | None]) -> AuditEntry | None:
+    """Append the entry ``fields_of(the entries so far)`` gives (None: append nothing), chained to the
+    last entry, fsynced, under the state lock."""
+    from fedpose.federation.site_budget import _state_lock
+
     with _state_lock(state_dir):
         path = state_dir / AUDIT_FILE
         entries, torn_at = _read(path)
         if torn_at is not None:  # a torn last line (the site stopped mid-append): never an entry
             with open(path, "r+b") as fh:
                 fh.truncate(torn_at)
-        last = entries[-1][1] if entries else None
-        fields = AuditEntry(
-            seq=(last.seq + 1) if last else 1, prev=last.hash if last else GENESIS, at=time.time(),
-            site_id=reply.site_id, run_id=reply.run_id, round=reply.round, asked=asked, status=reply.status,
-            reason=reply.reason, error_class=reply.error_class, local_steps=reply.local_steps,
-            guarantee=privacy.guarantee if privacy else None, protection_unit=privacy.protection_unit if privacy else None,
-            delta=privacy.delta if privacy else None, accountant=privacy.accountant if privacy else None,
-            epsilon=privacy.epsilon if privacy else None, eps_max=privacy.eps_max if privacy else None,
-            rounds_spent=privacy.rounds_spent if privacy else None, spend=spend,
-            update_bytes=int(sum(np.asarray(a).nbytes for a in released.values())),
-            update_sha256=arrays_sha256(released) if released else None,
-        ).model_dump(mode="json")
+        parsed = [entry for _, entry in entries]
+        new_fields = fields_of(parsed)
+        if new_fields is None:
+            return None
+        last = parsed[-1] if parsed else None
+        fields = AuditEntry(seq=(last.seq + 1) if last else 1, prev=last.hash if last else GENESIS, at=time.time(),
+                            **new_fields).model_dump(mode="json", exclude_none=False)
+        if fields["blocked_seq"] is None:
+            del fields["blocked_seq"]  # entries of replies that left as logged are written as before the field existed
         fields["hash"] = _entry_hash(fields)
         with open(path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(fields, ensure_ascii=False) + "\n")

@@ -10,6 +10,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fedpose.cli import main
@@ -196,3 +197,50 @@ def test_an_update_that_cannot_be_logged_is_not_sent(site_rounds, tmp_path: Path
     assert not result.update and not result.reply.carries_update
     budget = SiteBudget(state, "site-1", 50.0, 1e-5, "DP", unit="patient")
     assert budget.entry("run", 4).status == "spent"
+
+
+@pytest.mark.usefixtures("flower_task_identity")
+def test_a_reply_the_egress_guard_blocks_is_recorded_as_blocked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the real ClientApp: a bug adds a record the protocol does not allow to a trained
+    round's reply. The round's "ok" line (with the update's digest) was written before the guard
+    looked; a second line says the guard blocked it and that no update left — what the coordinator
+    got (an egress error) — and the chain and its spend still verify."""
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+
+    import sites.client_app as client_app
+    from fedpose.federation import protocol
+    from fedpose.federation.site_audit import BLOCKED_ERROR_CLASS
+    from fedpose.train.central import to_toml
+    from sites.egress import EGRESS_ERROR_CODE
+
+    site = site_config(make_site_data(tmp_path / "data"), tmp_path / "state")
+    config = tmp_path / "site.toml"
+    config.write_text(to_toml(json.loads(site.model_dump_json())))
+    context = Context(run_id=1, node_id=1, node_config={"site-config": str(config)}, state=RecordDict(), run_config={})
+    weights, spec = global_model()
+    instruction = protocol.TrainInstruction(run_id="run", round=1, local_steps=2, model_spec=spec)
+    msg = Message(RecordDict({protocol.CONFIG_RECORD: ConfigRecord(protocol.encode_instruction(instruction)),
+                               protocol.GLOBAL_RECORD: ArrayRecord({k: Array(v) for k, v in weights.items()})}),
+                  dst_node_id=1, message_type=protocol.MESSAGE_TYPE_TRAIN)
+    msg.metadata.__dict__["_message_id"] = "t1"
+    real_handle_train = client_app.handle_train
+
+    def leaky_handle_train(msg: Message, context: Context, site) -> Message:
+        reply = real_handle_train(msg, context, site)
+        reply.content["images"] = ArrayRecord({"x": Array(np.zeros((2, 3, 8, 8), np.float32))})  # the bug
+        return reply
+
+    monkeypatch.setattr(client_app, "handle_train", leaky_handle_train)
+    reply = client_app.build_client_app()(msg, context)
+    assert reply.has_error() and reply.error.code == EGRESS_ERROR_CODE
+
+    state = tmp_path / "state"
+    trained, blocked = read_log(state)
+    assert (trained.status, trained.blocked_seq) == ("ok", None) and trained.update_bytes > 0
+    assert (blocked.status, blocked.error_class, blocked.blocked_seq) == ("error", BLOCKED_ERROR_CLASS, trained.seq)
+    assert (blocked.update_bytes, blocked.update_sha256) == (0, None)
+    assert (blocked.run_id, blocked.round, blocked.spend, blocked.epsilon) == ("run", 1, trained.spend, trained.epsilon)
+    assert verify(state).entries == 2
+    assert "egress guard blocked the reply (record 'images' is not part of the protocol); audit.jsonl entry 2" in (
+        state / "site.log").read_text()
+    assert "blocked_seq" not in json.loads(_lines(state)[0])  # lines of replies that left are written as before
