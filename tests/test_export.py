@@ -233,7 +233,8 @@ def test_a_federated_export_takes_each_site_s_spend_from_the_ledger(tmp_path: Pa
 def test_a_federated_export_says_what_an_fdp_site_leaves_public_and_every_site_s_spends(tmp_path: Path) -> None:
     """FDP protects only what ψ discards of a unit: the card, PRIVACY.txt and the report say what such a
     site treats as public beside its ε, the Limits section does not claim the whole unit, and each site's
-    spends per round (σ, q, steps, from the ledger's witness table) let a reader recompute ε."""
+    spends per round (σ, q, steps, from the ledger's witness table) let a reader recompute ε. A round
+    spent and then failed (no update) is counted as spent beside the rounds whose update was used."""
     from fedpose.federation.ledger import BudgetLedger, LedgerEntry
     from fedpose.privacy.report import FEATURE_DP, protected_unit_text
 
@@ -242,23 +243,27 @@ def test_a_federated_export_says_what_an_fdp_site_leaves_public_and_every_site_s
         ledger.record_many([LedgerEntry("site-1", 1, "ok", epsilon=1.2, delta=1e-5, guarantee="DP", accountant="pld", steps=4),
                             LedgerEntry("site-2", 1, "ok", epsilon=2.0, delta=1e-5, guarantee="FDP", accountant="pld", steps=4,
                                         unit="patient")])
-        ledger.record_spends("site-1", "demo", [(1, 1.5, 0.25, 4)])
+        ledger.record_many([LedgerEntry("site-1", 2, "missing", epsilon=1.7, delta=1e-5, guarantee="DP", accountant="pld",
+                                        steps=4, reason="failed")])
+        ledger.record_spends("site-1", "demo", [(1, 1.5, 0.25, 4), (2, 1.5, 0.25, 4)])
         ledger.record_spends("site-2", "demo", [(1, 1.1, 0.25, 4)])
     out = tmp_path / "release"
     assert main(["export", str(coordinator), "--out", str(out)]) == 0
     report = json.loads((out / "privacy_report.json").read_text())
     assert _keys(report) <= ALLOWED_KEYS, _keys(report) - ALLOWED_KEYS
     site_1, site_2 = report["sites"]
-    assert site_1["spends"] == [{"round": 1, "noise_multiplier": 1.5, "sample_rate": 0.25, "steps": 4}]
+    assert site_1["spends"] == [{"round": r, "noise_multiplier": 1.5, "sample_rate": 0.25, "steps": 4} for r in (1, 2)]
     protected = protected_unit_text(FEATURE_DP, "patient")
     assert protected.startswith("what the public view ψ discards, in every record of one patient")
     assert (site_2["protected_part"], site_2["treated_as_public"]) == (protected, FEATURE_DP.public)
     card = (out / "MODEL_CARD.md").read_text()
     assert f"- site-2 (FDP): protects {protected}; treated as public, not protected: {FEATURE_DP.public}" in card
     assert "Under FDP or MaskDP the bound covers only the protected part of a unit" in card
+    assert "| site-1 | record | 1 | 2 | ε = 1.7 (DP" in card and "| site-2 | patient | 1 | 1 | ε = 2 (FDP" in card
     text = (out / "PRIVACY.txt").read_text()
     assert f"  protects {protected}; treated as public, not protected: {FEATURE_DP.public}" in text
-    assert "  spends (round: σ, q, steps): 1: 1.5, 0.25, 4" in text and "what leaves:" in text
+    assert "  spends (round: σ, q, steps): 1: 1.5, 0.25, 4; 2: 1.5, 0.25, 4" in text and "what leaves:" in text
+    assert "; rounds joined 1, rounds spent 2" in text
 
 
 def test_a_federated_export_of_a_run_with_a_moving_average_publishes_the_average(tmp_path: Path) -> None:
@@ -379,8 +384,8 @@ def test_a_federated_model_card_lists_every_site_s_guarantee_and_unit(tmp_path: 
         {"site_id": "site-2", "epsilon": 1.25, "delta": 1e-6, "guarantee": "DP", "rounds_joined": 1}]}))
     assert main(["export", str(coordinator), "--out", str(tmp_path / "release")]) == 0
     card = (tmp_path / "release" / "MODEL_CARD.md").read_text()
-    assert "| site-1 | patient | 2 | ε = 2.5 (DP, δ = 1e-05, PLD) per patient, add/remove-one-patient adjacency |" in card
-    assert "| site-2 | record | 1 | ε = 1.25 (DP, δ = 1e-06, RDP) per record, add/remove-one-record adjacency |" in card
+    assert "| site-1 | patient | 2 | not recorded | ε = 2.5 (DP, δ = 1e-05, PLD) per patient, add/remove-one-patient adjacency |" in card
+    assert "| site-2 | record | 1 | not recorded | ε = 1.25 (DP, δ = 1e-06, RDP) per record, add/remove-one-record adjacency |" in card
     assert "Not evaluated at export" in card and "Federated run `demo`" in card
     # `privacy report` reads the federated export too (its help's example), one line per site
     capsys.readouterr()

@@ -264,7 +264,7 @@ def _federation(coordinator_dir: Path) -> tuple[Any, dict[str, Any]]:
                        for r, sigma, q, steps in spends[s["site_id"]]]} if s["site_id"] in spends else {}),
     } for s in summaries]
     report = {"source": "federation", "run_id": federated.run_id or None, "sites": sites,
-              "guarantee_statement": "each site's guarantee is about its own protection units (protection_unit: record, image or patient), composed over every local step of every round it joined",
+              "guarantee_statement": "each site's guarantee is about its own protection units (protection_unit: record, image or patient), composed over every local step of every round it spent on (its spends: a round that failed after its spend counts, though it released no update)",
               "model_selection": f"{federated.describe()} (no selection on data)"}
     return model, report
 
@@ -351,9 +351,10 @@ def model_card(model: Any, report: dict[str, Any], evaluation: dict[str, Any] | 
     partial = bool(partial_sites) if federated else report.get("guarantee") not in ("DP", "none", None)
     if federated:
         lines += [f"Federated run `{report.get('run_id')}`; {report['guarantee_statement']}.", "",
-                  "| site | protection unit | rounds joined | guarantee |", "| --- | --- | --- | --- |"]
-        lines += [f"| {s['site_id']} | {s.get('protection_unit') or 'record'} | {s.get('rounds_joined')} | {s['epsilon_text']} |"
-                  for s in report.get("sites", [])]
+                  "| site | protection unit | rounds joined (update used) | rounds spent | guarantee |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {s['site_id']} | {s.get('protection_unit') or 'record'} | {s.get('rounds_joined')} | "
+                  f"{len(s['spends']) if 'spends' in s else 'not recorded'} | {s['epsilon_text']} |" for s in report.get("sites", [])]
         if partial_sites:
             lines += ["", "Sites whose guarantee protects only part of each unit:", ""]
             lines += [f"- {s['site_id']} ({s['guarantee']}): protects {s.get('protected_part')}; treated as public, "

@@ -86,7 +86,7 @@ CREATE TABLE IF NOT EXISTS site_spends (
 );
 """
 #: columns added after schema version 1 shipped (added in place to older ledgers, NULL in old rows)
-_ADDED_COLUMNS = (("unit", "TEXT"), ("eps_max", "REAL"), ("next_round_affordable", "INTEGER"))
+_ADDED_COLUMNS = (("unit", "TEXT"), ("eps_max", "REAL"), ("next_round_affordable", "INTEGER"), ("update_sha256", "TEXT"))
 
 
 class LedgerError(Exception):
@@ -115,6 +115,10 @@ class LedgerEntry:
     eps_max: float | None = None  #: the site's own budget, as it reported it (None: no report)
     #: the site's answer to "would one more identical round fit ε_max" (None: no report)
     next_round_affordable: bool | None = None
+    #: SHA-256 of what the coordinator received from the site this round (its Δ, or under secure
+    #: aggregation its masked vector; :func:`fedpose.federation.site_audit.arrays_sha256`): the
+    #: site's audit log holds the same digest of what it sent. None: nothing received
+    update_sha256: str | None = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -243,15 +247,15 @@ class BudgetLedger:
                 json.dumps(list(e.rdp)) if e.rdp is not None else None,
                 json.dumps(list(e.orders)) if e.orders is not None else None,
                 e.reason, e.recorded_at or now, e.eps_max,
-                None if e.next_round_affordable is None else int(e.next_round_affordable),
+                None if e.next_round_affordable is None else int(e.next_round_affordable), e.update_sha256,
             )
             for e in entries
         ]
         with self._db:
             self._db.executemany(
                 "INSERT OR REPLACE INTO site_rounds (site_id, round, status, epsilon, delta, guarantee, unit, accountant, "
-                "steps, rdp_json, orders_json, reason, recorded_at, eps_max, next_round_affordable) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "steps, rdp_json, orders_json, reason, recorded_at, eps_max, next_round_affordable, update_sha256) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
 
@@ -269,7 +273,7 @@ class BudgetLedger:
                 site_id=r[0], round=r[1], status=r[2], epsilon=r[3], delta=r[4], guarantee=r[5], accountant=r[6],
                 steps=r[7], rdp=tuple(json.loads(r[8])) if r[8] else None, orders=tuple(json.loads(r[9])) if r[9] else None,
                 reason=r[10], recorded_at=r[11], unit=r[12], eps_max=r[13],
-                next_round_affordable=None if r[14] is None else bool(r[14]),
+                next_round_affordable=None if r[14] is None else bool(r[14]), update_sha256=r[15],
             )
             for r in rows
         ]

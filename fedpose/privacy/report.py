@@ -222,7 +222,8 @@ def describe_federation(report: Mapping[str, Any]) -> str:
              f"model: {report.get('model_selection', 'not recorded')}"]
     for site in report.get("sites", []):
         lines.append(f"{site.get('site_id')}: {site.get('epsilon_text', 'ε not recorded')}; "
-                     f"rounds joined {site.get('rounds_joined', 'not recorded')}")
+                     f"rounds joined {site.get('rounds_joined', 'not recorded')}"
+                     + (f", rounds spent {len(site['spends'])}" if "spends" in site else ""))
         if site.get("guarantee") not in ("DP", "none", None) and site.get("treated_as_public"):
             lines.append(f"  protects {site.get('protected_part')}; treated as public, not protected: "
                          f"{site['treated_as_public']}")

@@ -149,6 +149,11 @@ def test_deployment_grpc_tls_auth_results_ledgers_and_budget_stop(tmp_path: Path
         assert all(e["run_id"] == "itest" for e in budget["entries"])
         reported = max(e.epsilon for e in rows if e.site_id == site_id)
         assert reported == pytest.approx(epsilon_after_rounds(statuses.count("spent")), rel=1e-6)
+        # over gRPC too, the digest of each update the coordinator received is the one the site logged sending
+        from fedpose.federation.site_audit import read_log
+
+        sent = {e.round: e.update_sha256 for e in read_log(run_dir / "sites" / site_id)}
+        assert {e.round: e.update_sha256 for e in rows if e.site_id == site_id} == sent and sent[1] is not None
 
     # each site's progress file, where deploy local's progress lines read it (site-2 refused round 2: no training)
     from fedpose.federation.site_progress import read_progress

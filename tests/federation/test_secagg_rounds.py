@@ -260,6 +260,9 @@ def test_real_site_rounds_under_secure_aggregation(tmp_path: Path) -> None:
         assert not (Path(site.state_dir) / "released_update.npz").exists()
         audit = [json.loads(line) for line in (Path(site.state_dir) / "audit.jsonl").read_text().splitlines()]
         assert audit[-1]["status"] == "ok" and audit[-1]["update_bytes"] > 0  # the masked vector's bytes are on record
+        with BudgetLedger(tmp_path / "coordinator" / "ledger.sqlite", read_only=True) as ledger:
+            (row,) = ledger.entries(site.site_id)
+        assert row.update_sha256 == audit[-1]["update_sha256"]  # what the coordinator received is what the site logged
 
     # a plain round to a site that requires secure aggregation: refused before anything, state unchanged
     strict = sites[0].model_copy(update={"require_secure_aggregation": True})

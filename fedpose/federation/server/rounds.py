@@ -61,6 +61,7 @@ from fedpose.federation.report import (
 )
 from fedpose.federation.global_model import GLOBAL_CHECKPOINT
 from fedpose.federation.secagg.coordinator import CoordinatorSecAggRound, RoundAbandoned
+from fedpose.federation.site_audit import arrays_sha256
 from fedpose.federation.validation import spec_of, validate_update
 from fedpose.federation.weight_ema import EMA_CHECKPOINT, WeightEma
 from fedpose.federation.server.basis_service import NO_BASIS, BasisService
@@ -103,6 +104,13 @@ class NodeReply:
     masked: Callable[[], np.ndarray] | None = None
     bytes_up: int = 0
     failure: str = ""  #: set when ``reply`` is None: a transport error or a malformed reply
+
+    def received_sha256(self) -> str | None:
+        """The digest of what the node sent (Δ, or the masked vector) as the site's audit log states
+        it for what it released (:func:`~fedpose.federation.site_audit.arrays_sha256`); None: nothing."""
+        if self.masked is not None:
+            return arrays_sha256({protocol.MASKED_KEY: self.masked()})
+        return arrays_sha256(self.update()) if self.update is not None else None
 
 
 class Transport(Protocol):
@@ -568,7 +576,8 @@ class RoundRunner:
             aggregated, accepted, rejected = False, 0, 0
         else:
             aggregated, accepted, rejected = self._aggregate_secure(transport, round_id, secure, updates, sites, entries)
-        self.ledger.record_many(entries)  # 1) ledger
+        received = {r.reply.site_id: r.received_sha256() for r in replies if r.reply is not None}
+        self.ledger.record_many(replace(e, update_sha256=received.get(e.site_id)) for e in entries)  # 1) ledger
         self.state.round = round_id
         if self.ema is not None and aggregated:  # an unchanged model is not averaged in again
             self.ema.update(self.global_state, round_id)

@@ -19,6 +19,7 @@ import fedpose.federation.server.rounds as rounds_module
 from fedpose.federation import protocol
 from fedpose.federation.deployment import CoordinatorRunConfig
 from fedpose.federation.ledger import BudgetLedger
+from fedpose.federation.site_audit import read_log
 from fedpose.federation.report import load_history
 from fedpose.federation.server.rounds import NodeReply, RoundRunner, TrainRequest
 
@@ -231,7 +232,8 @@ def test_curves_never_join_one_accountants_epsilon_to_anothers() -> None:
 
 def test_the_in_process_transport_runs_real_site_rounds(tmp_path: Path) -> None:
     """InProcessTransport (benchmarks/federated_utility) runs the real site round for each node: the
-    sites' budgets and the coordinator's ledger agree after two rounds."""
+    sites' budgets and the coordinator's ledger agree after two rounds, and the ledger's digest of each
+    update it received is the one the site's audit log holds for what it sent."""
     from fedpose.federation.server.in_process import InProcessTransport
     from site_round_helpers import make_site_data, site_config
 
@@ -246,6 +248,10 @@ def test_the_in_process_transport_runs_real_site_rounds(tmp_path: Path) -> None:
         summary = {s.site_id: s for s in ledger.site_summaries()}["site-1"]
     assert [e["round"] for e in budget["entries"] if e["status"] == "spent"] == [1, 2]
     assert summary.epsilon == pytest.approx(history[-1].sites["site-1"].epsilon) and summary.rounds_joined == 2
+    with BudgetLedger(tmp_path / "coordinator" / "ledger.sqlite", read_only=True) as ledger:
+        received = [e.update_sha256 for e in ledger.entries("site-1")]
+    sent = [e.update_sha256 for e in read_log(tmp_path / "site-1")]
+    assert received == sent and None not in sent and len(set(sent)) == 2
 
 
 def test_basis_source_sites_ships_no_basis(tmp_path: Path) -> None:
