@@ -72,7 +72,9 @@ PUBLISHABLE_SECTION_KEYS: dict[str, frozenset[str]] = {
 #: Keys of a federated export's per-site entries.
 SITE_KEYS = frozenset({"site_id", "guarantee", "protection_unit", "neighbouring_relation", "epsilon", "delta", "accountant",
                        "epsilon_text", "rounds_joined", "protected_part", "treated_as_public", "spends",
-                       "round", "noise_multiplier", "sample_rate", "steps"})
+                       "round", "noise_multiplier", "sample_rate", "steps",
+                       # a site's LDP-Slicing on its inputs (its declared settings): a guarantee beside its DP one
+                       "input_privacy", "mechanism", "epsilon_total", "epsilon_per_original_pixel", "ll_prune"})
 #: Keys this command adds around the engine report.
 EXPORT_KEYS = frozenset({"source", "model_selection", "run_id", "sites"})
 
@@ -262,11 +264,26 @@ def _federation(coordinator_dir: Path) -> tuple[Any, dict[str, Any]]:
         # the accountant's inputs per round (declared σ, q, steps: public values), so ε can be recomputed
         **({"spends": [{"round": r, "noise_multiplier": sigma, "sample_rate": q, "steps": steps}
                        for r, sigma, q, steps in spends[s["site_id"]]]} if s["site_id"] in spends else {}),
+        **_input_privacy(s),
     } for s in summaries]
     report = {"source": "federation", "run_id": federated.run_id or None, "sites": sites,
               "guarantee_statement": "each site's guarantee is about its own protection units (protection_unit: record, image or patient), composed over every local step of every round it spent on (its spends: a round that failed after its spend counts, though it released no update)",
               "model_selection": f"{federated.describe()} (no selection on data)"}
     return model, report
+
+
+def _input_privacy(summary: dict[str, Any]) -> dict[str, Any]:
+    """A site's LDP-Slicing statement on its inputs, as its latest report gave it (empty: none)."""
+    from fedpose.federation.protocol import InputPrivacyStatement
+    from fedpose.privacy.report import input_privacy_text
+
+    if summary.get("input_ldp_epsilon") is None:
+        return {}
+    statement = InputPrivacyStatement(mechanism="ldp-slicing", epsilon_total=summary["input_ldp_epsilon"],
+                                      ll_prune=bool(summary.get("input_ldp_ll_prune")))
+    return {"input_privacy": {**statement.model_dump(), "guarantee": "LDP", "delta": 0.0, "accountant": "pure composition",
+                              "epsilon_per_original_pixel": statement.epsilon_per_original_pixel,
+                              "epsilon_text": input_privacy_text(statement.epsilon_total, statement.ll_prune)}}
 
 
 def _protected_part(guarantee: str | None, unit: str) -> dict[str, str]:
@@ -355,6 +372,10 @@ def model_card(model: Any, report: dict[str, Any], evaluation: dict[str, Any] | 
                   "| --- | --- | --- | --- | --- |"]
         lines += [f"| {s['site_id']} | {s.get('protection_unit') or 'record'} | {s.get('rounds_joined')} | "
                   f"{len(s['spends']) if 'spends' in s else 'not recorded'} | {s['epsilon_text']} |" for s in report.get("sites", [])]
+        ldp_sites = [s for s in report.get("sites", []) if s.get("input_privacy")]
+        if ldp_sites:
+            lines += ["", "Sites whose training images were locally privatized before training (a guarantee of its own):", ""]
+            lines += [f"- {s['site_id']}: {s['input_privacy']['epsilon_text']}" for s in ldp_sites]
         if partial_sites:
             lines += ["", "Sites whose guarantee protects only part of each unit:", ""]
             lines += [f"- {s['site_id']} ({s['guarantee']}): protects {s.get('protected_part')}; treated as public, "

@@ -45,7 +45,7 @@ def _open(path: Path):
 
 
 def _show(args: argparse.Namespace) -> int:
-    from fedpose.privacy.report import format_epsilon
+    from fedpose.privacy.report import format_epsilon, input_privacy_text
 
     with _open(args.db) as ledger:
         summaries = ledger.site_summaries()
@@ -70,6 +70,8 @@ def _show(args: argparse.Namespace) -> int:
             + (f" ({s.rounds_spent_unreleased} of them spent, then failed: no update)" if s.rounds_spent_unreleased else "")
             + f"; last round {s.last_round} ({s.last_status}){flag}"
         )
+        if s.input_ldp_epsilon is not None:
+            print(f"  {s.site_id}'s inputs: {input_privacy_text(s.input_ldp_epsilon, bool(s.input_ldp_ll_prune))}")
     return 0
 
 

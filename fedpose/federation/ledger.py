@@ -86,7 +86,8 @@ CREATE TABLE IF NOT EXISTS site_spends (
 );
 """
 #: columns added after schema version 1 shipped (added in place to older ledgers, NULL in old rows)
-_ADDED_COLUMNS = (("unit", "TEXT"), ("eps_max", "REAL"), ("next_round_affordable", "INTEGER"), ("update_sha256", "TEXT"))
+_ADDED_COLUMNS = (("unit", "TEXT"), ("eps_max", "REAL"), ("next_round_affordable", "INTEGER"), ("update_sha256", "TEXT"),
+                  ("input_ldp_epsilon", "REAL"), ("input_ldp_ll_prune", "INTEGER"))
 
 
 class LedgerError(Exception):
@@ -119,6 +120,10 @@ class LedgerEntry:
     #: aggregation its masked vector; :func:`fedpose.federation.site_audit.arrays_sha256`): the
     #: site's audit log holds the same digest of what it sent. None: nothing received
     update_sha256: str | None = None
+    #: the site's LDP-Slicing ε_total per privatized pixel on its inputs, as it reported it (None: its
+    #: images are not locally privatized, or no report), and whether LL pruning makes it per 2×2 block
+    input_ldp_epsilon: float | None = None
+    input_ldp_ll_prune: bool | None = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -147,6 +152,8 @@ class LedgerEntry:
             accountant=privacy.accountant if privacy is not None else None,
             eps_max=privacy.eps_max if privacy is not None else None,
             next_round_affordable=privacy.next_round_affordable if privacy is not None else None,
+            input_ldp_epsilon=privacy.input_privacy.epsilon_total if privacy is not None and privacy.input_privacy else None,
+            input_ldp_ll_prune=privacy.input_privacy.ll_prune if privacy is not None and privacy.input_privacy else None,
             steps=int(spent if spent is not None and status != "refused" else reply.local_steps if trained else 0),
             rdp=tuple(privacy.rdp) if privacy is not None and privacy.rdp else None,
             orders=tuple(privacy.orders) if privacy is not None and privacy.rdp else None,
@@ -177,6 +184,9 @@ class SiteSummary:
     #: rounds the site spent on (its reply lists the spend) that released no update: it failed after
     #: the spend; its reported ε covers them, rounds_joined does not count them
     rounds_spent_unreleased: int = 0
+    #: the site's LDP-Slicing settings on its inputs from its latest report (None: not privatized / no report)
+    input_ldp_epsilon: float | None = None
+    input_ldp_ll_prune: bool | None = None
 
     @property
     def exhausted(self) -> bool:
@@ -248,14 +258,15 @@ class BudgetLedger:
                 json.dumps(list(e.orders)) if e.orders is not None else None,
                 e.reason, e.recorded_at or now, e.eps_max,
                 None if e.next_round_affordable is None else int(e.next_round_affordable), e.update_sha256,
+                e.input_ldp_epsilon, None if e.input_ldp_ll_prune is None else int(e.input_ldp_ll_prune),
             )
             for e in entries
         ]
         with self._db:
             self._db.executemany(
                 "INSERT OR REPLACE INTO site_rounds (site_id, round, status, epsilon, delta, guarantee, unit, accountant, "
-                "steps, rdp_json, orders_json, reason, recorded_at, eps_max, next_round_affordable, update_sha256) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "steps, rdp_json, orders_json, reason, recorded_at, eps_max, next_round_affordable, update_sha256, "
+                "input_ldp_epsilon, input_ldp_ll_prune) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
 
@@ -274,6 +285,7 @@ class BudgetLedger:
                 steps=r[7], rdp=tuple(json.loads(r[8])) if r[8] else None, orders=tuple(json.loads(r[9])) if r[9] else None,
                 reason=r[10], recorded_at=r[11], unit=r[12], eps_max=r[13],
                 next_round_affordable=None if r[14] is None else bool(r[14]), update_sha256=r[15],
+                input_ldp_epsilon=r[16], input_ldp_ll_prune=None if r[17] is None else bool(r[17]),
             )
             for r in rows
         ]
@@ -309,6 +321,8 @@ class BudgetLedger:
                     next_round_affordable=reporting[-1].next_round_affordable if reporting else None,
                     unconfirmed_rounds=unconfirmed, epsilon_possible=possible,
                     rounds_spent_unreleased=sum(e.status == "missing" and e.steps > 0 for e in rows),
+                    input_ldp_epsilon=reporting[-1].input_ldp_epsilon if reporting else None,
+                    input_ldp_ll_prune=reporting[-1].input_ldp_ll_prune if reporting else None,
                 )
             )
         return summaries

@@ -36,6 +36,7 @@ from fedpose.federation import site_audit, witness
 from fedpose.federation.config import SiteConfig
 from fedpose.federation.protocol import (
     MASKED_KEY,
+    InputPrivacyStatement,
     PrivacyReport,
     ReasonCode,
     ReplyStatus,
@@ -126,10 +127,13 @@ def privacy_report(site: SiteConfig, budget: SiteBudget | None, next_round_affor
     from fedpose.privacy.report import protected_unit_text
 
     guarantee = get_mechanism(site.privacy.mechanism).guarantee
+    inputs = site.input_privacy
+    input_privacy = (InputPrivacyStatement(mechanism=inputs.mechanism, epsilon_total=inputs.epsilon, ll_prune=inputs.ll_prune)
+                     if inputs.mechanism == "ldp-slicing" and inputs.epsilon is not None else None)
     if budget is None:
         return PrivacyReport(guarantee=guarantee.name, unit=guarantee.unit, adjacency="none", accountant="none",
                              epsilon=None, delta=0.0, eps_max=site.eps_max, steps=0, rounds_spent=0, orders=[], rdp=[],
-                             next_round_affordable=True)
+                             next_round_affordable=True, input_privacy=input_privacy)
     state = budget.report(extra_events)
     epsilon = float(state["epsilon"])
     return PrivacyReport(
@@ -138,7 +142,7 @@ def privacy_report(site: SiteConfig, budget: SiteBudget | None, next_round_affor
         epsilon=epsilon if math.isfinite(epsilon) else None, delta=budget.delta, eps_max=budget.eps_max,
         steps=int(state["steps"]), rounds_spent=int(state["rounds_spent"]),
         orders=[float(x) for x in state["orders"]], rdp=[float(x) for x in state["rdp"]],
-        next_round_affordable=next_round_affordable,
+        next_round_affordable=next_round_affordable, input_privacy=input_privacy,
     )
 
 

@@ -111,6 +111,22 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class InputPrivacyStatement(_Wire):
+    """The site's local DP on its inputs (LDP-Slicing, ``input_privacy`` in its config): every training
+    image was privatized once, at load, before any training (docs/input-privacy.md). A guarantee of
+    its own beside the DP-SGD one; its values are the site's declared settings, public."""
+
+    mechanism: Literal["ldp-slicing"]
+    epsilon_total: float = Field(gt=0)  #: ε per privatized pixel (its 3 channel values; config input_privacy.epsilon)
+    #: LL pruning (config): each privatized pixel then depends on a whole 2×2 block of the original, so the
+    #: guarantee per original pixel (and per 2×2 block) is 4 · epsilon_total
+    ll_prune: bool
+
+    @property
+    def epsilon_per_original_pixel(self) -> float:
+        return 4 * self.epsilon_total if self.ll_prune else self.epsilon_total
+
+
 class PrivacyReport(_Wire):
     """The site's cumulative privacy state after this round.
 
@@ -135,6 +151,8 @@ class PrivacyReport(_Wire):
     #: secure aggregation only: r, the public per-coordinate range [−r, r] the site clipped its privatized Δ
     #: to before quantizing (post-processing of Δ: the guarantee is unchanged); None: Δ was not clipped
     update_clip_range: float | None = None
+    #: the site's inputs privatized by LDP-Slicing (its declared settings); None: images used as they are
+    input_privacy: InputPrivacyStatement | None = None
 
     @model_validator(mode="after")
     def _curve(self) -> "PrivacyReport":

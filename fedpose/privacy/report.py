@@ -135,6 +135,16 @@ def format_epsilon(
     return f"{text}, {adjacency_words(relation, unit)}" if relation else text
 
 
+def input_privacy_text(epsilon_total: float, ll_prune: bool) -> str:
+    """A site's LDP-Slicing guarantee on its inputs, as reports print it: the ε per original pixel (per
+    2×2 block under LL pruning, 4 · ε_total), pure (δ = 0), and what privatized once means."""
+    per_original = 4 * epsilon_total if ll_prune else epsilon_total
+    where = (f"per 2×2 block of an original image (ε_total = {epsilon_digits(epsilon_total)} per privatized pixel, LL pruning)"
+             if ll_prune else "per pixel of an original image")
+    return (f"ε = {epsilon_digits(per_original)} (LDP, δ = 0, pure composition) {where}; LDP-Slicing, each training "
+            "image privatized once per copy the site keeps (docs/input-privacy.md)")
+
+
 #: what of one unit each guarantee protects (the rest is public under that guarantee)
 _PROTECTED_PART = {
     "DP": "everything",
@@ -227,6 +237,8 @@ def describe_federation(report: Mapping[str, Any]) -> str:
         if site.get("guarantee") not in ("DP", "none", None) and site.get("treated_as_public"):
             lines.append(f"  protects {site.get('protected_part')}; treated as public, not protected: "
                          f"{site['treated_as_public']}")
+        if site.get("input_privacy"):
+            lines.append(f"  inputs locally privatized: {site['input_privacy']['epsilon_text']}")
         if site.get("spends"):
             lines.append("  spends (round: σ, q, steps): " + "; ".join(
                 f"{e['round']}: {e['noise_multiplier']:.6g}, {e['sample_rate']:.6g}, {e['steps']}" for e in site["spends"]))

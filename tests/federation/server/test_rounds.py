@@ -254,6 +254,34 @@ def test_the_in_process_transport_runs_real_site_rounds(tmp_path: Path) -> None:
     assert received == sent and None not in sent and len(set(sent)) == 2
 
 
+def test_a_site_s_ldp_slicing_on_its_inputs_reaches_the_ledger_and_the_export(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A site that privatizes its images (LDP-Slicing) states that guarantee in its reply (declared
+    settings only); the ledger keeps it and a federated export's card, PRIVACY.txt and `ledger show`
+    print it beside the site's DP ε — ε per original pixel, here per 2×2 block (LL pruning: 4 · ε_total)."""
+    from fedpose.cli import main
+    from fedpose.config import InputPrivacyConfig
+    from fedpose.federation.server.in_process import InProcessTransport
+    from site_round_helpers import make_site_data, site_config
+
+    site = site_config(make_site_data(tmp_path / "data"), tmp_path / "site-1").model_copy(
+        update={"input_privacy": InputPrivacyConfig(mechanism="ldp-slicing", epsilon=2.0)})
+    RoundRunner(_run(tmp_path, rounds=1, local_steps=2), echo=lambda _: None).run_rounds(InProcessTransport([site]))
+    with BudgetLedger(tmp_path / "coordinator" / "ledger.sqlite", read_only=True) as ledger:
+        (summary,) = ledger.site_summaries()
+    assert (summary.input_ldp_epsilon, summary.input_ldp_ll_prune) == (2.0, True)
+    stated = ("ε = 8 (LDP, δ = 0, pure composition) per 2×2 block of an original image (ε_total = 2 per privatized pixel, "
+              "LL pruning); LDP-Slicing, each training image privatized once per copy the site keeps")
+    assert main(["export", str(tmp_path / "coordinator"), "--out", str(tmp_path / "release")]) == 0
+    report = json.loads((tmp_path / "release" / "privacy_report.json").read_text())
+    assert report["sites"][0]["input_privacy"]["epsilon_per_original_pixel"] == 8.0
+    assert f"- site-1: {stated}" in (tmp_path / "release" / "MODEL_CARD.md").read_text()
+    assert f"  inputs locally privatized: {stated}" in (tmp_path / "release" / "PRIVACY.txt").read_text()
+    capsys.readouterr()
+    assert main(["ledger", "show", "--db", str(tmp_path / "coordinator" / "ledger.sqlite")]) == 0
+    assert f"  site-1's inputs: {stated}" in capsys.readouterr().out
+
+
 def test_basis_source_sites_ships_no_basis(tmp_path: Path) -> None:
     """basis.source = "sites": the coordinator keeps its public data for the warm start but serves no
     basis; every request says so (version -1), and projecting sites compute V from their own S_pub copy."""

@@ -35,7 +35,12 @@ PRIVACY_REPORT_FIELDS = {
     "orders", "rdp", "next_round_affordable",
     "protection_unit",  # record / image / patient: the site's declared unit (config, or pinned in its budget state)
     "update_clip_range",  # secure aggregation: the public r of the round's setup, echoed (None otherwise)
+    "input_privacy",  # LDP-Slicing on the site's inputs: its declared mechanism, ε_total and LL pruning (config)
 }
+
+
+def test_the_input_privacy_statement_holds_only_declared_settings() -> None:
+    assert set(protocol.InputPrivacyStatement.model_fields) == {"mechanism", "epsilon_total", "ll_prune"}
 
 
 def test_the_schema_has_only_justified_fields() -> None:
