@@ -605,6 +605,11 @@ def _log_round(site: SiteConfig, run_id: str, round_id: int, outcome: str, start
         entry["nonfinite_samples"] = int(sum(h.get("nonfinite_samples", 0) for h in history))
     if note:
         entry["note"] = note
+    if not (Path(site.state_dir) / GENESIS_FILE).exists():
+        # a round that failed before the site's state exists (data not mounted, no such device): a file
+        # in the state dir would make the next round take it for a state whose budget was lost
+        log.info("site %s round %s (no site state yet): %s", site.site_id, round_id, json.dumps(entry))
+        return
     try:
         path = Path(site.state_dir) / ROUND_LOG
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -170,3 +170,23 @@ def test_a_site_basis_sees_the_public_images_turned_by_privacy_basis_public_rota
         angles[rotation] = [public[i]["rotation"] for i in range(len(public))]
     assert all(a == 0.0 for a in angles[0.0])
     assert all(abs(a) <= 60.0 for a in angles[60.0]) and max(abs(a) for a in angles[60.0]) > 10.0
+
+
+@pytest.mark.parametrize("first_failure", ["data not mounted", "no such device"])
+def test_a_first_round_that_fails_before_the_state_exists_leaves_nothing_that_looks_like_a_lost_budget(
+        pristine: Path, tmp_path: Path, weights: tuple, first_failure: str) -> None:
+    """A new site's first round fails before its state is created (its data not mounted yet with the
+    default unit "auto", which reads the annotations first; or a device this machine lacks): it wrote
+    its diagnostics into the state dir, and every later round refused the site as one whose budget was
+    lost. Nothing is written there now; once the cause is fixed, the site trains."""
+    state = tmp_path / "state"
+    site = site_config(pristine, state)
+    if first_failure == "data not mounted":
+        broken = site.model_copy(update={"data": site.data.model_copy(update={"train": str(tmp_path / "not-mounted")}),
+                                         "privacy": site.privacy.model_copy(update={"unit": "auto"})})
+    else:
+        broken = site.model_copy(update={"train": site.train.model_copy(update={"device": "cuda:7"})})
+    failed = run_site_round(broken, "run", 1, *weights, 2)
+    assert failed.reply.status == "error" and failed.reply.error_class != "BudgetStateError"
+    assert not (state / "rounds.jsonl").exists() or (state / "site_state.json").exists()
+    assert run_site_round(site, "run", 1, *weights, 2).reply.status == "ok"
