@@ -48,3 +48,23 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2))
+
+
+def append_lines(path: str | Path, text: str, complete: Callable[[bytes], bool]) -> None:
+    """Append ``text`` (whole lines, each ending in a newline) to an append-only log and fsync it.
+
+    A last line without its newline is an earlier append cut short (a crash, a full disk): kept, its
+    newline added, when ``complete(line)`` says it holds a whole entry (readers count it), cut off
+    otherwise (readers skip it) — never fused with the new line into one malformed line."""
+    with open(path, "a+b") as fh:
+        fh.seek(0)
+        data = fh.read()
+        if data and not data.endswith(b"\n"):
+            start = data.rfind(b"\n") + 1
+            if complete(data[start:]):
+                fh.write(b"\n")
+            else:
+                fh.truncate(start)
+        fh.write(text.encode())
+        fh.flush()
+        os.fsync(fh.fileno())

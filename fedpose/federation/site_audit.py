@@ -33,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from fedpose.config import ModelSpec
+from fedpose.io import append_lines
 from fedpose.federation.protocol import ReasonCode, ReplyStatus, SiteReply, SpendEvent, SpendRecord
 
 log = logging.getLogger(__name__)
@@ -176,11 +176,7 @@ def _append(state_dir: Path, fields_of: Callable[[Sequence[AuditEntry]], dict[st
 
     with _state_lock(state_dir):
         path = state_dir / AUDIT_FILE
-        entries, torn_at = _read(path)
-        if torn_at is not None:  # a torn last line (the site stopped mid-append): never an entry
-            with open(path, "r+b") as fh:
-                fh.truncate(torn_at)
-        parsed = [entry for _, entry in entries]
+        parsed = [entry for _, entry in _read(path)]
         new_fields = fields_of(parsed)
         if new_fields is None:
             return None
@@ -190,37 +186,41 @@ def _append(state_dir: Path, fields_of: Callable[[Sequence[AuditEntry]], dict[st
         if fields["blocked_seq"] is None:
             del fields["blocked_seq"]  # entries of replies that left as logged are written as before the field existed
         fields["hash"] = _entry_hash(fields)
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(fields, ensure_ascii=False) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        # a torn last line (the site stopped mid-append) is cut off, as _read skips it
+        append_lines(path, json.dumps(fields, ensure_ascii=False) + "\n", complete=_is_entry)
     return AuditEntry.model_validate(fields)
+
+
+def _is_entry(line: bytes) -> bool:
+    try:
+        AuditEntry.model_validate(json.loads(line))
+        return True
+    except ValueError:
+        return False
 
 
 class AuditLogError(ValueError):
     """The audit log, or its agreement with the budget, is broken: the message names the first bad entry."""
 
 
-def _read(path: Path) -> tuple[list[tuple[dict[str, Any], AuditEntry]], int | None]:
-    """(each entry as written and as parsed — unchecked; the byte offset to cut a torn last line at,
-    or None). A last line without its newline that does not parse is a cut-short append, not an entry."""
+def _read(path: Path) -> list[tuple[dict[str, Any], AuditEntry]]:
+    """Each entry as written and as parsed — unchecked. A last line without its newline that does not
+    parse is a cut-short append, not an entry (the next append cuts it off)."""
     if not path.exists():
-        return [], None
+        return []
     data = path.read_bytes()
     entries: list[tuple[dict[str, Any], AuditEntry]] = []
-    offset = 0
-    for raw in data.split(b"\n"):
-        end = offset + len(raw)
+    lines = data.split(b"\n")
+    for number, raw in enumerate(lines, 1):
         if raw.strip():
             try:
                 doc = json.loads(raw)
                 entries.append((doc, AuditEntry.model_validate(doc)))
             except ValueError as exc:
-                if end == len(data):
-                    return entries, offset
+                if number == len(lines):
+                    return entries
                 raise AuditLogError(f"{path}, entry {len(entries) + 1}: malformed ({type(exc).__name__})") from None
-        offset = end + 1
-    return entries, None
+    return entries
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ class Verification:
 
 def read_log(state_dir: str | Path) -> list[AuditEntry]:
     """The site's audit log as written (not verified; :func:`verify` checks it). Empty when there is none."""
-    return [entry for _, entry in _read(Path(state_dir) / AUDIT_FILE)[0]]
+    return [entry for _, entry in _read(Path(state_dir) / AUDIT_FILE)]
 
 
 def verify(state_dir: str | Path) -> Verification:
@@ -255,7 +255,7 @@ def verify(state_dir: str | Path) -> Verification:
         raise AuditLogError(f"no audit log at {path}")
     previous: AuditEntry | None = None
     entries: list[AuditEntry] = []
-    for number, (doc, entry) in enumerate(_read(path)[0], 1):
+    for number, (doc, entry) in enumerate(_read(path), 1):
         where = f"{path}, entry {number}"
         if _entry_hash(doc) != entry.hash:
             raise AuditLogError(f"{where} (run '{entry.run_id}' round {entry.round}): its content does not match its hash "

@@ -80,7 +80,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from fedpose.io import atomic_write_text
+from fedpose.io import append_lines, atomic_write_text
 from fedpose.privacy.accountant import PrivacyLedger, default_accountant
 from fedpose.privacy.accountants import bounds, get_accountant
 from fedpose.privacy.report import epsilon_digits, relation_of
@@ -629,22 +629,32 @@ class JournaledSpend:
 
 def _journal_spends(state_dir: Path, entries: list[RoundEntry]) -> None:
     """Append spent entries to the journal and fsync it (called under the state lock, before the budget write)."""
-    lines = "".join(json.dumps({"run_id": e.run_id, "round": e.round, "noise_multiplier": e.noise_multiplier,
-                                "sample_rate": e.sample_rate, "steps": e.steps, "recorded_at": e.recorded_at}) + "\n"
-                    for e in entries)
-    with open(state_dir / JOURNAL_FILE, "a", encoding="utf-8") as fh:
-        fh.write(lines)
-        fh.flush()
-        os.fsync(fh.fileno())
+    _append_journal(state_dir, "".join(json.dumps({"run_id": e.run_id, "round": e.round, "noise_multiplier": e.noise_multiplier,
+                                                   "sample_rate": e.sample_rate, "steps": e.steps,
+                                                   "recorded_at": e.recorded_at}) + "\n" for e in entries))
 
 
 def _journal_void(state_dir: Path, entry: RoundEntry) -> None:
     """Mark a journaled spend void: its budget write failed in-process and the round was not trained."""
-    with open(state_dir / JOURNAL_FILE, "a", encoding="utf-8") as fh:
-        fh.write(json.dumps({"run_id": entry.run_id, "round": entry.round, "void": True,
-                             "reason": "the budget write failed; the round was not trained"}) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    _append_journal(state_dir, json.dumps({"run_id": entry.run_id, "round": entry.round, "void": True,
+                                           "reason": "the budget write failed; the round was not trained"}) + "\n")
+
+
+def _append_journal(state_dir: Path, lines: str) -> None:
+    # a torn last line is what read_journal skips (it does not parse) or counts (it does): the same here
+    append_lines(state_dir / JOURNAL_FILE, lines, complete=_journal_line_parses)
+
+
+def _journal_line_parses(line: bytes) -> bool:
+    try:
+        doc = json.loads(line)
+        if doc.get("void") is True:
+            str(doc["run_id"]), int(doc["round"])
+        else:
+            JournaledSpend(**doc)
+        return True
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, ValueError, KeyError, AttributeError):
+        return False
 
 
 def read_journal(state_dir: str | Path) -> list[JournaledSpend]:

@@ -430,3 +430,33 @@ def test_a_state_dir_holding_only_the_lock_and_the_site_log_is_new(tmp_path):
     (state / sb.LOCK_FILE).touch()
     (state / sb.SITE_LOG_FILE).write_text("2026-01-01 INFO fedpose.site: protection unit record\n")
     assert _budget(tmp_path, eps_max=10.0).epsilon == 0.0
+
+
+def test_a_torn_journal_line_is_cut_before_the_next_spend_is_appended(tmp_path):
+    """A spend whose journal append was cut short (a full disk; nothing spent: the budget was never
+    written) left a fragment without its newline; the next spend was appended right after it, fusing
+    both into one malformed line, and from then on neither the budget nor `privacy adopt` could be
+    loaded. The fragment is cut off first now; every spend stays on record."""
+    budget = _budget(tmp_path, eps_max=50.0)
+    budget.authorize_round("run", 1, SIGMA, Q, STEPS)
+    with open(budget.state_dir / sb.JOURNAL_FILE, "a", encoding="utf-8") as fh:
+        fh.write('{"run_id": "run", "round": 2, "noise_mul')  # the append that the full disk cut short
+    assert [s.round for s in sb.read_journal(budget.state_dir)] == [1]
+    budget.authorize_round("run", 2, SIGMA, Q, STEPS)  # the round retried once there is space again
+    restarted = _budget(tmp_path, eps_max=50.0)  # loads (and checks the journal against the budget)
+    restarted.authorize_round("run", 3, SIGMA, Q, STEPS)
+    assert [s.round for s in sb.read_journal(budget.state_dir)] == [1, 2, 3]
+    assert restarted.epsilon == pytest.approx(_eps_after(3), rel=1e-9)
+    assert sb.adopt_spends(budget.state_dir, [], "nothing", dry_run=True) is not None
+
+
+def test_an_unterminated_but_whole_journal_line_is_kept(tmp_path):
+    """The other kind of torn append: the whole line reached the disk, its newline did not. Readers
+    count it (it parses), so the next append keeps it and only adds the newline."""
+    budget = _budget(tmp_path, eps_max=50.0)
+    budget.authorize_round("run", 1, SIGMA, Q, STEPS)
+    path = budget.state_dir / sb.JOURNAL_FILE
+    path.write_bytes(path.read_bytes().rstrip(b"\n"))
+    budget.authorize_round("run", 2, SIGMA, Q, STEPS)
+    assert [s.round for s in sb.read_journal(budget.state_dir)] == [1, 2]
+    assert path.read_bytes().count(b"\n") == 2
