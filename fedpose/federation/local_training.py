@@ -22,6 +22,7 @@ import inspect
 import json
 import logging
 import math
+import shutil
 import time
 import traceback
 from collections.abc import Sequence
@@ -434,6 +435,7 @@ def train_site_round(
             dataset = load_site_dataset(site, model_spec.input_size)
             units = site_units(site, dataset, budget.unit)  # records that lack the unit's id fail here, unspent
             prepare_engine()  # a projection without a basis, or one the trainable set refuses, fails here, unspent
+            check_state_writable(site, model.num_trainable(), keeps_update=not secure)
         try:
             auth = budget.authorize_round(run_id, round_id, sigma, rate, local_steps)
         except BudgetExhausted as refusal:
@@ -617,6 +619,26 @@ def _log_round(site: SiteConfig, run_id: str, round_id: int, outcome: str, start
             fh.write(json.dumps(entry) + "\n")
     except OSError as exc:  # diagnostics must never decide a round's outcome
         log.warning("site %s: cannot write %s: %s", site.site_id, ROUND_LOG, exc)
+
+
+class StateNotWritable(OSError):
+    """What a round must write after its spend cannot be written (raised before the spend)."""
+
+
+#: room a round needs in the state dir beyond the update it keeps: its audit entry, journal and budget lines
+STATE_WRITE_MARGIN_BYTES = 1 << 20
+
+
+def check_state_writable(site: SiteConfig, trainable: int, keeps_update: bool) -> None:
+    """Before the spend: what the round writes after training — its audit entry, appended to a log that
+    must parse, and the update it keeps for a re-send (written beside the last one, float32) — can be
+    written. Otherwise every round would spend, train and then fail to release, until ε_max."""
+    site_audit.read_log(site.state_dir)  # a malformed entry raises AuditLogError, naming it
+    need = (2 * 4 * trainable if keeps_update else 0) + STATE_WRITE_MARGIN_BYTES
+    free = shutil.disk_usage(site.state_dir).free
+    if free < need:
+        raise StateNotWritable(f"site '{site.site_id}': {free:,} bytes free where its state is ({site.state_dir}); a round "
+                               f"writes about {need:,} after its spend. Nothing was spent: free some space")
 
 
 def _released_path(site: SiteConfig) -> Path:

@@ -190,3 +190,32 @@ def test_a_first_round_that_fails_before_the_state_exists_leaves_nothing_that_lo
     assert failed.reply.status == "error" and failed.reply.error_class != "BudgetStateError"
     assert not (state / "rounds.jsonl").exists() or (state / "site_state.json").exists()
     assert run_site_round(site, "run", 1, *weights, 2).reply.status == "ok"
+
+
+@pytest.mark.parametrize("fault", ["garbled audit log", "full disk"])
+def test_a_state_that_cannot_take_the_rounds_writes_fails_before_the_spend(
+        data_root: Path, tmp_path: Path, weights: tuple, fault: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a round writes after its spend (its audit entry, the update it keeps) is checked before the
+    spend: a garbled audit log or a disk too full used to make every round spend ε, train and release
+    nothing, until ε_max. Now each such round fails unspent (the coordinator may ask again: it costs
+    nothing) until the operator repairs the state."""
+    import fedpose.federation.local_training as local_training
+    from fedpose.federation.site_budget import SiteBudget
+
+    state = tmp_path / "state"
+    site = site_config(data_root, state)
+    assert run_site_round(site, "run", 1, *weights, 2).reply.status == "ok"
+    spent = SiteBudget(state, "site-1", 50.0, 1e-5, "DP", unit="patient").epsilon
+    if fault == "garbled audit log":
+        log = state / "audit.jsonl"
+        log.write_text(log.read_text().replace('"status": "ok"', '"status": "o', 1) + log.read_text())
+        expected = "AuditLogError"
+    else:
+        free = local_training.STATE_WRITE_MARGIN_BYTES // 2
+        monkeypatch.setattr(local_training.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9 - free, free))
+        expected = "StateNotWritable"
+    for round_id in (2, 3):
+        failed = run_site_round(site, "run", round_id, *weights, 2)
+        assert (failed.reply.status, failed.reply.error_class) == ("error", expected) and not failed.update
+    budget = SiteBudget(state, "site-1", 50.0, 1e-5, "DP", unit="patient")
+    assert budget.epsilon == spent and [e.round for e in budget.entries] == [1]
