@@ -295,14 +295,20 @@ def ensure_site_state(state_dir: str | Path, site_id: str, guarantee: str, delta
         genesis = {"format": GENESIS_FORMAT, "site_id": payload.get("site_id"), "guarantee": payload.get("guarantee"),
                    "unit": payload.get("unit", LEGACY_UNIT),
                    "delta": payload.get("delta"), "created_at": created_at if created_at is not None else time.time(),
-                   "adopted_from": STATE_FILE}
+                   "adopted_from": STATE_FILE,
+                   # a budget that recorded no round yet trains its first under this code, which pins its
+                   # settings from then on: a pins file missing later was lost (a creation stopped before
+                   # its marker must not leave the site without that guard)
+                   **({"pins": PINS_VERSION} if not payload.get("entries") else {})}
         if genesis["site_id"] != site_id:
             raise BudgetStateError(f"site budget state {budget} belongs to site '{genesis['site_id']}', not '{site_id}'")
         if genesis["guarantee"] != guarantee:
             raise BudgetStateError(_guarantee_change_message(state_dir, site_id, genesis, guarantee))
         if private and genesis["unit"] != unit:
             raise BudgetStateError(_unit_change_message(budget, site_id, genesis["unit"], unit))
-        _write_signed(marker, genesis)
+        with _state_lock(state_dir):
+            if not marker.exists():  # another process may have adopted it meanwhile
+                _write_signed(marker, genesis)
         return False
     leftovers = _leftover_state(state_dir)
     if leftovers:

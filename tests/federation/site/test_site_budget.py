@@ -182,7 +182,8 @@ def test_a_budget_from_before_markers_is_adopted_and_then_guarded(tmp_path):
     (budget.state_dir / sb.GENESIS_FILE).unlink()
     adopted = _budget(tmp_path, eps_max=10.0)
     assert adopted.epsilon == pytest.approx(_eps_after(1))  # nothing lost
-    assert json.loads((budget.state_dir / sb.GENESIS_FILE).read_text())["payload"]["adopted_from"] == sb.STATE_FILE
+    marker = json.loads((budget.state_dir / sb.GENESIS_FILE).read_text())["payload"]
+    assert marker["adopted_from"] == sb.STATE_FILE and "pins" not in marker  # its earlier rounds pinned nothing
     adopted.authorize_round("run", 2, SIGMA, Q, STEPS)  # the next write stamps the budget with its marker
     (budget.state_dir / sb.GENESIS_FILE).unlink()
     with pytest.raises(BudgetStateError, match=r"site_state\.json is missing"):
@@ -195,7 +196,10 @@ def test_a_creation_stopped_before_its_marker_is_completed(tmp_path):
     budget = _budget(tmp_path, eps_max=10.0)
     (budget.state_dir / sb.GENESIS_FILE).unlink()
     assert _budget(tmp_path, eps_max=10.0).epsilon == 0.0
-    assert (budget.state_dir / sb.GENESIS_FILE).exists()
+    marker = json.loads((budget.state_dir / sb.GENESIS_FILE).read_text())["payload"]
+    # it pins its settings from its first round, as a state created in one go does: a pins file lost
+    # later is refused, not re-pinned to what a coordinator asks (site_pins._kept_pins)
+    assert marker["pins"] == sb.PINS_VERSION
 
 
 def test_state_without_marker_or_budget_is_refused(tmp_path):
