@@ -56,6 +56,32 @@ def test_windows_are_reused_and_rebuilt_when_a_file_changes(tmp_path: Path) -> N
     assert rebuilt.name != built.name  # the old windows are gone: one set per input size
 
 
+def test_an_image_rewritten_with_its_size_and_modification_time_kept_is_decoded_anew(tmp_path: Path) -> None:
+    """A photograph redacted in place the way `cp -p`, `rsync -t` or `tar x` write it (new pixels, the
+    same size and modification time): the site used to keep training from the old pixels, kept in
+    its windows. The kernel's inode-change time says the file changed: the image is checked and its
+    window built again from the new pixels, the old ones removed."""
+    from PIL import Image
+
+    data = make_site_data(tmp_path / "data")
+    site = site_config(data, tmp_path / "state")
+    first = load_site_dataset(site, INPUT_SIZE)
+    folder = tmp_path / "state" / CANONICAL_WINDOWS_DIR
+    (built,) = folder.glob("*.npy")
+    path = resolve_image_or_raise(first.root, first.records[0].image)
+    before = path.stat()
+    redacted = tmp_path / "redacted.png"
+    Image.new("RGB", Image.open(path).size).save(redacted)  # all black
+    with open(path, "r+b") as fh:  # in place, padded to the old size, then its times set back
+        fh.write(redacted.read_bytes().ljust(before.st_size, b"\0")[:before.st_size])
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    again = load_site_dataset(site, INPUT_SIZE)
+    (rebuilt,) = folder.glob("*.npy")
+    assert rebuilt.name != built.name
+    assert again.windows.windows[0].max() == 0 and first.windows.windows[0].max() > 0
+
+
 @pytest.mark.parametrize("rotation_range,scale_jitter", [(30.0, 0.25), (60.0, 0.35), (180.0, 0.0)])
 def test_every_crop_the_augmentation_can_draw_lies_inside_the_window(rotation_range: float, scale_jitter: float) -> None:
     geometry = WindowGeometry.for_crops(INPUT_SIZE, scale_jitter, rotation_range)

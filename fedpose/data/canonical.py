@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from fedpose.data.annotations import PoseRecord
+from fedpose.data.image_check import file_stamp
 from fedpose.data.loaders import resolve_image_or_raise
 from fedpose.data.transforms import PIXEL_STD, WARP_SUPPORT, crop_transform, warp_affine
 from fedpose.io import atomic_write, atomic_write_json
@@ -105,9 +106,8 @@ def _key(records: Sequence[PoseRecord], root: Path, geometry: WindowGeometry, in
     digest = hashlib.sha256(json.dumps([VERSION, geometry.size, geometry.oversample, list(input_size), padding,
                                         reduced_decode]).encode())
     for record in records:
-        stat = resolve_image_or_raise(root, record.image).stat()
-        digest.update(json.dumps([record.image, stat.st_size, stat.st_mtime_ns, [float(v) for v in record.center],
-                                  float(record.scale)]).encode())
+        stamp = file_stamp(resolve_image_or_raise(root, record.image))
+        digest.update(json.dumps([record.image, stamp, [float(v) for v in record.center], float(record.scale)]).encode())
     return digest.hexdigest()[:20]
 
 

@@ -2,7 +2,7 @@
 
 The dataset decodes lazily, so without this a corrupt file is found only when a batch happens to
 draw it — possibly rounds later, after budget was spent, or never. A site therefore checks all of
-its files when its data is first loaded. The result is cached per file (size, modification time,
+its files when its data is first loaded. The result is cached per file (:func:`file_stamp`,
 SHA-256) so later rounds re-read only files that changed.
 """
 
@@ -16,13 +16,19 @@ from fedpose.data.annotations import PoseRecord, file_digest, refuse_image_alias
 from fedpose.data.loaders import ImageLoadError, resolve_image_or_raise
 from fedpose.io import atomic_write_json
 
-CACHE_VERSION = 2  #: 2: each file's entry also holds its SHA-256 (copies of one photograph are refused)
+#: 2: each file's entry also holds its SHA-256 (copies of one photograph are refused); 3: the stamp
+#: holds the inode-change time and the inode too
+CACHE_VERSION = 3
 MAX_NAMED = 5  #: how many bad files the error names (the count is always given)
 
 
-def _stamp(path: Path) -> list[int]:
+def file_stamp(path: Path) -> list[int]:
+    """What says a file is unchanged since a cache read it: size, modification time, inode-change
+    time and inode. The modification time alone is not enough: ``cp -p``, ``rsync -t`` and ``tar x``
+    keep it over new content (an image redacted in place would keep training from its old pixels),
+    while the inode-change time is set by the kernel on every write and cannot be set back."""
     stat = path.stat()
-    return [stat.st_size, stat.st_mtime_ns]
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
 
 
 def _read_cache(cache_file: Path | None, root: Path) -> dict[str, list]:
@@ -59,14 +65,14 @@ def check_images(
     for index, name in enumerate(names):
         try:
             path = resolve_image_or_raise(root, name)
-            stamp = _stamp(path)
+            stamp = file_stamp(path)
             entry = known.get(name)
-            if not (isinstance(entry, list) and entry[:2] == stamp and len(entry) == 3):
+            if not (isinstance(entry, list) and entry[:-1] == stamp and len(entry) == len(stamp) + 1):
                 load_image(path)  # a full decode: truncated files fail only when the pixels are read
                 decoded += 1
                 entry = [*stamp, file_digest(path)]
             sound[name] = entry
-            digests[name] = entry[2]
+            digests[name] = entry[-1]
             files[name] = path
         except (ImageLoadError, OSError) as exc:
             bad.append(f"{name} ({exc.__class__.__name__}: {str(exc).splitlines()[0][:200]})")
