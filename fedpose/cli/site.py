@@ -138,20 +138,24 @@ def _row(entry: Any) -> dict[str, Any]:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from fedpose.federation.site_audit import AUDIT_FILE, AuditLogError, read_log, verify
+    from fedpose.federation.site_audit import AUDIT_FILE, AuditLogError, log_record, read_log, verify
 
     state_dir: Path = args.state_dir
     path = state_dir / AUDIT_FILE
     if not state_dir.is_dir():
         raise UserError(f"--state-dir {state_dir}: not a directory")
-    if not path.exists():
+    if not path.exists() and log_record(state_dir) is None:
         raise UserError(f"--state-dir {state_dir}: no audit log ({AUDIT_FILE}); the site has not replied since it started "
                         "keeping one")
     try:
-        if args.verify:
+        if args.verify or not path.exists():  # a log the state says it keeps, missing: verify names the loss
             result = verify(state_dir)
             print(f"{path}: {result.entries} entries, hash chain intact; its {result.spends_checked} spends agree with the "
                   "budget and the spend journal")
+            if result.restarted_after_loss:
+                print("note: this log was begun again after the site's earlier log was lost (its first entry says so); the "
+                      "replies before it are not on record here — restore the old log from its outside copy, and compare "
+                      "with the coordinator's ledger")
             if result.unlogged_spends:
                 rounds = ", ".join(f"run '{r}' round {n}" for r, n in result.unlogged_spends)
                 print(f"note: spent in the budget with no logged reply: {rounds} (a site stopped between its spend and its "

@@ -99,6 +99,9 @@ class AuditEntry(_Entry):
     #: set on the entry that records that the egress guard blocked the reply logged at this seq
     #: (:func:`record_blocked`): that reply did not leave, the guard's error did
     blocked_seq: int | None = None
+    #: set on the first entry of a log begun again because the site's log was lost (its state says a log
+    #: was kept since ``log_started_at``): the replies before it are not on record here
+    restarted_after_loss: bool | None = None
     hash: str = ""  #: SHA-256 of the canonical JSON of every other field
 
 
@@ -181,14 +184,59 @@ def _append(state_dir: Path, fields_of: Callable[[Sequence[AuditEntry]], dict[st
         if new_fields is None:
             return None
         last = parsed[-1] if parsed else None
+        started = log_record(state_dir)
+        if last is None and started is not None:
+            log.error("site %s: its audit log %s was lost (the state has kept one since %s UTC): a new log begins, its "
+                      "first entry marked restarted_after_loss; restore the old log from its outside copy",
+                      new_fields["site_id"], path, time.strftime("%Y-%m-%d %H:%M", time.gmtime(started["started_at"])))
+            new_fields = {**new_fields, "restarted_after_loss": True}
         fields = AuditEntry(seq=(last.seq + 1) if last else 1, prev=last.hash if last else GENESIS, at=time.time(),
                             **new_fields).model_dump(mode="json", exclude_none=False)
-        if fields["blocked_seq"] is None:
-            del fields["blocked_seq"]  # entries of replies that left as logged are written as before the field existed
+        for added in ("blocked_seq", "restarted_after_loss"):
+            if fields[added] is None:
+                del fields[added]  # entries that need neither are written as before these fields existed
         fields["hash"] = _entry_hash(fields)
         # a torn last line (the site stopped mid-append) is cut off, as _read skips it
         append_lines(path, json.dumps(fields, ensure_ascii=False) + "\n", complete=_is_entry)
+        if started is None:
+            _record_log_start(state_dir, fields["at"], (fields["run_id"], fields["round"]))
     return AuditEntry.model_validate(fields)
+
+
+#: key of the site's state marker (``site_state.json``) that says the state keeps an audit log
+LOG_RECORD_KEY = "audit_log"
+
+
+def log_record(state_dir: Path) -> dict[str, Any] | None:
+    """What the site's state marker says of its audit log: ``started_at`` (when its first entry was
+    written) and ``spent_before`` (the (run, round) spends the budget held then, which no entry can
+    name); None: the marker says nothing (no log yet, or a state from before this record)."""
+    from fedpose.federation.site_budget import GENESIS_FILE, _read_signed
+
+    marker = state_dir / GENESIS_FILE
+    if not marker.exists():
+        return None
+    record = _read_signed(marker, "site state marker").get(LOG_RECORD_KEY)
+    return record if isinstance(record, dict) else None
+
+
+def _record_log_start(state_dir: Path, started_at: float, first: tuple[str, int]) -> None:
+    """Note in the state marker that this state keeps an audit log from now on (under the state lock),
+    so a log lost later is told from one never written, with the spends the budget held before the
+    log's ``first`` entry (run, round) — the ones no entry can name. A state without a marker (a site
+    whose state is not created yet) has nothing to note it in."""
+    from fedpose.federation.site_budget import GENESIS_FILE, STATE_FILE, _read_signed, _write_signed
+
+    marker, budget = state_dir / GENESIS_FILE, state_dir / STATE_FILE
+    if not marker.exists():
+        return
+    spent_before = []
+    if budget.exists():
+        payload = _read_signed(budget, "site budget state")
+        spent_before = sorted([str(e["run_id"]), int(e["round"])] for e in payload.get("entries", [])
+                              if e.get("status") == "spent" and (str(e["run_id"]), int(e["round"])) != first)
+    genesis = _read_signed(marker, "site state marker")
+    _write_signed(marker, {**genesis, LOG_RECORD_KEY: {"started_at": started_at, "spent_before": spent_before}})
 
 
 def _is_entry(line: bytes) -> bool:
@@ -230,6 +278,7 @@ class Verification:
     entries: int
     spends_checked: int
     unlogged_spends: tuple[tuple[str, int], ...]  #: budget spends with no logged reply (see :func:`verify`)
+    restarted_after_loss: bool = False  #: the log was lost once and begun again (its first entry says so)
 
 
 def read_log(state_dir: str | Path) -> list[AuditEntry]:
@@ -251,7 +300,12 @@ def verify(state_dir: str | Path) -> Verification:
 
     state_dir = Path(state_dir)
     path = state_dir / AUDIT_FILE
+    started = log_record(state_dir)
     if not path.exists():
+        if started is not None:
+            raise AuditLogError(f"no audit log at {path}, but the site's state has kept one since "
+                                f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime(started['started_at']))} UTC: it was lost or "
+                                "removed — restore it from its outside copy")
         raise AuditLogError(f"no audit log at {path}")
     previous: AuditEntry | None = None
     entries: list[AuditEntry] = []
@@ -274,7 +328,7 @@ def verify(state_dir: str | Path) -> Verification:
             n, e = logged_spends[0]
             raise AuditLogError(f"{path}, entry {n} (run '{e.run_id}' round {e.round}): a logged spend, but there is no "
                                 f"budget {budget_path}")
-        return Verification(len(entries), 0, ())
+        return Verification(len(entries), 0, (), bool(entries and entries[0].restarted_after_loss))
     try:
         state = _parse_state(_read_signed(budget_path, "site budget state"), budget_path)
         check_journal(state_dir, state)
@@ -295,7 +349,13 @@ def verify(state_dir: str | Path) -> Verification:
         if state.journaled and (e.run_id, e.round) not in journal:
             raise AuditLogError(f"{where}: the site replied with this spend, but {state_dir / JOURNAL_FILE} does not hold it")
     logged = {(e.run_id, e.round) for _, e in logged_spends}
-    since = entries[0].at if entries else float("inf")
-    unlogged = tuple(sorted(key for key, held in spent.items() if key not in logged and held.recorded_at >= since
-                            and not held.reason.startswith("adopted")))
-    return Verification(len(entries), len(logged_spends), unlogged)
+    if started is not None:
+        # every spend since the log began, by the budget's record of what it held then (not by clock time)
+        before = {(str(run), int(r)) for run, r in started.get("spent_before", [])}
+        unlogged = tuple(sorted(key for key, held in spent.items() if key not in logged and key not in before
+                                and not held.reason.startswith("adopted")))
+    else:  # a state from before that record: the spends since the log's first entry, by time
+        since = entries[0].at if entries else float("inf")
+        unlogged = tuple(sorted(key for key, held in spent.items() if key not in logged and held.recorded_at >= since
+                                and not held.reason.startswith("adopted")))
+    return Verification(len(entries), len(logged_spends), unlogged, bool(entries and entries[0].restarted_after_loss))

@@ -182,9 +182,14 @@ def test_report_without_a_log_is_a_clear_error(tmp_path: Path, capsys: pytest.Ca
     assert "no audit log (audit.jsonl)" in capsys.readouterr().err
 
 
-def test_an_update_that_cannot_be_logged_is_not_sent(site_rounds, tmp_path: Path) -> None:
+def test_an_update_that_cannot_be_logged_is_not_sent(site_rounds, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The log is written before the reply leaves: when it cannot be, the round becomes an error
-    reply carrying no update (its spend stays counted: conservative)."""
+    reply carrying no update (its spend stays counted: conservative). A log that cannot take an entry
+    at all is found before the spend (nothing spent); one whose write fails only after the spend (the
+    disk filled meanwhile: the write is made to fail) costs that round's spend and releases nothing."""
+    import errno
+
+    import fedpose.federation.site_audit as site_audit
     from fedpose.federation.site_budget import SiteBudget
 
     state = _copy(site_rounds[0], tmp_path)
@@ -195,8 +200,19 @@ def test_an_update_that_cannot_be_logged_is_not_sent(site_rounds, tmp_path: Path
     result = run_site_round(site, "run", 4, weights, spec, 2)
     assert (result.reply.status, result.reply.error_class) == ("error", "IsADirectoryError")
     assert not result.update and not result.reply.carries_update
-    budget = SiteBudget(state, "site-1", 50.0, 1e-5, "DP", unit="patient")
-    assert budget.entry("run", 4).status == "spent"
+    assert SiteBudget(state, "site-1", 50.0, 1e-5, "DP", unit="patient").entry("run", 4) is None  # found before the spend
+
+    (state / AUDIT_FILE).rmdir()
+    shutil.copy2(site_rounds[0] / AUDIT_FILE, state / AUDIT_FILE)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(site_audit, "append_lines", disk_full)
+    result = run_site_round(site, "run", 4, weights, spec, 2)
+    assert (result.reply.status, result.reply.error_class) == ("error", "OSError")
+    assert not result.update and not result.reply.carries_update
+    assert SiteBudget(state, "site-1", 50.0, 1e-5, "DP", unit="patient").entry("run", 4).status == "spent"
 
 
 @pytest.mark.usefixtures("flower_task_identity")
@@ -244,3 +260,39 @@ def test_a_reply_the_egress_guard_blocks_is_recorded_as_blocked(tmp_path: Path, 
     assert "egress guard blocked the reply (record 'images' is not part of the protocol); audit.jsonl entry 2" in (
         state / "site.log").read_text()
     assert "blocked_seq" not in json.loads(_lines(state)[0])  # lines of replies that left are written as before
+
+
+def test_a_lost_audit_log_is_never_silently_begun_again(site_rounds, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """The site's log was deleted: the next reply used to start a new chain at seq 1 and `--verify`
+    passed without a note, every earlier reply gone from the record. The state marker now says since
+    when the state keeps a log: `--verify` on the missing log says it was lost; the next reply begins a
+    new log whose first entry says so, and `--verify` lists every spend the new log does not hold."""
+    state = _copy(site_rounds[0], tmp_path)
+    (state / AUDIT_FILE).unlink()
+    assert "it was lost or removed — restore it from its outside copy" in _verify_fails(state, capsys)
+    site = site_config(site_rounds[0].parent / "data", state)
+    weights, spec = global_model()
+    assert run_site_round(site, "run", 4, weights, spec, 2).reply.status == "ok"
+    (entry,) = read_log(state)
+    assert (entry.seq, entry.prev, entry.restarted_after_loss) == (1, GENESIS, True)
+    result = verify(state)
+    assert result.restarted_after_loss and result.unlogged_spends == (("run", 1), ("run", 2))
+    assert main(["site", "report", "--state-dir", str(state), "--verify"]) == 0
+    assert "begun again after the site's earlier log was lost" in capsys.readouterr().out
+
+
+def test_spends_without_a_logged_reply_are_found_whatever_the_clock_said(site_rounds, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A site killed between its spend and its reply leaves a spend with no logged reply; `--verify`
+    selected those by time, so one recorded while the clock was set back a day was not listed. They
+    are selected by what the budget held when the log began (the state marker's record)."""
+    import fedpose.federation.site_budget as site_budget_module
+    from fedpose.federation.site_budget import SiteBudget
+
+    state = _copy(site_rounds[0], tmp_path)
+    real_time = site_budget_module.time.time
+    monkeypatch.setattr(site_budget_module.time, "time", lambda: real_time() - 86_400)
+    SiteBudget(state, "site-1", 50.0, 1e-5, "DP", unit="patient").authorize_round("run", 5, 1.0, 0.25, 2)  # then killed
+    monkeypatch.setattr(site_budget_module.time, "time", real_time)
+    assert verify(state).unlogged_spends == (("run", 5),)
