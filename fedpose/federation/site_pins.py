@@ -289,9 +289,12 @@ def _mismatch_message(site_id: str, path: Path, stored: Mapping[str, Any], misma
 
 # -- the global arrays ------------------------------------------------------------------------------
 def check_global_arrays(expected: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
-    """The coordinator's arrays are exactly the spec's state dict: same names and shapes, finite.
-    ``expected``: the state dict of the model built from the spec. A non-finite weight would make
-    the round diverge after its spend; a missing or misshapen one would fail it there."""
+    """The coordinator's arrays are exactly the spec's state dict: same names, shapes and dtypes,
+    finite. ``expected``: the state dict of the model built from the spec. A non-finite weight would
+    make the round diverge after its spend; a missing or misshapen one would fail it there. The dtype
+    is the model's own, so the check sees the values the model will hold: a float64 1e300 is finite
+    and becomes inf in float32, and a Δ of another dtype than the global array's is blocked at egress
+    (both after the spend)."""
     missing = sorted(set(expected) - set(arrays))
     unexpected = sorted(set(arrays) - set(expected))
     if missing or unexpected:
@@ -302,8 +305,9 @@ def check_global_arrays(expected: Mapping[str, Any], arrays: Mapping[str, np.nda
         # a 0-d tensor travels as shape (1,) in Flower's ArrayRecord (torch loads it the same way)
         if tuple(array.shape) != tuple(tensor.shape) and not (len(tensor.shape) == 0 and array.shape == (1,)):
             raise GlobalModelRejected(f"global array {name}: shape {tuple(array.shape)}, the model spec needs {tuple(tensor.shape)}")
-        if array.dtype.kind not in "biuf":
-            raise GlobalModelRejected(f"global array {name}: dtype {array.dtype} is not numeric")
+        wanted = str(tensor.dtype).removeprefix("torch.")
+        if array.dtype != np.dtype(wanted):
+            raise GlobalModelRejected(f"global array {name}: dtype {array.dtype}, the model spec's is {wanted}")
         if array.dtype.kind == "f" and not np.isfinite(array).all():
             raise GlobalModelRejected(f"global array {name}: {int((~np.isfinite(array)).sum())} non-finite values")
 

@@ -281,10 +281,14 @@ def test_asking_for_fewer_steps_never_buys_a_lower_sigma(data_root, weights, tmp
 
 
 # -- the global arrays ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("attack", ["nan-weight", "missing-tensor", "wrong-shape"])
+@pytest.mark.parametrize("attack", ["nan-weight", "missing-tensor", "wrong-shape", "float64-overflow", "float64-honest",
+                                    "int-weight"])
 def test_a_broken_global_model_is_refused_before_the_spend(data_root, weights, tmp_path, attack) -> None:
     """A NaN weight used to make the round diverge after its spend (a coordinator burning the
-    site's budget); a missing or misshapen tensor failed it there."""
+    site's budget); a missing or misshapen tensor failed it there. Found by a red-team: a float64
+    1e300 is finite as sent and inf once the model holds it in float32 (spent, then diverged), and any
+    other dtype than the model's, even the honest values in float64, trained and spent, then the
+    site's own egress guard blocked its float32 Δ. Every array must have the model's dtype."""
     global_state, spec = weights
     state = tmp_path / "state"
     site = site_config(data_root, state)
@@ -294,8 +298,14 @@ def test_a_broken_global_model_is_refused_before_the_spend(data_root, weights, t
         hostile[name] = np.full_like(global_state[name], np.nan)
     elif attack == "missing-tensor":
         del hostile[name]
-    else:
+    elif attack == "wrong-shape":
         hostile[name] = np.zeros(global_state[name].shape + (1,), dtype=np.float32)
+    elif attack == "float64-overflow":
+        hostile[name] = np.full(global_state[name].shape, 1e300, dtype=np.float64)
+    elif attack == "float64-honest":
+        hostile[name] = global_state[name].astype(np.float64)
+    else:
+        hostile[name] = np.zeros(global_state[name].shape, dtype=np.int32)
     unspent = _Unspent(site)
     with pytest.raises(GlobalModelRejected, match=name.replace(".", r"\.")):
         train_site_round(site, "run", 1, hostile, spec, 2)
