@@ -77,6 +77,8 @@ def test_export_writes_weights_and_an_allow_listed_report_only(central_run: Path
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), trained.state_dict().values()))
     text = (out / "PRIVACY.txt").read_text()
     assert "unit protected" in text and "randomness" in text
+    # what leaves, for a central run: no federation wording (sites, replies) in its report
+    assert "what leaves: central training publishes only" in text and "federation site" not in text
 
 
 def test_exporting_best_says_the_selection_used_the_validation_split(central_run: Path, tmp_path: Path) -> None:
@@ -264,6 +266,7 @@ def test_a_federated_export_says_what_an_fdp_site_leaves_public_and_every_site_s
     assert f"  protects {protected}; treated as public, not protected: {FEATURE_DP.public}" in text
     assert "  spends (round: σ, q, steps): 1: 1.5, 0.25, 4; 2: 1.5, 0.25, 4" in text and "what leaves:" in text
     assert "; rounds joined 1, rounds spent 2" in text
+    assert "what leaves: a federation site sends only its typed reply" in text and "central training" not in text
 
 
 def test_a_federated_export_of_a_run_with_a_moving_average_publishes_the_average(tmp_path: Path) -> None:

@@ -222,7 +222,7 @@ def describe(report: Mapping[str, Any]) -> str:
         f"noise multiplier σ = {report['noise_multiplier']:.4g}, clip C = {report['max_grad_norm']:g}, "
         f"sample rate q = {report['sample_rate']:.4g}, steps = {report['steps']}"
     )
-    lines.append(f"what leaves: {WHAT_LEAVES}")
+    lines.append(f"what leaves: {WHAT_LEAVES_CENTRAL}")
     return "\n".join(lines)
 
 
@@ -242,11 +242,23 @@ def describe_federation(report: Mapping[str, Any]) -> str:
         if site.get("spends"):
             lines.append("  spends (round: σ, q, steps): " + "; ".join(
                 f"{e['round']}: {e['noise_multiplier']:.6g}, {e['sample_rate']:.6g}, {e['steps']}" for e in site["spends"]))
-    lines.append(f"what leaves: {WHAT_LEAVES}")
+    lines.append(f"what leaves: {WHAT_LEAVES_FEDERATION}")
     return "\n".join(lines)
 
 
-#: What is released, in words (docs/privacy.md says the same)
+#: What is released, in words (docs/privacy.md says the same): by a central run, and by a federation's sites
+WHAT_LEAVES_CENTRAL = (
+    "central training publishes only what `fedpose export` writes (weights + this report; checkpoints/, metrics.json "
+    "and curves.png hold private-data statistics and stay internal)"
+)
+WHAT_LEAVES_FEDERATION = (
+    "a federation site sends only its typed reply — the privatized Δ (under secure aggregation its masked vector "
+    "instead, and the protocol's own messages: public keys, encrypted shares, unmasking shares), a status with a fixed "
+    "reason code (an error: its exception's class name), its cumulative privacy report with its spends per round "
+    "(declared σ, q, steps) and its declared input privacy settings, the steps run, its declared aggregation weight, "
+    "basis version, run and round ids (sites/egress.py checks each reply against this list); the published model is "
+    "what `fedpose export` writes from the coordinator's global weights, and this report"
+)
 WHAT_LEAVES = (
     "central training publishes only what `fedpose export` writes (weights + this report; checkpoints/, metrics.json "
     "and curves.png hold private-data statistics and stay internal); a federation site sends only its typed reply — "
