@@ -99,8 +99,8 @@ class AuditEntry(_Entry):
     #: set on the entry that records that the egress guard blocked the reply logged at this seq
     #: (:func:`record_blocked`): that reply did not leave, the guard's error did
     blocked_seq: int | None = None
-    #: set on the first entry of a log begun again because the site's log was lost (its state says a log
-    #: was kept since ``log_started_at``): the replies before it are not on record here
+    #: set on the first entry of a log begun again because the site's log was lost (its state marker
+    #: says a log was kept: :func:`log_record`): the replies before it are not on record here
     restarted_after_loss: bool | None = None
     hash: str = ""  #: SHA-256 of the canonical JSON of every other field
 
