@@ -70,7 +70,6 @@ import fcntl
 import hashlib
 import json
 import math
-import os
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
