@@ -16,6 +16,8 @@ unmask stage of that round, and replaced by the next round's.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import math
 import os
@@ -35,6 +37,7 @@ from fedpose.config import ConfigError, load_config
 from fedpose.federation import protocol
 from fedpose.federation.config import FederationConfig, SiteConfig
 from fedpose.federation.secagg import site as secagg_site
+from fedpose.federation.site_audit import record_secagg_stage
 from fedpose.federation.site_budget import SITE_LOG_FILE
 from sites.egress import egress_guard
 
@@ -137,7 +140,10 @@ def handle_secagg(msg: Message, context: Context, site: SiteConfig) -> Message:
         answer = secagg_site.answer(session, site.site_id, request, identity)
     _keep_session(context, session)
     log.info("site %s round %d: secure aggregation %s → %s", site.site_id, request.round, request.kind, answer.kind)
-    return Message(RecordDict({protocol.SECAGG_RECORD: ConfigRecord(protocol.encode_secagg(answer))}), reply_to=msg)
+    encoded = protocol.encode_secagg(answer)
+    # entered in the audit log before it leaves, as a train reply is (an answer that cannot be logged is not sent)
+    record_secagg_stage(site.state_dir, request, answer, hashlib.sha256(json.dumps(encoded, sort_keys=True).encode()).hexdigest())
+    return Message(RecordDict({protocol.SECAGG_RECORD: ConfigRecord(encoded)}), reply_to=msg)
 
 
 @functools.cache
@@ -230,17 +236,18 @@ def site_log(site: SiteConfig) -> Iterator[None]:
 
 def record_blocked_reply(msg: Message, context: Context, problems: list[str], federation_config: str | Path | None = None) -> None:
     """Enter in the site's audit log that the egress guard blocked its reply to a training instruction
-    (the log's line for that reply was written before the guard looked). Stage messages of secure
-    aggregation are not in the log; an instruction or config that cannot be read left no line."""
+    or a secure-aggregation stage (the log's line for that reply was written before the guard looked).
+    An instruction or config that cannot be read left no line to correct."""
     from fedpose.federation.site_audit import record_blocked
 
-    if msg.metadata.message_type != protocol.MESSAGE_TYPE_TRAIN:
-        return
     site = site_from_context(context, federation_config)
-    instruction = protocol.decode_instruction(dict(msg.content[protocol.CONFIG_RECORD]))
+    if msg.metadata.message_type == protocol.MESSAGE_TYPE_SECAGG:
+        asked = protocol.decode_secagg_request(dict(msg.content[protocol.SECAGG_RECORD]))
+    else:
+        asked = protocol.decode_instruction(dict(msg.content[protocol.CONFIG_RECORD]))
     with site_log(site):
-        logged = record_blocked(site.state_dir, site.site_id, instruction.run_id, instruction.round)
-        log.error("site %s round %d: the egress guard blocked the reply (%s)%s", site.site_id, instruction.round,
+        logged = record_blocked(site.state_dir, site.site_id, asked.run_id, asked.round)
+        log.error("site %s round %d: the egress guard blocked the reply (%s)%s", site.site_id, asked.round,
                   "; ".join(problems), f"; audit.jsonl entry {logged.seq} records it" if logged else "")
 
 

@@ -101,7 +101,8 @@ def _identity(args: argparse.Namespace) -> int:
 CSV_COLUMNS = ("seq", "at_utc", "site_id", "run_id", "round", "asked_local_steps", "asked_basis_version", "asked_backbone",
                "asked_input_size", "global_sha256", "ledger_record_rounds", "status", "reason", "error_class", "local_steps",
                "guarantee", "protection_unit", "delta", "accountant", "epsilon", "eps_max", "epsilon_text", "rounds_spent",
-               "noise_multiplier", "sample_rate", "steps", "update_bytes", "update_sha256", "blocked_seq", "prev", "hash")
+               "noise_multiplier", "sample_rate", "steps", "update_bytes", "update_sha256", "blocked_seq", "secagg_request",
+               "secagg_answer", "seed_share_nodes", "key_share_nodes", "prev", "hash")
 
 
 def _utc(at: float) -> str:
@@ -116,8 +117,16 @@ def _epsilon_text(entry: Any) -> str:
     return epsilon_text(entry.epsilon, entry.delta, entry.guarantee, entry.accountant, entry.protection_unit)
 
 
+def _answer(entry: Any) -> str:
+    """The table's reason column: the reason code or error class, or the secure-aggregation stage answered."""
+    stage = entry.secagg_stage
+    if stage is not None and entry.blocked_seq is None:
+        return f"secagg {stage.answer}" + (f" ({stage.refusal})" if stage.refusal else "")
+    return entry.reason or entry.error_class or "-"
+
+
 def _row(entry: Any) -> dict[str, Any]:
-    asked, spend = entry.asked, entry.spend
+    asked, spend, stage = entry.asked, entry.spend, entry.secagg_stage
     return {
         "seq": entry.seq, "at_utc": _utc(entry.at), "site_id": entry.site_id, "run_id": entry.run_id, "round": entry.round,
         "asked_local_steps": asked.local_steps if asked else "", "asked_basis_version": asked.basis_version if asked else "",
@@ -133,6 +142,9 @@ def _row(entry: Any) -> dict[str, Any]:
         "noise_multiplier": spend.noise_multiplier if spend else "", "sample_rate": spend.sample_rate if spend else "",
         "steps": spend.steps if spend else "", "update_bytes": entry.update_bytes, "update_sha256": entry.update_sha256 or "",
         "blocked_seq": "" if entry.blocked_seq is None else entry.blocked_seq,
+        "secagg_request": stage.request if stage else "", "secagg_answer": stage.answer if stage else "",
+        "seed_share_nodes": " ".join(map(str, stage.seed_share_nodes)) if stage else "",
+        "key_share_nodes": " ".join(map(str, stage.key_share_nodes)) if stage else "",
         "prev": entry.prev, "hash": entry.hash,
     }
 
@@ -179,6 +191,6 @@ def _report(args: argparse.Namespace) -> int:
               f"{'released':>12}  {'update SHA-256':<16}  ε after the round")
         for e in entries:
             print(f"{e.seq:>4}  {_utc(e.at):<19}  {e.run_id:<12} {e.round:>5}  "
-                  f"{e.asked.local_steps if e.asked else '-':>5}  {e.status:<8} {e.reason or e.error_class or '-':<24} "
+                  f"{e.asked.local_steps if e.asked else '-':>5}  {e.status:<8} {_answer(e):<24} "
                   f"{e.update_bytes:>10} B  {(e.update_sha256 or '-')[:16]:<16}  {_epsilon_text(e)}")
     return 0

@@ -1,5 +1,5 @@
-"""The site's audit log for its privacy officer: every reply to a training instruction, hash-chained
-(secure aggregation's stage messages are checked by sites/egress.py, not logged here).
+"""The site's audit log for its privacy officer: every reply to a training instruction and every
+secure-aggregation stage answer, hash-chained.
 
 ``<state_dir>/audit.jsonl`` holds one line per reply, written by the site at the moment it replies
 (:func:`record_reply`, called from :func:`~fedpose.federation.local_training.train_site_round` and,
@@ -70,6 +70,18 @@ class AuditInstruction(_Entry):
     ledger_record_rounds: list[int]  #: rounds of this site the coordinator's ledger record listed
 
 
+class SecAggStageAnswer(_Entry):
+    """A secure-aggregation stage answer the site sent (sites/egress.py checked it first): what was
+    asked, what it answered, and for an unmask answer whose shares it gave — never both of one node."""
+
+    request: str  #: "setup", "key-directory", "view", "unmask-request"
+    answer: str  #: "public-keys", "encrypted-shares", "view-signature", "unmask-shares", "refusal"
+    refusal: str | None = None  #: the refusal's fixed code
+    seed_share_nodes: list[int] = Field(default_factory=list)  #: survivors whose self-mask seed shares it gave
+    key_share_nodes: list[int] = Field(default_factory=list)  #: dropped nodes whose mask-key shares it gave
+    answer_sha256: str  #: SHA-256 of the answer as encoded for the wire
+
+
 class AuditEntry(_Entry):
     """One reply of the site, as its audit log holds it (every field is public: from the instruction,
     the reply, or a digest of what was released)."""
@@ -102,6 +114,9 @@ class AuditEntry(_Entry):
     #: set on the first entry of a log begun again because the site's log was lost (its state marker
     #: says a log was kept: :func:`log_record`): the replies before it are not on record here
     restarted_after_loss: bool | None = None
+    #: set on the entry of a secure-aggregation stage answer (status "ok", or "refused" with reason
+    #: "secure-aggregation-refused"; no spend, no update, no ε: :func:`record_secagg_stage`)
+    secagg_stage: SecAggStageAnswer | None = None
     hash: str = ""  #: SHA-256 of the canonical JSON of every other field
 
 
@@ -165,11 +180,32 @@ def record_blocked(state_dir: str | Path, site_id: str, run_id: str, round_id: i
             return None
         kept = blocked.model_dump(include={"site_id", "run_id", "round", "asked", "local_steps", "guarantee",
                                            "protection_unit", "delta", "accountant", "epsilon", "eps_max",
-                                           "rounds_spent", "spend"})
+                                           "rounds_spent", "spend", "secagg_stage"})
         return dict(kept, status="error", reason=None, error_class=BLOCKED_ERROR_CLASS, update_bytes=0,
                     update_sha256=None, blocked_seq=blocked.seq)
 
     return _append(Path(state_dir), correction)
+
+
+def record_secagg_stage(state_dir: str | Path, request: Any, answer: Any, wire_sha256: str) -> AuditEntry | None:
+    """Append a secure-aggregation stage answer (``request`` / ``answer``: the protocol's SecAgg
+    messages). Logged only where the site's state exists: a new site's first setup comes before its
+    first train message creates it (None then; its public keys are all that left)."""
+    from fedpose.federation.site_budget import GENESIS_FILE
+
+    state_dir = Path(state_dir)
+    if not (state_dir / GENESIS_FILE).exists():
+        return None
+    refused = answer.kind == "refusal"
+    stage = SecAggStageAnswer(
+        request=request.kind, answer=answer.kind, refusal=answer.reason if refused else None,
+        seed_share_nodes=sorted(share.node for share in getattr(answer, "seed_shares", [])),
+        key_share_nodes=sorted(share.node for share in getattr(answer, "key_shares", [])), answer_sha256=wire_sha256)
+    return _append(state_dir, lambda entries: dict(
+        site_id=answer.site_id, run_id=answer.run_id, round=answer.round, asked=None, status="refused" if refused else "ok",
+        reason="secure-aggregation-refused" if refused else None, local_steps=0, guarantee=None, protection_unit=None,
+        delta=None, accountant=None, epsilon=None, eps_max=None, rounds_spent=None, spend=None, update_bytes=0,
+        update_sha256=None, secagg_stage=stage))
 
 
 def _append(state_dir: Path, fields_of: Callable[[Sequence[AuditEntry]], dict[str, Any] | None]) -> AuditEntry | None:
@@ -192,7 +228,7 @@ def _append(state_dir: Path, fields_of: Callable[[Sequence[AuditEntry]], dict[st
             new_fields = {**new_fields, "restarted_after_loss": True}
         fields = AuditEntry(seq=(last.seq + 1) if last else 1, prev=last.hash if last else GENESIS, at=time.time(),
                             **new_fields).model_dump(mode="json", exclude_none=False)
-        for added in ("blocked_seq", "restarted_after_loss"):
+        for added in ("blocked_seq", "restarted_after_loss", "secagg_stage"):
             if fields[added] is None:
                 del fields[added]  # entries that need neither are written as before these fields existed
         fields["hash"] = _entry_hash(fields)

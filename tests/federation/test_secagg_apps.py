@@ -5,6 +5,7 @@ egress guard lets exactly the SecAgg stage records out and nothing else."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -113,6 +114,19 @@ def test_three_sites_through_the_client_app_one_dropping_after_masking(tmp_path:
     for node in (1, 2):
         state = json.loads(contexts[node].state[SECAGG_STATE_RECORD]["session"])
         assert state["stage"] == "unmasked" and state["seed"] == "" and state["seed_shares"] == {}
+    # each survivor's audit log holds its stage answers after its state existed (the view it signed, the
+    # shares it gave: the survivors' seed shares, the dropped site's key share, never both of one node),
+    # each with the digest of the answer as it left, and the log verifies
+    from fedpose.federation.site_audit import read_log, verify
+
+    sent = {hashlib.sha256(json.dumps(dict(m.content[protocol.SECAGG_RECORD]), sort_keys=True).encode()).hexdigest()
+            for m in masked_replies if m.has_content() and protocol.SECAGG_RECORD in m.content}
+    for node in (1, 2):
+        stages = [e.secagg_stage for e in read_log(tmp_path / f"site-{node}") if e.secagg_stage is not None]
+        assert [(s.request, s.answer) for s in stages] == [("view", "view-signature"), ("unmask-request", "unmask-shares")]
+        assert (stages[1].seed_share_nodes, stages[1].key_share_nodes) == ([1, 2], [3])
+        assert {s.answer_sha256 for s in stages} <= sent
+        assert verify(tmp_path / f"site-{node}").entries == 3  # the masked train reply and the two stages
 
 
 def _recording(reply: Message, into: list[Message]) -> Message:
