@@ -218,19 +218,25 @@ def site_log(site: SiteConfig) -> Iterator[None]:
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logger = logging.getLogger("fedpose")
-    previous_level, previous_propagate = logger.level, logger.propagate
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    # only here: a root handler of the host process (a Ray worker's, forwarded to the simulation's
-    # console) would otherwise print the details too
-    logger.propagate = False
+    # fedpose's records, and Python warnings (one may name a private count: they printed to the
+    # SuperNode's console, which an operator may ship to a central log service)
+    loggers = [logging.getLogger("fedpose"), logging.getLogger("py.warnings")]
+    previous = [(logger.level, logger.propagate) for logger in loggers]
+    logging.captureWarnings(True)
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        # only here: a root handler of the host process (a Ray worker's, forwarded to the simulation's
+        # console) would otherwise print the details too
+        logger.propagate = False
     try:
         yield
     finally:
-        logger.removeHandler(handler)
-        logger.setLevel(previous_level)
-        logger.propagate = previous_propagate
+        logging.captureWarnings(False)
+        for logger, (level, propagate) in zip(loggers, previous):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = propagate
         handler.close()
 
 

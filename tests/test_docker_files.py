@@ -206,3 +206,28 @@ def test_the_site_image_keeps_its_state_out_of_the_writable_layer(compose: dict)
             f"Dockerfile.site declares no VOLUME holding {name}'s state_dir {site.state_dir}"
         state_mount = next(v for v in service["volumes"] if v.endswith(":/state"))
         assert state_mount.split(":")[0] in compose["volumes"], f"{name}: /state is not a named (top-level) volume"
+
+
+def test_only_the_fleet_api_is_published_beyond_this_host(compose: dict) -> None:
+    """Whoever reaches the SuperLink's Control API submits the code every site runs and registers
+    SuperNode keys; the metrics exporters carry no authentication. Found by a red-team: compose
+    published them on every interface. Only the Fleet API (9092, TLS + SuperNode auth) may be."""
+    for name, service in compose["services"].items():
+        for port in service.get("ports", []):
+            assert port == "9092:9092" or port.startswith("127.0.0.1:"), f"{name} publishes {port} beyond this host"
+
+
+def test_each_container_mounts_only_its_own_keys_and_data(compose: dict) -> None:
+    """A site's container held the CA key, the coordinator's key and every site's SuperNode key (it
+    could connect as another site or mint certificates), and the SuperLink's held every site's
+    training data. Each now mounts its own key and data only; no container gets the CA key."""
+    sources = {name: [v.split(":")[0] for v in service.get("volumes", [])] for name, service in compose["services"].items()}
+    for name, mounted in sources.items():
+        assert "./certs" not in mounted and not any(m.endswith("ca.key") for m in mounted), f"{name} mounts the CA key"
+        keys = [m for m in mounted if m.startswith("./certs/sites/") and not m.endswith(".pub")]
+        data = [m for m in mounted if m.startswith("./data/site-")]
+        if name.startswith("site-"):
+            assert keys == [f"./certs/sites/{name}"] and data == [f"./data/{name}"], f"{name}: {keys} {data}"
+        else:
+            assert not keys and not data, f"{name} mounts a site's key or training data: {keys} {data}"
+    assert "./data" not in sources["superlink"] and "./certs/server.key" in sources["superlink"]

@@ -311,6 +311,8 @@ class CoordinatorConfig(Strict):
     secure_aggregation: SecureAggregationConfig = Field(
         SecureAggregationConfig(), description="SecAgg+: the coordinator sees only the sum of the sites' updates (off by default)")
     metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus port (None = no server)")
+    metrics_addr: str = Field("127.0.0.1", description="address the Prometheus exporter binds (it has no authentication: "
+                              "0.0.0.0 only inside a container whose port is published to the host's loopback)")
     checkpoint_dir: Path = Field(Path("runs/federation/coordinator"), description="global model, server-optimizer state, ledger")
     ledger_db: Path | None = Field(None, description="SQLite budget ledger (default: <checkpoint_dir>/ledger.sqlite)")
     seed: int = Field(0, description="seed for site selection and the public-sample choice")

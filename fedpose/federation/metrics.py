@@ -65,7 +65,7 @@ class CoordinatorMetrics:
         self._server: MetricsServer | None = None
 
     @classmethod
-    def serve(cls, port: int, addr: str = "0.0.0.0") -> "CoordinatorMetrics":
+    def serve(cls, port: int, addr: str = "127.0.0.1") -> "CoordinatorMetrics":
         """Metrics served over HTTP at ``addr:port`` until :meth:`close`."""
         metrics = cls()
         metrics._server = start_metrics_server(port, metrics.registry, addr=addr)
@@ -175,7 +175,7 @@ class MetricsServer:
         self._thread.join(timeout=5)
 
 
-def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "0.0.0.0") -> MetricsServer:
+def start_metrics_server(port: int, registry: CollectorRegistry, addr: str = "127.0.0.1") -> MetricsServer:
     """Serve ``registry`` at http://addr:port/metrics in a daemon thread; port 0 picks a free port."""
     try:
         server, thread = start_http_server(port, addr=addr, registry=registry)

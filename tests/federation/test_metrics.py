@@ -104,3 +104,18 @@ def test_a_taken_metrics_port_is_named():
             start_metrics_server(first.port, CollectorRegistry(), addr="127.0.0.1")
     finally:
         first.close()
+
+
+def test_the_coordinator_exporter_binds_the_loopback_unless_told_otherwise(tmp_path) -> None:
+    """The exporter has no authentication (each site's ε, participation, update norms, bytes): it bound
+    every interface with no way to change it, even under `deploy local` ("everything on 127.0.0.1").
+    A red-team finding. It binds 127.0.0.1 now; `coordinator.metrics_addr` opens it deliberately."""
+    from fedpose.federation.deployment import CoordinatorRunConfig
+    from fedpose.federation.metrics import CoordinatorMetrics
+
+    metrics = CoordinatorMetrics.serve(0)
+    try:
+        assert metrics._server._server.server_address[0] == "127.0.0.1"
+    finally:
+        metrics.close()
+    assert CoordinatorRunConfig.model_validate({"run_id": "r", "coordinator": {}}).coordinator.metrics_addr == "127.0.0.1"

@@ -194,7 +194,8 @@ class RoundRunner:
             raise LedgerError(f"the budget ledger {ledger_path} already holds site reports up to round {recorded}; {how}, "
                               "or use another checkpoint_dir — a new run never overwrites a ledger")
         # served over HTTP when a port is configured; otherwise kept in memory only
-        self.metrics = CoordinatorMetrics.serve(self.cfg.metrics_port) if self.cfg.metrics_port is not None else CoordinatorMetrics()
+        self.metrics = (CoordinatorMetrics.serve(self.cfg.metrics_port, self.cfg.metrics_addr) if self.cfg.metrics_port is not None
+                        else CoordinatorMetrics())
         self._eval_dataset: Any = None
         self._nodes_settled = False  #: the first round of this process waits for the federation to reconnect
         self._node_wait_seconds = 0.0  #: how long the current round waited for sites to connect (history)

@@ -296,3 +296,23 @@ def test_spends_without_a_logged_reply_are_found_whatever_the_clock_said(site_ro
     SiteBudget(state, "site-1", 50.0, 1e-5, "DP", unit="patient").authorize_round("run", 5, 1.0, 0.25, 2)  # then killed
     monkeypatch.setattr(site_budget_module.time, "time", real_time)
     assert verify(state).unlogged_spends == (("run", 5),)
+
+
+def test_a_warning_naming_a_private_count_stays_in_the_site_log(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A coordinator that asks a colour-only site to train grey copies made the site warn "none of the
+    N training images is grey" — N, and a bit one grey record flips — through Python's warnings, to the
+    SuperNode's console (a red-team finding). While the ClientApp handles a message, warnings go to the
+    site's own log, like its records."""
+    import warnings
+
+    from sites.client_app import site_log
+
+    site = site_config(tmp_path / "data", tmp_path / "state")
+    capfd.readouterr()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        with site_log(site):
+            warnings.warn("the model trains only grey copies but none of the 16 training images is grey", RuntimeWarning)
+    console = capfd.readouterr()
+    assert "training images is grey" not in console.out + console.err
+    assert "none of the 16 training images is grey" in (tmp_path / "state" / "site.log").read_text()
