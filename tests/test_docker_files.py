@@ -46,7 +46,7 @@ def compose() -> dict:
 @pytest.fixture(scope="module")
 def help_text() -> dict[str, str]:
     texts = {}
-    for exe in ("flower-superlink", "flower-supernode"):
+    for exe in ("flower-superlink", "flower-supernode", "fedpose-site-superexec"):
         result = subprocess.run([str(BIN / exe), "--help"], capture_output=True, text=True, timeout=120,
                                 env={"FLWR_TELEMETRY_ENABLED": "0", "PATH": str(BIN)})
         texts[exe] = result.stdout + result.stderr
@@ -228,6 +228,21 @@ def test_each_container_mounts_only_its_own_keys_and_data(compose: dict) -> None
         data = [m for m in mounted if m.startswith("./data/site-")]
         if name.startswith("site-"):
             assert keys == [f"./certs/sites/{name}"] and data == [f"./data/{name}"], f"{name}: {keys} {data}"
+        elif name.startswith("exec-site-"):  # the site's ClientApp process: its data, no key
+            assert not keys and data == [f"./data/{name.removeprefix('exec-')}"], f"{name}: {keys} {data}"
         else:
             assert not keys and not data, f"{name} mounts a site's key or training data: {keys} {data}"
     assert "./data" not in sources["superlink"] and "./certs/server.key" in sources["superlink"]
+
+
+def test_every_site_runs_its_own_clientapp_never_the_runs_package(compose: dict) -> None:
+    """A SuperNode runs the ClientApp inside the run's package, which whoever submits the run chooses
+    (a red-team read a site's images that way): each site's SuperNode runs in process isolation and
+    its exec service starts the site's installed ClientApp (sites/pinned.py) on the SuperNode's loopback."""
+    for name in sorted(s for s in compose["services"] if s.startswith("site-")):
+        assert "--isolation=process" in _service_argv(compose["services"][name]), name
+        executor = compose["services"][f"exec-{name}"]
+        assert executor["network_mode"] == f"service:{name}"
+        argv = _service_argv(executor)
+        assert argv[0] == "fedpose-site-superexec" and "--runtime-api-address=127.0.0.1:9094" in argv
+        assert not any(v.split(":")[0].startswith("./certs") for v in executor["volumes"]), "the executor needs no key"

@@ -345,7 +345,10 @@ def _deploy(args: argparse.Namespace, repo: Path, run_dir: Path, lock_fd: int) -
                 _bin("flower-supernode"), "--superlink", f"127.0.0.1:{fleet}", "--grpc-rere",
                 "--root-certificates", str(certs / "ca.crt"), "--auth-supernode-private-key", str(certs / "sites" / site_id),
                 "--node-config", f'site-config="{site_toml}"', "--host", "127.0.0.1", "--port", str(port),
+                "--isolation", "process",  # the site's own SuperExec runs its installed ClientApp (sites/pinned.py)
             ])
+            group.start(f"superexec-{site_id}", [_bin("fedpose-site-superexec"), "--runtime-api-address",
+                                                  f"127.0.0.1:{port}", "--insecure"])
         for site_id, site_toml, port in zip(site_ids, site_tomls, site_metric_ports):
             group.start(f"metrics-{site_id}", [sys.executable, "-m", "sites.metrics", "--site-config", str(site_toml),
                                                 "--port", str(port)])

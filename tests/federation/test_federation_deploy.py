@@ -139,6 +139,15 @@ def test_deployment_grpc_tls_auth_results_ledgers_and_budget_stop(tmp_path: Path
     assert report["rounds_completed"] == 2 and report["stopped_reason"] == "completed 2 rounds"
     assert (run_dir / "coordinator" / "curves.png").exists()
 
+    # each site ran its own installed ClientApp: the run's package was received, never installed or
+    # imported (sites/pinned.py) — whoever submits a run cannot choose the code a site runs
+    from sites.pinned import NOT_INSTALLED
+
+    for site_id in ("site-1", "site-2"):
+        executed = (run_dir / "logs" / f"superexec-{site_id}.log").read_text()
+        assert NOT_INSTALLED in executed, executed[-2000:]
+    assert not any("Successfully installed" in log.read_text(errors="replace") for log in (run_dir / "logs").glob("*.log"))
+
     # both ledgers: each site's own budget and the coordinator's mirror agree
     rows = ledger_rows(run_dir)
     assert sorted((e.site_id, e.round, e.status) for e in rows) == [
