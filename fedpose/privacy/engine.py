@@ -92,7 +92,7 @@ from torch.utils.data import Dataset, default_collate
 from fedpose.config import PrivacyConfig, grey_copies_refuse_projection
 from fedpose.data.units import UnitIndex
 from fedpose.privacy import projection
-from fedpose.privacy.accountant import PrivacyLedger, default_accountant, noise_multiplier_for
+from fedpose.privacy.accountant import PrivacyLedger, default_accountant, noise_multiplier_for, smallest_noise_multiplier
 from fedpose.privacy.accountants import bounds
 from fedpose.privacy.mechanisms import Mechanism, get_mechanism
 from fedpose.privacy.public_views import PUBLIC_VIEW_FUNCTIONS, public_view_kind, public_view_report
@@ -211,17 +211,33 @@ def resolve_accountant(privacy: PrivacyConfig) -> str:
 
 
 def resolve_noise_multiplier(privacy: PrivacyConfig, sample_rate: float, planned_steps: int,
-                             relation: str | None = None) -> float:
+                             relation: str | None = None, spent: PrivacyLedger | None = None) -> float:
     """σ: ``privacy.noise_multiplier``, or the smallest σ whose ``planned_steps`` steps at rate q
     stay within ``privacy.target_epsilon`` (under ``relation``, by default the mechanism's, at
-    ``privacy.delta``, by the resolved accountant)."""
+    ``privacy.delta``, by the resolved accountant). ``spent``: the ledger a resumed run continues —
+    its steps count towards ``planned_steps`` and its ε towards the target, so the whole run stays
+    within it (calibrating the remaining steps alone ended a resumed run above its target)."""
     if privacy.noise_multiplier is not None:
         return float(privacy.noise_multiplier)
     if privacy.target_epsilon is None:  # PrivacyConfig's validator already forbids this
         raise ValueError(f"privacy: mechanism '{privacy.mechanism}' needs privacy.noise_multiplier or privacy.target_epsilon")
     relation = relation if relation is not None else get_mechanism(privacy.mechanism).guarantee.relation
-    return noise_multiplier_for(privacy.target_epsilon, sample_rate, planned_steps, privacy.delta, relation=relation,
-                                accountant=resolve_accountant(privacy))
+    accountant = resolve_accountant(privacy)
+    if spent is not None and spent.steps > 0:
+        already = spent.get_epsilon(privacy.delta)[0]
+        remaining = max(1, planned_steps - spent.steps)
+        where = (f" for the {remaining} steps left after the {spent.steps} the resumed run spent (ε = {already:.4g}); "
+                 "raise privacy.target_epsilon or train fewer steps")
+        if already >= privacy.target_epsilon:
+            raise ValueError(f"target ε = {privacy.target_epsilon} is unreachable{where}")
+    whole_run = noise_multiplier_for(privacy.target_epsilon, sample_rate, planned_steps, privacy.delta, relation=relation,
+                                     accountant=accountant)
+    if spent is not None and spent.steps > 0:
+        if spent.epsilon_if(whole_run, sample_rate, remaining, privacy.delta) <= privacy.target_epsilon:
+            return whole_run  # an interrupted run resumed as planned keeps its σ
+        return smallest_noise_multiplier(lambda sigma: spent.epsilon_if(sigma, sample_rate, remaining, privacy.delta),
+                                         privacy.target_epsilon, low=whole_run, high=2 * whole_run, where=where)
+    return whole_run
 
 
 class GradientEngine:
@@ -349,7 +365,8 @@ class GradientEngine:
         # σ for a target ε is calibrated under the ledger's relation: a ledger that continues an older,
         # looser relation composes this run's steps under it, so σ must hold the target there.
         self.noise_multiplier = resolve_noise_multiplier(privacy, self.sample_rate, self.planned_steps,
-                                                         self.accountant.relation)
+                                                         self.accountant.relation, spent=self.accountant)
+        self._spent_before = list(self.accountant.history)  # a resumed run's steps: the plan continues them
         # The CSPRNG unless a test asks for seeded noise, which voids the guarantee (see privacy_report).
         self.noise = make_noise(self.seed if privacy.insecure_seeded_noise else None)
         if mechanism.projects and privacy.basis.k < 1:
@@ -819,8 +836,10 @@ class GradientEngine:
         epsilon_text = format_epsilon(epsilon, self.privacy.delta, guarantee, self.accountant.accountant, unit=unit,
                                       relation=self.accountant.relation)
         rdp = self.accountant.rdp()
-        planned = PrivacyLedger(relation=self.accountant.relation, accountant=self.accountant.accountant)
-        planned.step(self.noise_multiplier, self.sample_rate, self.planned_steps)
+        # the whole run as planned: what a resumed run spent before, then the rest of its steps at σ
+        planned = PrivacyLedger(list(self._spent_before), self.accountant.orders, self.accountant.relation, self.accountant.accountant)
+        spent_steps = sum(steps for _, _, steps in self._spent_before)
+        planned.step(self.noise_multiplier, self.sample_rate, max(0, self.planned_steps - spent_steps))
         report.update({
             "epsilon": _finite_or_none(epsilon),
             "delta": self.privacy.delta,

@@ -384,14 +384,30 @@ def _refuse_batch_statistics(model: TrainableModel) -> None:
 
 
 def per_sample_norms(grads: dict[str, Tensor]) -> Tensor:
-    """Flat L2 norm over all trainable parameters, per sample (b,)."""
-    per_tensor = [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1) for g in grads.values()]
+    """Flat L2 norm over all trainable parameters, per sample (b,), accumulated in float64: a float32
+    sum of p squares comes out low (by ~2e-5 relative at p ≈ 1 M, ~2e-3 at 2²⁵), and a norm
+    computed low clips a gradient to more than C (a red-team measured it)."""
+    per_tensor = [torch.linalg.vector_norm(g.reshape(g.shape[0], -1), dim=1, dtype=torch.float64) for g in grads.values()]
     return torch.linalg.vector_norm(torch.stack(per_tensor, 1), dim=1)
 
 
+def row_norms(rows: Tensor) -> Tensor:
+    """L2 norm of each row of a (n, p) float32 matrix, accumulated in float64 one row at a time (a
+    float64 copy of the whole matrix would double the step's largest buffer)."""
+    if rows.shape[0] == 0:
+        return torch.zeros(0, dtype=torch.float64, device=rows.device)
+    return torch.stack([torch.linalg.vector_norm(row, dtype=torch.float64) for row in rows])
+
+
+#: a clipping factor is rounded down by this much when it becomes float32, so factor · ‖g‖ ≤ C holds
+#: after the rounding too (float32 keeps 24 bits: one rounding moves it by at most 2⁻²⁴ relative)
+FACTOR_ROUNDED_DOWN = 1.0 - 2.0 ** -22
+
+
 def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
-    """min(1, C / ‖g_i‖): scales each sample's gradient to norm ≤ C (Abadi et al.)."""
-    return (max_grad_norm / (norms + 1e-12)).clamp(max=1.0)
+    """min(1, C / ‖g_i‖), as float32 rounded down: scales each sample's gradient to norm ≤ C (Abadi
+    et al.). ``norms`` in float64 (:func:`per_sample_norms`, :func:`row_norms`)."""
+    return ((max_grad_norm / (norms.double() + 1e-12)).clamp(max=1.0) * FACTOR_ROUNDED_DOWN).float()
 
 
 def clipped_gradient_sum(
@@ -529,11 +545,12 @@ def clipped_unit_gradient_sum(
             finished -= 1
         if finished:
             done = sums[:finished]
-            norms = torch.linalg.vector_norm(done, dim=1)
+            norms = row_norms(done)
             if augmentations != 1:  # the unit's gradient is done / K: its norm, and the factor applied to done
                 norms = norms / augmentations
             finite = torch.isfinite(norms)
-            factors = torch.where(finite, clip_factors(norms, max_grad_norm), torch.zeros_like(norms))
+            factors = clip_factors(norms, max_grad_norm)
+            factors = torch.where(finite, factors, torch.zeros_like(factors))
             # 0 · Inf = NaN: zero the overflowing units' rows outright — always, so the step's work
             # does not depend on whether a private unit overflowed
             done = torch.where(finite[:, None], done, torch.zeros_like(done))

@@ -254,12 +254,14 @@ def test_a_site_killed_while_its_clientapp_runs_goes_missing_then_killed_coordin
     proc = start_deploy(config, run_dir, base, 2)
     try:
         wait_for(lambda: len(history(run_dir)) >= 1, 400, "round 1", proc)
-        supernode = json.loads((run_dir / "pids.json").read_text())["supernode-site-2"]
-        tree = wait_for(lambda: (lambda t: t if any("flwr-clientapp" in c for c in t.values()) else None)(process_tree(supernode)),
-                        300, "site-2's round-2 ClientApp", proc, poll=0.2)
-        # the machine goes: SuperNode, SuperExec and ClientApp (before the ClientApp has imported
-        # torch, so before it could spend round 2)
+        pids = json.loads((run_dir / "pids.json").read_text())
+        supernode, superexec = pids["supernode-site-2"], pids["superexec-site-2"]
+        tree = wait_for(lambda: (lambda t: t if any("fedpose-site-clientapp" in c for c in t.values()) else None)(
+            process_tree(superexec)), 300, "site-2's round-2 ClientApp", proc, poll=0.2)
+        # the machine goes: SuperNode, the site's SuperExec and ClientApp (before the ClientApp has
+        # imported torch, so before it could spend round 2)
         os.killpg(supernode, signal.SIGKILL)
+        os.killpg(superexec, signal.SIGKILL)
         for pid, _ in tree:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -355,11 +357,12 @@ def test_sigkill_of_deploy_local_leaves_no_process_behind(tmp_path: Path, data_d
 
     def clientapps_running() -> bool:
         started.update(process_tree(proc.pid))
-        return any("flwr-clientapp" in cmdline for cmdline in started.values())
+        return any("fedpose-site-clientapp" in cmdline for cmdline in started.values())
 
     try:
         wait_for(clientapps_running, 300, "a ClientApp process (a round under way)", proc, poll=0.3)
-        for name in ("flower-superlink", "flower-supernode", "flower-superexec", "sites.metrics", "flwr-serverapp"):
+        for name in ("flower-superlink", "flower-supernode", "flower-superexec", "fedpose-site-superexec", "sites.metrics",
+                     "flwr-serverapp"):
             assert any(name in cmdline for cmdline in started.values()), (name, started)
         proc.kill()
         proc.wait(timeout=10)
