@@ -12,8 +12,8 @@ Flower's own keeps its code its own::
 ``fedpose-site-superexec`` is Flower's SuperExec (it polls the SuperNode for tasks and starts one
 process per task) launching ``fedpose-site-clientapp`` instead of ``flwr-clientapp``; that process
 is Flower's ClientApp process, except that it neither installs nor imports the run's package: it runs
-``sites.client_app:app`` as installed here, whatever the package holds (its hash goes to the
-site's log). Runtime dependency installation is refused (it would run the package's installer).
+``sites.client_app:app`` as installed here, whatever the package holds (its SHA-256 goes to the
+executor's output). Runtime dependency installation is refused (it would run the package's installer).
 The runtime API stays on the loopback: it carries the site's messages in the clear.
 """
 
