@@ -146,7 +146,8 @@ def test_deployment_grpc_tls_auth_results_ledgers_and_budget_stop(tmp_path: Path
     for site_id in ("site-1", "site-2"):
         executed = (run_dir / "logs" / f"superexec-{site_id}.log").read_text()
         assert NOT_INSTALLED in executed, executed[-2000:]
-    assert not any("Successfully installed" in log.read_text(errors="replace") for log in (run_dir / "logs").glob("*.log"))
+    site_logs = [log for kind in ("supernode", "superexec") for log in (run_dir / "logs").glob(f"{kind}-site-*.log")]
+    assert len(site_logs) == 4 and not any("Successfully installed" in log.read_text(errors="replace") for log in site_logs)
 
     # both ledgers: each site's own budget and the coordinator's mirror agree
     rows = ledger_rows(run_dir)
