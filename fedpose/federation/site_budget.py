@@ -650,15 +650,23 @@ def _append_journal(state_dir: Path, lines: str) -> None:
     append_lines(state_dir / JOURNAL_FILE, lines, complete=_journal_line_parses)
 
 
+_MALFORMED_LINE = (json.JSONDecodeError, UnicodeDecodeError, TypeError, ValueError, KeyError, AttributeError)
+
+
+def _parse_journal_line(line: str | bytes) -> JournaledSpend | tuple[str, int]:
+    """One journal line: a spend, or the (run, round) a "void" line cancels. Raises one of
+    ``_MALFORMED_LINE`` when the line is not a journal line."""
+    doc = json.loads(line)
+    if doc.get("void") is True:
+        return (str(doc["run_id"]), int(doc["round"]))
+    return JournaledSpend(**doc)
+
+
 def _journal_line_parses(line: bytes) -> bool:
     try:
-        doc = json.loads(line)
-        if doc.get("void") is True:
-            str(doc["run_id"]), int(doc["round"])
-        else:
-            JournaledSpend(**doc)
+        _parse_journal_line(line)
         return True
-    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, ValueError, KeyError, AttributeError):
+    except _MALFORMED_LINE:
         return False
 
 
@@ -679,16 +687,15 @@ def read_journal(state_dir: str | Path) -> list[JournaledSpend]:
         if not line.strip():
             continue
         try:
-            doc = json.loads(line)
-            if doc.get("void") is True:
-                spends.pop((str(doc["run_id"]), int(doc["round"])), None)
-                continue
-            spend = JournaledSpend(**doc)
-        except (json.JSONDecodeError, TypeError, ValueError, KeyError, AttributeError) as exc:
+            parsed = _parse_journal_line(line)
+        except _MALFORMED_LINE as exc:
             if number == len(lines):  # no newline after it: the append was cut short
                 continue
             raise BudgetStateError(f"spend journal {path}, line {number}: malformed ({exc}); restore it from a backup") from None
-        spends[spend.key] = spend
+        if isinstance(parsed, JournaledSpend):
+            spends[parsed.key] = parsed
+        else:  # void: cancels the spend journaled for its (run, round)
+            spends.pop(parsed, None)
     return list(spends.values())
 
 
