@@ -72,6 +72,32 @@ def test_unit_sum_equals_the_obvious_computation_across_chunks(model) -> None:
     assert torch.allclose(losses, per_sample_losses)  # losses come back in batch order
 
 
+def test_the_clipped_sums_products_run_without_tf32_even_where_training_enables_it(model, monkeypatch) -> None:
+    """On CUDA, training turns TF32 matmuls on (fedpose.runtime.configure_device); inside the clipped
+    sum a TF32 product would round each unit's gradient after its norm was taken (a unit could then
+    move the sum by up to C·(1 + 2⁻¹¹)). Every product of both clipped sums runs with TF32 off, and
+    the process setting is restored afterwards."""
+    seen: list[bool] = []
+    original = torch.Tensor.addmv_
+
+    def recording(self, *args, **kwargs):
+        seen.append(torch.backends.cuda.matmul.allow_tf32)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "addmv_", recording)
+    batch = _batch([0, 1, 2, 3])
+    features = frozen_features(model, batch["image"])
+    before = torch.backends.cuda.matmul.allow_tf32  # a process setting (torch's flag object is not monkeypatchable)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        clipped_gradient_sum(model, features, batch["joints"], batch["weight"], 0.05)
+        clipped_unit_gradient_sum(model, features, batch["joints"], batch["weight"], torch.tensor([0, 0, 1, 1]), 0.05)
+        assert torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert seen and not any(seen)
+
+
 @pytest.mark.parametrize("k", [1, 5, 12])
 def test_a_unit_of_k_aligned_records_moves_the_clipped_sum_by_at_most_c(model, k: int) -> None:
     """Adversarial: k copies of one record (perfectly aligned gradients, each far above C) in one unit."""

@@ -52,7 +52,7 @@ model itself and sizes it from free device memory (:func:`auto_chunk_size`, by t
 alone, where no model is at hand).
 
 Device: everything here runs on the device of ``features`` (the model's device); sums, norms and
-clipping factors are float32 there, whatever matmul precision the device uses.
+clipping factors are float32 there, and the clipped sums' products never use TF32 (:func:`no_tf32`).
 """
 
 from __future__ import annotations
@@ -404,6 +404,20 @@ def row_norms(rows: Tensor) -> Tensor:
 FACTOR_ROUNDED_DOWN = 1.0 - 2.0 ** -22
 
 
+@contextmanager
+def no_tf32() -> Iterator[None]:
+    """CUDA matrix products in full float32 inside the block. The clipped sum multiplies each unit's
+    gradient by its factor in a matrix product: with TF32 (which :func:`fedpose.runtime.configure_device`
+    turns on for CUDA training) its entries would be rounded to 10 mantissa bits there, after the
+    norm was taken, and a unit could move the sum by up to C · (1 + 2⁻¹¹)."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
 def clip_factors(norms: Tensor, max_grad_norm: float) -> Tensor:
     """min(1, C / ‖g_i‖), as float32 rounded down: scales each sample's gradient to norm ≤ C (Abadi
     et al.). ``norms`` in float64 (:func:`per_sample_norms`, :func:`row_norms`)."""
@@ -452,10 +466,11 @@ def clipped_gradient_sum(
             g[dropped] = 0.0
         # Σ_i factor_i · g_i per parameter, accumulated straight into the flat sum (one gemv each).
         offset = 0
-        for g in grads.values():
-            size = g[0].numel()
-            total[offset: offset + size].addmv_(g.reshape(g.shape[0], -1).float().T, factors)
-            offset += size
+        with no_tf32():
+            for g in grads.values():
+                size = g[0].numel()
+                total[offset: offset + size].addmv_(g.reshape(g.shape[0], -1).float().T, factors)
+                offset += size
         norms.append(chunk_norms)
         losses.append(chunk_losses)
     if not norms:
@@ -554,7 +569,8 @@ def clipped_unit_gradient_sum(
             # 0 · Inf = NaN: zero the overflowing units' rows outright — always, so the step's work
             # does not depend on whether a private unit overflowed
             done = torch.where(finite[:, None], done, torch.zeros_like(done))
-            total.addmv_(done.T, factors if augmentations == 1 else factors / augmentations)
+            with no_tf32():
+                total.addmv_(done.T, factors if augmentations == 1 else factors / augmentations)
             unit_norms.append(norms)
         losses_sorted.append(chunk_losses)
         nonfinite_sorted.append(nonfinite)
