@@ -291,7 +291,8 @@ def _mismatch_message(site_id: str, path: Path, stored: Mapping[str, Any], misma
 def check_global_arrays(expected: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
     """The coordinator's arrays are exactly the spec's state dict: same names, shapes and dtypes,
     finite. ``expected``: the state dict of the model built from the spec. A non-finite weight would
-    make the round diverge after its spend; a missing or misshapen one would fail it there. The dtype
+    make the round diverge after its spend, a negative BatchNorm variance release noise only; a
+    missing or misshapen one would fail it there. The dtype
     is the model's own, so the check sees the values the model will hold: a float64 1e300 is finite
     and becomes inf in float32, and a Δ of another dtype than the global array's is blocked at egress
     (both after the spend)."""
@@ -310,6 +311,10 @@ def check_global_arrays(expected: Mapping[str, Any], arrays: Mapping[str, np.nda
             raise GlobalModelRejected(f"global array {name}: dtype {array.dtype}, the model spec's is {wanted}")
         if array.dtype.kind == "f" and not np.isfinite(array).all():
             raise GlobalModelRejected(f"global array {name}: {int((~np.isfinite(array)).sum())} non-finite values")
+        # a negative variance makes every row's normalisation NaN: each sample is zeroed, and the
+        # round would spend to release noise only
+        if name.endswith("running_var") and (array < 0).any():
+            raise GlobalModelRejected(f"global array {name}: {int((array < 0).sum())} negative variances")
 
 
 # -- the basis --------------------------------------------------------------------------------------

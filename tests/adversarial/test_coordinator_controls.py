@@ -282,19 +282,23 @@ def test_asking_for_fewer_steps_never_buys_a_lower_sigma(data_root, weights, tmp
 
 # -- the global arrays ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("attack", ["nan-weight", "missing-tensor", "wrong-shape", "float64-overflow", "float64-honest",
-                                    "int-weight"])
+                                    "int-weight", "negative-variance"])
 def test_a_broken_global_model_is_refused_before_the_spend(data_root, weights, tmp_path, attack) -> None:
     """A NaN weight used to make the round diverge after its spend (a coordinator burning the
     site's budget); a missing or misshapen tensor failed it there. Found by a red-team: a float64
     1e300 is finite as sent and inf once the model holds it in float32 (spent, then diverged), and any
     other dtype than the model's, even the honest values in float64, trained and spent, then the
-    site's own egress guard blocked its float32 Δ. Every array must have the model's dtype."""
+    site's own egress guard blocked its float32 Δ. Every array must have the model's dtype. A negative
+    BatchNorm variance made every row NaN, each zeroed: the round spent to release noise only."""
     global_state, spec = weights
     state = tmp_path / "state"
     site = site_config(data_root, state)
     hostile = dict(global_state)
     name = next(k for k in global_state if k.startswith("head.") and global_state[k].dtype.kind == "f")
-    if attack == "nan-weight":
+    if attack == "negative-variance":
+        name = next(k for k in global_state if k.endswith("running_var"))
+        hostile[name] = -global_state[name]
+    elif attack == "nan-weight":
         hostile[name] = np.full_like(global_state[name], np.nan)
     elif attack == "missing-tensor":
         del hostile[name]
