@@ -39,7 +39,10 @@ def markdown_text(text: str) -> str:
 
 def _row(key: str, field: FieldInfo) -> str:
     """One table row, its description escaped for a rendered page."""
-    default = "required" if field.is_required() else f"`{field.default!r}`"
+    if field.is_required():
+        default = "required"
+    else:
+        default = f"`{field.default_factory()!r}`" if field.default_factory is not None else f"`{field.default!r}`"  # type: ignore[call-arg]
     desc = markdown_text(" ".join((field.description or "").split()).replace("|", "\\|"))
     return f"| `{key}` | {_type_name(field.annotation).replace('|', 'or')} | {default} | {desc} |"
 

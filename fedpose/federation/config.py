@@ -133,15 +133,20 @@ class SiteIdentityConfig(Strict):
 
     @model_validator(mode="after")
     def _peer_ids(self) -> "SiteIdentityConfig":
-        bad = [site_id for site_id in self.peers if not re.fullmatch(SITE_ID_PATTERN, site_id)]
-        if bad:
-            raise ValueError(f"identity.peers: {bad} are not site ids")
         # a garbled key would otherwise surface only mid-round, as that peer's keys "unsigned"
-        garbled = [site_id for site_id, key in self.peers.items() if not _is_ed25519_public_key(key)]
-        if garbled:
-            raise ValueError(f"identity.peers: the keys of {garbled} are not Ed25519 public keys "
-                             "(base64 of 32 bytes, as `fedpose site identity` prints them)")
+        _check_public_keys("identity.peers", self.peers)
         return self
+
+
+def _check_public_keys(where: str, keys: dict[str, str]) -> None:
+    """Site ids mapped to Ed25519 public keys (base64 of 32 bytes), or ValueError naming the bad ones."""
+    bad = [site_id for site_id in keys if not re.fullmatch(SITE_ID_PATTERN, site_id)]
+    if bad:
+        raise ValueError(f"{where}: {bad} are not site ids")
+    garbled = [site_id for site_id, key in keys.items() if not _is_ed25519_public_key(key)]
+    if garbled:
+        raise ValueError(f"{where}: the keys of {garbled} are not Ed25519 public keys "
+                         "(base64 of 32 bytes, as `fedpose site identity` prints them)")
 
 
 def _is_ed25519_public_key(text: str) -> bool:
@@ -307,6 +312,13 @@ class CoordinatorConfig(Strict):
     public_data: Path | None = Field(None, description="S_pub for the basis (pdp / fpdp)")
     aggregation: AggregationConfig = AggregationConfig()
     update_norm_bound: float | None = Field(None, gt=0, description="reject updates with ‖Δ‖₂ above this (None = no bound)")
+    site_identities: dict[str, str] = Field(
+        default_factory=dict,
+        description="site id → the public key of the site's identity (base64, as `fedpose site identity` prints it). "
+        "When set, a train reply counts for the site it names only if that site's identity signed it (its update's "
+        "digest included), and a site not listed is not used: no other node can answer in a site's name. Empty: "
+        "replies are taken at their word (any admitted node could send one naming any site)",
+    )
     basis: BasisTransportConfig = BasisTransportConfig()
     secure_aggregation: SecureAggregationConfig = Field(
         SecureAggregationConfig(), description="SecAgg+: the coordinator sees only the sum of the sites' updates (off by default)")
@@ -323,6 +335,11 @@ class CoordinatorConfig(Strict):
         description="train the initial global model on public_data first (a from-scratch model's BatchNorm "
         "statistics always come from public_data when it is set)",
     )
+
+    @model_validator(mode="after")
+    def _site_identity_keys(self) -> "CoordinatorConfig":
+        _check_public_keys("site_identities", self.site_identities)
+        return self
 
     @model_validator(mode="after")
     def _warm_start_needs_public_data(self) -> "CoordinatorConfig":

@@ -26,7 +26,7 @@ import shutil
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, ParamSpec
 
@@ -46,6 +46,7 @@ from fedpose.federation.protocol import (
     SpendRecord,
     error_class_name,
 )
+from fedpose.federation.reply_signature import ReplySigner
 from fedpose.federation.secagg.site import SecAggRefused, SiteSecAggSession
 from fedpose.federation.site_budget import GENESIS_FILE, BudgetExhausted, SiteBudget
 from fedpose.federation.site_pins import GlobalModelRejected, check_global_arrays, check_pinned_settings
@@ -229,24 +230,29 @@ def _instruction_of_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
     return a["site"], instruction
 
 
-def _recorded_in_audit_log(train: Callable[P, SiteRoundResult]) -> Callable[P, SiteRoundResult]:
-    """``train``, its reply entered in the site's audit log before it is returned
+def _signed_and_recorded(train: Callable[P, SiteRoundResult]) -> Callable[P, SiteRoundResult]:
+    """``train``, its reply signed with the site's identity when it has one
+    (:mod:`~fedpose.federation.reply_signature`; the key is loaded before the round, so one that
+    does not load costs nothing) and entered in the site's audit log before it is returned
     (:func:`~fedpose.federation.site_audit.record_reply`): a reply that cannot be logged raises, so
     its update is never sent."""
 
     @functools.wraps(train)
     def train_and_record(*args: P.args, **kwargs: P.kwargs) -> SiteRoundResult:
+        signer = ReplySigner.of(args[0] if args else kwargs["site"])  # type: ignore[arg-type]
         result = train(*args, **kwargs)
         site, asked = _instruction_of_call(args, kwargs)
         # what left the site: Δ, or under secure aggregation the masked vector
         released = {MASKED_KEY: result.masked} if result.masked is not None else result.update
+        if signer is not None:
+            result = replace(result, reply=signer.sign(result.reply, released if result.reply.carries_update else {}))
         site_audit.record_reply(site.state_dir, result.reply, released, asked)
         return result
 
     return train_and_record
 
 
-@_recorded_in_audit_log
+@_signed_and_recorded
 def train_site_round(
     site: SiteConfig,
     run_id: str,
@@ -264,7 +270,7 @@ def train_site_round(
     on_step: Callable[[int], None] | None = None,
 ) -> SiteRoundResult:
     """Guard the budget, run ``local_steps`` private steps from the global weights, return Δ — its
-    reply entered in the site's audit log first (:func:`_recorded_in_audit_log`).
+    reply signed and entered in the site's audit log first (:func:`_signed_and_recorded`).
 
     Training runs on ``site.train.device`` (resolved here, at the site: CUDA when available for
     "auto"); ``threads`` applies on the CPU only. Δ comes back to the host as numpy arrays.
@@ -548,6 +554,11 @@ def run_site_round(site: SiteConfig, run_id: str, round_id: int, *args: Any, **k
             error_class=error_class_name(exc), privacy=report, basis_version=version, local_steps=0,
             aggregation_weight=site.aggregation_weight, spends=spends,
         )
+        try:  # signed when the identity loads (when it does not, that may be the error being reported)
+            signer = ReplySigner.of(site)
+            reply = signer.sign(reply, {}) if signer is not None else reply
+        except Exception:  # noqa: BLE001
+            pass
         # logged when the site has a state (a new site that failed before creating one has nothing to
         # audit, and a log alone would make its state dir look like a state that lost its budget)
         if (Path(site.state_dir) / GENESIS_FILE).exists():

@@ -190,6 +190,11 @@ class SiteReply(_Wire):
     #: events, built from its declared σ, q and the steps it ran — public values. The ledger keeps them
     #: so it can witness the site's spends (rounds whose reply was lost are reconciled by the next one)
     spends: list[SpendEvent] = Field(default_factory=list)
+    #: Ed25519 signature (base64) by the site's identity key over this reply without the signature and
+    #: the digest of the update that leaves with it (:mod:`fedpose.federation.reply_signature`), so the
+    #: coordinator attributes the reply to the site it names only if that site made it; a signature
+    #: of values that leave anyway. None: the site has no identity configured
+    signature: str | None = Field(None, pattern=r"^[A-Za-z0-9+/]{86}==$")
 
     @model_validator(mode="after")
     def _consistent(self) -> "SiteReply":

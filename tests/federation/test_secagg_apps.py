@@ -92,7 +92,8 @@ def test_three_sites_through_the_client_app_one_dropping_after_masking(tmp_path:
     run = CoordinatorRunConfig.model_validate({"run_id": "r", "coordinator": {
         "checkpoint_dir": str(tmp_path / "coordinator"), "data": {"input_size": [64, 64]}, "rounds": 1, "min_sites": 1,
         "local_steps": 2, "round_timeout_s": 3, "model": {"backbone": "tiny_vit_test", "scenario": "scratch"},
-        "secure_aggregation": {"enabled": True, "clip_range": 0.05, "bits": 16, "modulus_bits": 32, "max_sites": 8}}})
+        "secure_aggregation": {"enabled": True, "clip_range": 0.05, "bits": 16, "modulus_bits": 32, "max_sites": 8},
+        "site_identities": peers}})  # the survivors' masked replies count only signed, over Flower's encoding
     runner = RoundRunner(run, echo=lines.append)
     runner.state.node_sites = {"1": "site-1", "2": "site-2", "3": "site-3"}
     before = {k: v.copy() for k, v in runner.global_state.items()}
@@ -101,6 +102,7 @@ def test_three_sites_through_the_client_app_one_dropping_after_masking(tmp_path:
     (entry,) = load_history(tmp_path / "coordinator")
     assert entry.aggregated and entry.secure_aggregation is not None and entry.secure_aggregation.survivors == 2
     assert entry.sites["site-3"].status == "missing" and "secure aggregation: sum of 2 of 3 sites" in lines[-1]
+    assert entry.unidentified_missing_nodes == [] and not any("not used" in line for line in lines)
     assert any(not np.array_equal(runner.global_state[k], before[k]) for k in before)
     # what left the sites: stage records and masked vectors only, never an update
     assert all(protocol.UPDATE_RECORD not in m.content for m in masked_replies if m.has_content())
@@ -108,6 +110,7 @@ def test_three_sites_through_the_client_app_one_dropping_after_masking(tmp_path:
             if m.has_content() and protocol.SECAGG_RECORD in m.content]
     assert sum(isinstance(k, protocol.SecAggPublicKeys) and k.signature is not None for k in keys) == 3
     trained = [m for m in masked_replies if m.has_content() and protocol.MASKED_RECORD in m.content]
+    assert all(protocol.decode_reply(dict(m.content[protocol.REPLY_RECORD])).signature for m in trained)
     assert len(trained) == 3 and all(np.dtype(m.content[protocol.MASKED_RECORD][protocol.MASKED_KEY].dtype) == np.uint32
                                      for m in trained)  # M = 2^32: no more bytes than a float32 Δ
     # the session stayed in the node's memory for the round only: the survivors' secrets are gone after unmasking

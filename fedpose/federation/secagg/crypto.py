@@ -200,6 +200,13 @@ def view_statement(run_id: str, round_id: int, settings: str, survivors: list[in
                        "survivors": sorted(survivors), "dropped": sorted(dropped)}, sort_keys=True).encode()
 
 
+def reply_statement(unsigned_reply_json: str, released_sha256: str | None) -> bytes:
+    """What a site signs for a train reply (:mod:`fedpose.federation.reply_signature`): the reply as
+    JSON without its signature, and the digest of the update that leaves with it (None: none)."""
+    return json.dumps({"what": "fedpose site reply/1", "reply": unsigned_reply_json, "released_sha256": released_sha256},
+                      sort_keys=True).encode()
+
+
 def settings_digest(shared_settings: dict) -> str:
     """SHA-256 (hex) of a round's shared settings (canonical JSON): what every site of the round must agree on."""
     return hashlib.sha256(json.dumps(shared_settings, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

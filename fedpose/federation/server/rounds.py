@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from fedpose.config import ModelSpec
-from fedpose.federation import protocol, witness
+from fedpose.federation import protocol, reply_signature, witness
 from fedpose.federation.aggregation import (
     ServerOptimizer,
     aggregate_round,
@@ -501,13 +501,14 @@ class RoundRunner:
         entries: list[LedgerEntry] = []
         sites: dict[str, SiteRoundRecord] = {}
         answered: set[int] = set()
-        failures: dict[int, str] = {}
+        failures = {r.node: r.failure for r in replies if r.reply is None}  # counted as missing below: spent or not, unknown
+        attributed, unattributed = self._attribute(round_id, replies)
+        failures.update(unattributed)
+        received = {site_id: digest for site_id, (_, digest) in attributed.items()}
         updates: list[NodeReply] = []
-        for node_reply in replies:
+        for node_reply, _ in attributed.values():
             node, site_reply = node_reply.node, node_reply.reply
-            if site_reply is None:
-                failures[node] = node_reply.failure
-                continue  # counted as missing below: we do not know whether the site spent
+            assert site_reply is not None
             answered.add(node)
             site_id = site_reply.site_id
             self.state.node_sites[str(node)] = site_id
@@ -552,7 +553,8 @@ class RoundRunner:
             if node in answered:
                 continue
             reason = failures.get(node) or _no_reply_reason(round_seconds, self.cfg.round_timeout_s)
-            site_id = self.state.node_sites.get(str(node))
+            # a node whose reply named a site it could not prove it is stays unattributed
+            site_id = None if node in unattributed else self.state.node_sites.get(str(node))
             if node in not_trained:
                 # never sent a train message this round: no spend to mirror, nothing for the ledger
                 log.warning("round %d: %s %s", round_id, f"site {site_id}" if site_id else f"node {node}", not_trained[node])
@@ -577,7 +579,6 @@ class RoundRunner:
             aggregated, accepted, rejected = False, 0, 0
         else:
             aggregated, accepted, rejected = self._aggregate_secure(transport, round_id, secure, updates, sites, entries)
-        received = {r.reply.site_id: r.received_sha256() for r in replies if r.reply is not None}
         self.ledger.record_many(replace(e, update_sha256=received.get(e.site_id)) for e in entries)  # 1) ledger
         self.state.round = round_id
         if self.ema is not None and aggregated:  # an unchanged model is not averaged in again
@@ -627,6 +628,35 @@ class RoundRunner:
             return True, len(result.accepted), len(result.rejected)
         self.echo(f"round {round_id}: {len(result.accepted)} accepted update(s) < min_sites = {self.cfg.min_sites}: global model unchanged")
         return False, len(result.accepted), len(result.rejected)
+
+    def _attribute(self, round_id: int, replies: list[NodeReply]) -> tuple[dict[str, tuple[NodeReply, str | None]], dict[int, str]]:
+        """The replies the round may attribute to the site they name, by site id, each with the digest
+        of what came with it; and why each other node's reply is attributed to no site. A reply
+        counts only when signed by its site's identity (``coordinator.site_identities``; without
+        keys, at its word) and no other node's reply in this round claims the same site: two
+        claims leave both out (the ledger keeps what the site's next reply says it spent)."""
+        claims: dict[str, list[tuple[NodeReply, str | None]]] = {}
+        unattributed: dict[int, str] = {}
+        for node_reply in replies:
+            if node_reply.reply is None:
+                continue
+            digest = node_reply.received_sha256()
+            problem = reply_signature.attribution_problem(node_reply.reply, digest, self.cfg.site_identities)
+            if problem is None:
+                claims.setdefault(node_reply.reply.site_id, []).append((node_reply, digest))
+            else:
+                unattributed[node_reply.node] = problem
+        for site_id, claimed in list(claims.items()):
+            if len(claimed) > 1:
+                nodes = sorted(r.node for r, _ in claimed)
+                problem = (f"nodes {', '.join(map(str, nodes))} all answered as site '{site_id}' in this round: none is used"
+                           + ("" if self.cfg.site_identities else " (coordinator.site_identities makes sites sign their replies)"))
+                unattributed.update(dict.fromkeys(nodes, problem))
+                del claims[site_id]
+        for node, problem in sorted(unattributed.items()):
+            log.error("round %d: node %d: %s", round_id, node, problem)
+            self.echo(f"round {round_id}: node {node} not used: {problem}")
+        return {site_id: claimed[0] for site_id, claimed in claims.items()}, unattributed
 
     def _epsilon_regression(self, reply: protocol.SiteReply) -> str:
         """Why a reply's cumulative ε cannot be true ('' when it can): it is below what the ledger

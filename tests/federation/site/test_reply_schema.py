@@ -29,6 +29,8 @@ SITE_REPLY_FIELDS = {
     "local_steps": "min(asked, configured cap)",
     "aggregation_weight": "declared in the site's config",
     "spends": "per spent round of this run: declared σ, q and the steps run (min(asked, cap))",
+    "signature": "Ed25519 (deterministic) by the site's identity key over this reply and the digest of its update: "
+                 "a function of values that leave anyway",
 }
 PRIVACY_REPORT_FIELDS = {
     "guarantee", "unit", "adjacency", "accountant", "epsilon", "delta", "eps_max", "steps", "rounds_spent",
