@@ -3,7 +3,7 @@
     fedpose site report --state-dir state/site-1            # one line per reply the site sent
     fedpose site report --state-dir state/site-1 --csv      # the same, for a spreadsheet
     fedpose site report --state-dir state/site-1 --verify   # the hash chain + agreement with the budget
-    fedpose site identity --out /etc/fedpose/site-1.identity.pem   # the site's secure-aggregation identity
+    fedpose site identity --out /etc/fedpose/site-1.identity.pem   # the site's identity (signed keys and replies)
     fedpose site prepare --site-config site-1.toml --input-size 256 192   # decode the images before joining
 
 ``report``: the audit log for the site's privacy officer (public values only).
@@ -44,10 +44,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     report.set_defaults(handler=_report)
     identity = sub.add_parser(
-        "identity", help="make this site's secure-aggregation identity key; prints the public key its peers list",
+        "identity", help="make this site's identity key (signs its secure-aggregation keys and its replies); prints the public key",
         description="Writes an Ed25519 private key (PEM, mode 0600) for the site config's identity.key and prints its "
                     "public key: give that to every other site out of band (not through the coordinator), and list "
-                    "theirs under identity.peers. The key never leaves the site.")
+                    "theirs under identity.peers; give it to the coordinator's operator too, for "
+                    "coordinator.site_identities (the coordinator then uses only replies this key signed). "
+                    "The key never leaves the site.")
     identity.add_argument("--out", required=True, type=Path, help="where to write the private key")
     identity.add_argument("--force", action="store_true", help="overwrite an existing key (its peers must then be told)")
     identity.epilog = examples("fedpose site identity --out /etc/fedpose/site-1.identity.pem")

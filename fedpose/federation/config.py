@@ -112,8 +112,9 @@ class SiteDataConfig(AugmentationConfig):
 
 
 class SiteIdentityConfig(Strict):
-    """A site's long-term identity for secure aggregation: it signs its round keys, and checks every
-    peer's against the list it was given out of band (`fedpose site identity` makes a key)."""
+    """A site's long-term identity (`fedpose site identity` makes a key): it signs its secure-aggregation
+    round keys, checking every peer's against the list it was given out of band, and its train replies
+    (checked by a coordinator that lists the key in ``coordinator.site_identities``)."""
 
     key: Path = Field(..., description="this site's Ed25519 private key (PEM; never leaves the site)")
     peers: dict[str, str] = Field(
@@ -182,8 +183,8 @@ class SiteConfig(Strict):
     )
     identity: SiteIdentityConfig | None = Field(
         None,
-        description="sign this site's secure-aggregation keys and check its peers' (None: keys unsigned — the "
-        "coordinator is trusted to relay them faithfully, docs/privacy.md)",
+        description="sign this site's secure-aggregation keys and check its peers', and sign its train replies (None: "
+        "keys unsigned — the coordinator is trusted to relay them faithfully, docs/privacy.md — and replies unsigned)",
     )
     reply_after_s: float | None = Field(
         None, gt=0,
