@@ -632,18 +632,22 @@ class RoundRunner:
     def _attribute(self, round_id: int, replies: list[NodeReply]) -> tuple[dict[str, tuple[NodeReply, str | None]], dict[int, str]]:
         """The replies the round may attribute to the site they name, by site id, each with the digest
         of what came with it; and why each other node's reply is attributed to no site. A reply
-        counts only when signed by its site's identity (``coordinator.site_identities``; without
-        keys, at its word) and no other node's reply in this round claims the same site: two
-        claims leave both out (the ledger keeps what the site's next reply says it spent)."""
+        counts only when it answers this run's round, is signed by its site's identity
+        (``coordinator.site_identities``; without keys, at its word) and no other node's reply in
+        this round claims the same site: two claims leave both out (the ledger keeps what the
+        site's next reply says it spent)."""
         claims: dict[str, list[tuple[NodeReply, str | None]]] = {}
         unattributed: dict[int, str] = {}
         for node_reply in replies:
             if node_reply.reply is None:
                 continue
-            digest = node_reply.received_sha256()
-            problem = reply_signature.attribution_problem(node_reply.reply, digest, self.cfg.site_identities)
+            reply, digest = node_reply.reply, node_reply.received_sha256()
+            problem = reply_signature.attribution_problem(reply, digest, self.cfg.site_identities)
+            if (reply.run_id, reply.round) != (self.run.run_id, round_id):  # what the signature binds it to
+                problem = (f"the reply answers run '{reply.run_id}' round {reply.round}, not this one "
+                           f"(run '{self.run.run_id}' round {round_id})")
             if problem is None:
-                claims.setdefault(node_reply.reply.site_id, []).append((node_reply, digest))
+                claims.setdefault(reply.site_id, []).append((node_reply, digest))
             else:
                 unattributed[node_reply.node] = problem
         for site_id, claimed in list(claims.items()):

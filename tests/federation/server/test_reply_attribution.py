@@ -58,8 +58,8 @@ def _reply(status: str = "ok", **fields: object) -> protocol.SiteReply:
     privacy = protocol.PrivacyReport(guarantee="DP", unit="record", adjacency="add_remove", accountant="rdp", epsilon=1.0,
                                      delta=1e-5, eps_max=10.0, steps=2, rounds_spent=1, orders=[2.0], rdp=[0.5],
                                      next_round_affordable=True)
-    return protocol.SiteReply(site_id="site-1", run_id="r", round=1, status=status, privacy=privacy, local_steps=2,
-                              **({"reason": "budget-exhausted"} if status == "refused" else {}), **fields)
+    return protocol.SiteReply(**{"site_id": "site-1", "run_id": "r", "round": 1, "status": status, "privacy": privacy,
+                                 "local_steps": 2, **({"reason": "budget-exhausted"} if status == "refused" else {}), **fields})
 
 
 def test_an_impostor_node_cannot_answer_in_a_site_s_name(tmp_path: Path) -> None:
@@ -114,6 +114,28 @@ def test_without_keys_two_nodes_claiming_one_site_leave_both_out(tmp_path: Path)
     assert any("nodes 11, 12 all answered as site 'site-1'" in line and "site_identities" in line for line in lines)
     with BudgetLedger(tmp_path / "coordinator" / "ledger.sqlite", read_only=True) as ledger:
         assert ledger.entries("site-1") == [] and ledger.site_summaries() == []
+
+
+@pytest.mark.parametrize("echo", [{"round": 7}, {"run_id": "another-run"}])
+def test_a_reply_that_answers_another_round_or_run_is_attributed_to_no_site(tmp_path: Path, echo: dict) -> None:
+    """A reply names the run and round it answers (both signed): one for another round or run (a
+    replayed earlier reply, a stale answer) is not this round's, whoever signed it."""
+
+    class Stale:
+        def node_ids(self) -> list[int]:
+            return [11]
+
+        def send_and_receive(self, requests: list[TrainRequest], timeout: float) -> list[NodeReply]:
+            return [NodeReply(r.node, _reply(**echo), update=lambda r=r: {k: np.zeros_like(r.global_arrays[k]) for k in trainable})
+                    for r in requests]
+
+    lines: list[str] = []
+    runner = RoundRunner(_run(tmp_path), echo=lines.append)
+    trainable = list(runner.global_model().trainable_parameters())
+    runner.run_rounds(Stale())
+    (entry,) = load_history(tmp_path / "coordinator")
+    assert not entry.aggregated and entry.sites == {} and entry.unidentified_missing_nodes == [11]
+    assert any("node 11 not used: the reply answers run" in line and "not this one (run 'r' round 1)" in line for line in lines)
 
 
 def test_a_signature_binds_the_reply_and_its_update(tmp_path: Path) -> None:
