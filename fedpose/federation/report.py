@@ -101,7 +101,9 @@ class RoundRecord(BaseModel):
     not_asked_exhausted: list[str] = []  #: sites not asked this round: their own reports said the budget is spent
     basis_bytes: int = 0
     basis_transport: str = "full"
-    unidentified_missing_nodes: list[int] = []  #: selected nodes that failed before naming their site
+    #: selected nodes whose reply counted for no site: they failed before naming it, or their reply was
+    #: not used (unsigned, another round's, claimed a site another node also claimed, malformed update)
+    unidentified_missing_nodes: list[int] = []
     node_wait_seconds: float = 0.0
     secure_aggregation: SecureAggregationRecord | None = None
 
@@ -154,7 +156,7 @@ class SiteFailure(BaseModel):
     """One (round, site) that failed, as report.json lists it."""
 
     round: int
-    site: str  #: the site id, or "node <id>" for a node that failed before naming its site
+    site: str  #: the site id, or "node <id>" for a node whose reply counted for no site
     status: SiteRoundStatus  #: one of FAILURE_STATUSES, or "refused" by a site behind the ledger's record
     reason: str = ""  #: starts with the site's error class when it sent one (e.g. "ImageLoadError: …")
 
@@ -199,7 +201,8 @@ def site_failures(rounds: list[RoundRecord]) -> list[SiteFailure]:
                 failures.append(SiteFailure(round=entry.round, site=site_id, status=site.status, reason=site.reason))
         for node in entry.unidentified_missing_nodes:
             failures.append(SiteFailure(round=entry.round, site=f"node {node}", status="missing",
-                                        reason="failed before naming its site (see the coordinator log)"))
+                                        reason="no reply that counts for a site: it failed before naming its site, or its reply "
+                                               "was not used (the coordinator log says why)"))
     return failures
 
 
@@ -235,7 +238,7 @@ def round_line(entry: RoundRecord) -> str:
     for site_id in entry.not_asked_exhausted:
         parts.append(f"{site_id}: not asked (its budget is exhausted)")
     for node in entry.unidentified_missing_nodes:
-        parts.append(f"node {node}: missing (failed before naming its site)")
+        parts.append(f"node {node}: missing (no reply that counts for a site; the coordinator log says why)")
     secure = entry.secure_aggregation
     if secure is not None:
         parts.append(f"secure aggregation: abandoned ({secure.abandoned})" if secure.abandoned else

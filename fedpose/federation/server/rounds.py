@@ -511,6 +511,8 @@ class RoundRunner:
             assert site_reply is not None
             answered.add(node)
             site_id = site_reply.site_id
+            for stale in [n for n, s in self.state.node_sites.items() if s == site_id and n != str(node)]:
+                del self.state.node_sites[stale]  # the site answers from this node now: the old one speaks for no site
             self.state.node_sites[str(node)] = site_id
             self.basis.mark_held(site_id, site_reply.basis_version)
             privacy = site_reply.privacy
@@ -641,7 +643,12 @@ class RoundRunner:
         for node_reply in replies:
             if node_reply.reply is None:
                 continue
-            reply, digest = node_reply.reply, node_reply.received_sha256()
+            reply = node_reply.reply
+            try:
+                digest = node_reply.received_sha256()
+            except Exception as exc:  # noqa: BLE001 - one node's undecodable arrays must not end the round
+                unattributed[node_reply.node] = f"malformed update ({type(exc).__name__}: {str(exc)[:200]})"
+                continue
             problem = reply_signature.attribution_problem(reply, digest, self.cfg.site_identities)
             if (reply.run_id, reply.round) != (self.run.run_id, round_id):  # what the signature binds it to
                 problem = (f"the reply answers run '{reply.run_id}' round {reply.round}, not this one "

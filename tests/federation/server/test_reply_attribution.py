@@ -11,6 +11,7 @@ keys, two nodes claiming one site in a round leave both out.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +63,37 @@ def _reply(status: str = "ok", **fields: object) -> protocol.SiteReply:
                                  "local_steps": 2, **({"reason": "budget-exhausted"} if status == "refused" else {}), **fields})
 
 
+def _one_round(tmp_path: Path, nodes: list[int], reply_of: Callable[[int], protocol.SiteReply | str],
+               broken: tuple[int, ...] = (), node_sites: dict[str, str] | None = None) -> tuple[list[str], RoundRunner]:
+    """One round in which each of ``nodes`` answers ``reply_of(node)`` (a reply with a zero update,
+    or a transport failure's text); the updates of ``broken`` nodes cannot be decoded. The console
+    lines and the runner, whose node → site map starts as ``node_sites``."""
+
+    def update(request: TrainRequest) -> dict[str, np.ndarray]:
+        if request.node in broken:
+            raise ValueError("Failed to deserialize: not a .npy file")
+        return {k: np.zeros_like(request.global_arrays[k]) for k in trainable}
+
+    def answer(request: TrainRequest) -> NodeReply:
+        reply = reply_of(request.node)
+        return NodeReply(request.node, failure=reply) if isinstance(reply, str) else NodeReply(
+            request.node, reply, update=lambda: update(request))
+
+    class Scripted:
+        def node_ids(self) -> list[int]:
+            return list(nodes)
+
+        def send_and_receive(self, requests: list[TrainRequest], timeout: float) -> list[NodeReply]:
+            return [answer(r) for r in requests]
+
+    lines: list[str] = []
+    runner = RoundRunner(_run(tmp_path), echo=lines.append)
+    runner.state.node_sites = dict(node_sites or {})
+    trainable = list(runner.global_model().trainable_parameters())
+    runner.run_rounds(Scripted())
+    return lines, runner
+
+
 def test_an_impostor_node_cannot_answer_in_a_site_s_name(tmp_path: Path) -> None:
     """Two nodes run real site rounds and both reply as site-1; only one holds site-1's identity key.
     The coordinator, given site-1's public key, uses that one's reply alone: the ledger holds one
@@ -95,20 +127,8 @@ def test_without_keys_two_nodes_claiming_one_site_leave_both_out(tmp_path: Path)
     site-1's, so it uses neither — no update aggregated, no ledger row, no spends recorded — and
     says which nodes claimed it and how to make sites sign."""
 
-    class TwoClaims:
-        def node_ids(self) -> list[int]:
-            return [11, 12]
-
-        def send_and_receive(self, requests: list[TrainRequest], timeout: float) -> list[NodeReply]:
-            return [NodeReply(r.node, _reply(spends=[protocol.SpendEvent(round=1, noise_multiplier=1.0, sample_rate=0.1,
-                                                                         steps=2 + 100 * (r.node == 12))]),
-                              update=lambda r=r: {k: np.zeros_like(r.global_arrays[k]) for k in trainable})
-                    for r in requests]
-
-    lines: list[str] = []
-    runner = RoundRunner(_run(tmp_path), echo=lines.append)
-    trainable = list(runner.global_model().trainable_parameters())
-    runner.run_rounds(TwoClaims())
+    lines, _ = _one_round(tmp_path, [11, 12], lambda node: _reply(spends=[
+        protocol.SpendEvent(round=1, noise_multiplier=1.0, sample_rate=0.1, steps=2 + 100 * (node == 12))]))
     (entry,) = load_history(tmp_path / "coordinator")
     assert not entry.aggregated and "site-1" not in entry.sites and entry.unidentified_missing_nodes == [11, 12]
     assert any("nodes 11, 12 all answered as site 'site-1'" in line and "site_identities" in line for line in lines)
@@ -121,21 +141,34 @@ def test_a_reply_that_answers_another_round_or_run_is_attributed_to_no_site(tmp_
     """A reply names the run and round it answers (both signed): one for another round or run (a
     replayed earlier reply, a stale answer) is not this round's, whoever signed it."""
 
-    class Stale:
-        def node_ids(self) -> list[int]:
-            return [11]
-
-        def send_and_receive(self, requests: list[TrainRequest], timeout: float) -> list[NodeReply]:
-            return [NodeReply(r.node, _reply(**echo), update=lambda r=r: {k: np.zeros_like(r.global_arrays[k]) for k in trainable})
-                    for r in requests]
-
-    lines: list[str] = []
-    runner = RoundRunner(_run(tmp_path), echo=lines.append)
-    trainable = list(runner.global_model().trainable_parameters())
-    runner.run_rounds(Stale())
+    lines, _ = _one_round(tmp_path, [11], lambda node: _reply(**echo))
     (entry,) = load_history(tmp_path / "coordinator")
     assert not entry.aggregated and entry.sites == {} and entry.unidentified_missing_nodes == [11]
     assert any("node 11 not used: the reply answers run" in line and "not this one (run 'r' round 1)" in line for line in lines)
+
+
+def test_a_node_whose_update_cannot_be_decoded_loses_its_reply_not_the_round(tmp_path: Path) -> None:
+    """Found by a red-team: the digest was taken before any check, so one node's undecodable arrays
+    (an unsigned reply would do) raised out of the round and stopped the coordinator, again after
+    every resume. The node's reply counts for no site; the others' rounds go on."""
+    lines, _ = _one_round(tmp_path, [11, 12], lambda node: _reply(site_id=f"site-{node - 10}"), broken=(11,))
+    (entry,) = load_history(tmp_path / "coordinator")
+    assert entry.aggregated and set(entry.sites) == {"site-2"} and entry.unidentified_missing_nodes == [11]
+    assert any("node 11 not used: malformed update (ValueError" in line for line in lines)
+
+
+def test_a_node_that_once_spoke_for_a_site_no_longer_does_once_the_site_answers_from_another(tmp_path: Path) -> None:
+    """Found by a red-team: node 11 once answered as site-1 (a SuperNode the site has since replaced,
+    or a node that claimed the site in a round it missed); site-1 now answers from node 12. Node 11's
+    failure used to write a "missing" row for site-1 over its real reply of the same round. The
+    site's real reply stands, and node 11 speaks for no site any more."""
+    lines, runner = _one_round(tmp_path, [11, 12], lambda node: _reply() if node == 12 else "malformed reply: whatever",
+                               node_sites={"11": "site-1"})
+    (entry,) = load_history(tmp_path / "coordinator")
+    assert entry.aggregated and entry.sites["site-1"].status == "ok" and entry.unidentified_missing_nodes == [11]
+    assert runner.state.node_sites == {"12": "site-1"}
+    with BudgetLedger(tmp_path / "coordinator" / "ledger.sqlite", read_only=True) as ledger:
+        assert [row.status for row in ledger.entries("site-1")] == ["ok"]
 
 
 def test_a_signature_binds_the_reply_and_its_update(tmp_path: Path) -> None:
