@@ -152,9 +152,12 @@ def test_the_dashboard_shows_what_operators_need_and_never_a_bare_epsilon() -> N
         for target in panel["targets"]:
             if re.search(r"fedpose_site_epsilon(_spent)?\b", target["expr"]):
                 assert "{{guarantee}}" in target["legendFormat"], f"{panel['title']}: ε without its guarantee"
+                assert "{{unit}}" in target["legendFormat"], f"{panel['title']}: ε without its protection unit"
                 assert "δ" in panel["description"], f"{panel['title']}: ε without its δ"
                 if "epsilon_max" not in target["expr"]:
                     assert "{{accountant}}" in target["legendFormat"], f"{panel['title']}: ε without its accountant"
+                if "/" not in target["expr"] and "epsilon_max" not in target["expr"]:
+                    assert "{{adjacency}}" in target["legendFormat"], f"{panel['title']}: ε without its adjacency"
     datasources = {t["datasource"]["uid"] for _, t in _targets()} | {p["datasource"]["uid"] for p in _dashboard()["panels"]}
     provisioned = yaml.safe_load((DOCKER / "grafana/provisioning/datasources/prometheus.yaml").read_text())["datasources"]
     assert datasources == {d["uid"] for d in provisioned}, "panels must name the provisioned datasource"

@@ -144,6 +144,15 @@ def epsilon_text(epsilon: float | None, delta: float | None, guarantee: str | No
                           unit or "record", relation)
 
 
+def _adjacency_of(site: Any) -> str:
+    """A round record's neighbouring relation in words (its own, or its guarantee's)."""
+    from fedpose.privacy.report import GUARANTEES, adjacency_words
+
+    if site.adjacency is None and site.guarantee not in GUARANTEES:  # "none": no neighbouring relation to name
+        return "no privacy guarantee"
+    return adjacency_words(site.adjacency or GUARANTEES[site.guarantee].relation, site.unit or "record")
+
+
 #: per-site round statuses that mean the site failed the round (ok / refused / replayed are not failures)
 FAILURE_STATUSES = ("error", "failed", "missing", "rejected")
 #: how the coordinator's fatal error line starts in the ServerApp's output (the CLI shows that line)
@@ -321,7 +330,7 @@ def federation_figure(rounds: list[RoundRecord], initial_pckh: float | None = No
             same = [(x, s) for x, s in points if s.accountant == accountant]
             last = same[-1][1]
             label = (f"{site_id} ({last.guarantee} per {last.unit or 'record'}, δ={last.delta or 0.0:.0e}, "
-                     f"{str(accountant).upper()})")
+                     f"{str(accountant).upper()}, {_adjacency_of(last)})")
             line, = ax_eps.plot([x for x, _ in same], [s.epsilon for _, s in same], marker="o", label=label, color=color,
                                 ls="-" if accountant == points[-1][1].accountant else ":")
             color = line.get_color()

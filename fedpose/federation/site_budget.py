@@ -82,7 +82,7 @@ import numpy as np
 from fedpose.io import append_lines, atomic_write_text
 from fedpose.privacy.accountant import PrivacyLedger, default_accountant
 from fedpose.privacy.accountants import bounds, get_accountant
-from fedpose.privacy.report import epsilon_digits, relation_of
+from fedpose.privacy.report import format_epsilon, relation_of
 
 STATE_FILE = "budget.json"
 LOCK_FILE = "budget.lock"
@@ -372,8 +372,9 @@ def _guarantee_change_message(state_dir: Path, site_id: str, genesis: dict[str, 
     if before != "none" and budget.exists():
         payload = _read_signed(budget, "site budget state")
         accountant = PrivacyLedger.from_dict(payload["accountant"])
-        spent = (f" It has spent ε = {epsilon_digits(accountant.get_epsilon(payload['delta'])[0])} ({before}, δ = {payload['delta']:.3g}, "
-                 f"{accountant.accountant.upper()}).")
+        epsilon = accountant.get_epsilon(payload["delta"])[0]
+        unit = str(payload.get("unit", LEGACY_UNIT))
+        spent = f" It has spent {format_epsilon(epsilon, payload['delta'], before, accountant.accountant, unit, accountant.relation)}."
     released = "non-private updates" if before == "none" else f"releases under the {before} guarantee"
     return (
         f"site '{site_id}' was set up for the {before} guarantee ({state_dir / GENESIS_FILE}) and now asks for {guarantee}.{spent} "
@@ -420,9 +421,8 @@ class SiteBudget:
         if accountant is not None and accountant != kept:
             ledger = self._state.accountant
             raise BudgetStateError(
-                f"site '{site_id}': budget {self.path} is accounted with {kept.upper()} (ε = {epsilon_digits(self.epsilon)}, "
-                f"{guarantee}, δ = {self.delta:.3g}); the config asks for {accountant.upper()} (ε = "
-                f"{epsilon_digits(ledger.with_accountant(accountant).get_epsilon(self.delta)[0])} for the same events). A budget's "
+                f"site '{site_id}': budget {self.path} is accounted with {kept.upper()} ({self._epsilon_text(ledger, kept)}); "
+                f"the config asks for {accountant.upper()} ({self._epsilon_text(ledger, accountant)} for the same events). A budget's "
                 f"accountant changes only deliberately: `fedpose privacy budget {self.state_dir} --accountant {accountant} "
                 f"--apply` records the switch; or remove privacy.accountant from the config to keep {kept.upper()}."
             )
@@ -431,6 +431,11 @@ class SiteBudget:
     @property
     def path(self) -> Path:
         return self.state_dir / STATE_FILE
+
+    def _epsilon_text(self, ledger: PrivacyLedger, accountant: str) -> str:
+        """The ε of ``ledger``'s events under ``accountant``, with every qualifier (format_epsilon)."""
+        epsilon = ledger.with_accountant(accountant).get_epsilon(self.delta)[0]
+        return format_epsilon(epsilon, self.delta, self.guarantee, accountant, self._state.unit, ledger.relation)
 
     @property
     def epsilon(self) -> float:

@@ -211,12 +211,13 @@ def resolve_accountant(privacy: PrivacyConfig) -> str:
 
 
 def resolve_noise_multiplier(privacy: PrivacyConfig, sample_rate: float, planned_steps: int,
-                             relation: str | None = None, spent: PrivacyLedger | None = None) -> float:
+                             relation: str | None = None, spent: PrivacyLedger | None = None, unit: str | None = None) -> float:
     """σ: ``privacy.noise_multiplier``, or the smallest σ whose ``planned_steps`` steps at rate q
     stay within ``privacy.target_epsilon`` (under ``relation``, by default the mechanism's, at
     ``privacy.delta``, by the resolved accountant). ``spent``: the ledger a resumed run continues —
     its steps count towards ``planned_steps`` and its ε towards the target, so the whole run stays
-    within it (calibrating the remaining steps alone ended a resumed run above its target)."""
+    within it (calibrating the remaining steps alone ended a resumed run above its target). ``unit``:
+    the protection unit the spent ε is stated per in an error."""
     if privacy.noise_multiplier is not None:
         return float(privacy.noise_multiplier)
     if privacy.target_epsilon is None:  # PrivacyConfig's validator already forbids this
@@ -226,7 +227,9 @@ def resolve_noise_multiplier(privacy: PrivacyConfig, sample_rate: float, planned
     if spent is not None and spent.steps > 0:
         already = spent.get_epsilon(privacy.delta)[0]
         remaining = max(1, planned_steps - spent.steps)
-        where = (f" for the {remaining} steps left after the {spent.steps} the resumed run spent (ε = {already:.4g}); "
+        spent_text = format_epsilon(already, privacy.delta, get_mechanism(privacy.mechanism).guarantee, spent.accountant,
+                                    unit=unit, relation=relation)
+        where = (f" for the {remaining} steps left after the {spent.steps} the resumed run spent ({spent_text}); "
                  "raise privacy.target_epsilon or train fewer steps")
         if already >= privacy.target_epsilon:
             raise ValueError(f"target ε = {privacy.target_epsilon} is unreachable{where}")
@@ -365,7 +368,7 @@ class GradientEngine:
         # σ for a target ε is calibrated under the ledger's relation: a ledger that continues an older,
         # looser relation composes this run's steps under it, so σ must hold the target there.
         self.noise_multiplier = resolve_noise_multiplier(privacy, self.sample_rate, self.planned_steps,
-                                                         self.accountant.relation, spent=self.accountant)
+                                                         self.accountant.relation, spent=self.accountant, unit=self.units.unit)
         self._spent_before = list(self.accountant.history)  # a resumed run's steps: the plan continues them
         # The CSPRNG unless a test asks for seeded noise, which voids the guarantee (see privacy_report).
         self.noise = make_noise(self.seed if privacy.insecure_seeded_noise else None)

@@ -214,7 +214,8 @@ def test_curves_draw_each_sites_reported_eps_max() -> None:
 
 
 def test_curves_never_join_one_accountants_epsilon_to_anothers() -> None:
-    """A site that switched from RDP to PLD: one line per accountant, each labelled with its own."""
+    """A site that switched from RDP to PLD: one line per accountant, each labelled with its own (and
+    every qualifier of its ε: guarantee, unit, δ, accountant, adjacency)."""
     import matplotlib.pyplot as plt
 
     from fedpose.federation.report import RoundRecord, SiteRoundRecord, federation_figure
@@ -226,7 +227,8 @@ def test_curves_never_join_one_accountants_epsilon_to_anothers() -> None:
               for r, eps, acc in ((1, 2.0, "rdp"), (2, 2.9, "rdp"), (3, 2.7, "pld"), (4, 3.3, "pld"))]
     fig = federation_figure(rounds)
     lines = {line.get_label(): list(line.get_ydata()) for line in fig.axes[1].get_lines()}
-    assert lines == {"site-1 (DP per patient, δ=1e-05, RDP)": [2.0, 2.9], "site-1 (DP per patient, δ=1e-05, PLD)": [2.7, 3.3]}
+    assert lines == {"site-1 (DP per patient, δ=1e-05, RDP, add/remove-one-patient adjacency)": [2.0, 2.9],
+                     "site-1 (DP per patient, δ=1e-05, PLD, add/remove-one-patient adjacency)": [2.7, 3.3]}
     plt.close(fig)
 
 

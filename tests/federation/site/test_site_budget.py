@@ -127,8 +127,14 @@ def test_state_of_another_site_or_guarantee_is_refused(tmp_path):
     _budget(tmp_path, 10.0).authorize_round("run", 1, SIGMA, Q, STEPS)
     with pytest.raises(BudgetStateError, match="belongs to site"):
         SiteBudget(tmp_path / "site-a", "site-b", eps_max=10.0, delta=DELTA)
-    with pytest.raises(BudgetStateError, match="FDP"):
+    with pytest.raises(BudgetStateError, match="FDP") as refused:
         SiteBudget(tmp_path / "site-a", "site-a", eps_max=10.0, delta=DELTA, guarantee="FDP")
+    # what it has spent is stated with every qualifier, never a bare ε
+    assert "(DP, δ = 1e-05, PLD) per record, add/remove-one-record adjacency" in str(refused.value)
+    other = "rdp" if SiteBudget(tmp_path / "site-a", "site-a", eps_max=10.0, delta=DELTA).accountant_name == "pld" else "pld"
+    with pytest.raises(BudgetStateError, match="the config asks for") as switched:
+        SiteBudget(tmp_path / "site-a", "site-a", eps_max=10.0, delta=DELTA, accountant=other)
+    assert str(switched.value).count("per record, add/remove-one-record adjacency") == 2
 
 
 def test_zero_noise_is_refused(tmp_path):
