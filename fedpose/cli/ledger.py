@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -54,8 +55,11 @@ def _show(args: argparse.Namespace) -> int:
         print(f"{args.db}: no entries yet")
         return 0
     for s in summaries:
-        eps = "ε not reported" if s.epsilon is None else format_epsilon(s.epsilon, s.delta or 0.0, s.guarantee or "?",
-                                                                         s.accountant or "rdp", s.unit)
+        if s.guarantee == "none":  # a non-private site: ε = ∞, said so
+            eps = format_epsilon(math.inf, 0.0, "none")
+        else:
+            eps = "ε not reported" if s.epsilon is None else format_epsilon(s.epsilon, s.delta or 0.0, s.guarantee or "?",
+                                                                             s.accountant or "rdp", s.unit)
         if s.unconfirmed_rounds:  # sent, never answered, after its last report: it may have spent (ledger docstring)
             eps += f"; {s.unconfirmed_rounds} round(s) sent since without a reply"
             if s.epsilon_possible is not None:

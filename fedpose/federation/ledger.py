@@ -309,7 +309,8 @@ class BudgetLedger:
                     site_id=site_id,
                     epsilon=latest.epsilon if latest else None,
                     delta=latest.delta if latest else None,
-                    guarantee=latest.guarantee if latest else None,
+                    # a non-private site reports no ε: its guarantee "none" says so (not "not reported")
+                    guarantee=latest.guarantee if latest else ("none" if any(e.guarantee == "none" for e in rows) else None),
                     accountant=latest.accountant if latest else None,
                     rounds_joined=sum(e.status in TRAINED_STATUSES for e in rows),
                     rounds_refused=sum(e.status == "refused" for e in rows),

@@ -219,3 +219,16 @@ def test_a_round_spent_then_failed_counts_its_steps_and_shows_as_spent(tmp_path,
                                    "steps": 2} for r in (1, 2)]
     assert cli_main(["ledger", "show", "--db", str(db)]) == 0
     assert "missing 1 (1 of them spent, then failed: no update)" in capsys.readouterr().out
+
+
+def test_a_non_private_site_is_shown_as_non_private_not_as_unreported(tmp_path, capsys):
+    """A site training without privacy reports no ε: its summary says guarantee "none", and
+    `ledger show` prints ε = ∞ with that statement (an auditing helper found it shown as "ε not reported")."""
+    db = tmp_path / "ledger.sqlite"
+    with BudgetLedger(db) as ledger:
+        ledger.record_many([_ok("a", 1, 0.5), LedgerEntry("b", 1, "ok", guarantee="none", steps=10)])
+        summaries = {s.site_id: s for s in ledger.site_summaries()}
+    assert summaries["b"].guarantee == "none" and summaries["b"].epsilon is None and summaries["a"].guarantee == "DP"
+    assert cli_main(["ledger", "show", "--db", str(db)]) == 0
+    (line,) = [l for l in capsys.readouterr().out.splitlines() if l.startswith("b:")]
+    assert line.startswith("b: ε = ∞ (no privacy") and "not reported" not in line
