@@ -75,6 +75,13 @@ class AuditResult:
     reference_run: bool
     seconds: float
 
+    def _per_unit_and_adjacency(self) -> str:
+        """", per patient, add/remove-one-patient adjacency" for the audited run ('' where unknown)."""
+        from fedpose.privacy.report import adjacency_words
+
+        unit, relation = self.privacy.get("protection_unit"), self.privacy.get("neighbouring_relation")
+        return (f", per {unit}" if unit else "") + (f", {adjacency_words(relation, unit)}" if relation else "")
+
     def to_dict(self) -> dict[str, Any]:
         from fedpose.privacy.report import format_epsilon
 
@@ -106,7 +113,8 @@ class AuditResult:
             "guarantee_void": bool(self.privacy.get("guarantee_void", False)),
             "epsilon_text": format_epsilon(claimed, delta, guarantee, accountant, self.privacy.get("protection_unit"),
                                            self.privacy.get("neighbouring_relation")),
-            "epsilon_lower_text": (f"ε_lower = {lower:.4g} ({guarantee}, δ = {delta:.3g}, one-run audit: max of Steinke et al. "
+            "epsilon_lower_text": (f"ε_lower = {lower:.4g} ({guarantee}, δ = {delta:.3g}{self._per_unit_and_adjacency()}, "
+                                   f"one-run audit: max of Steinke et al. "
                                    f"2023 ({self.guess.epsilon_lower_steinke:.4g}) and f-DP ({self.guess.epsilon_lower_fdp:.4g}), "
                                    f"{self.confidence:.0%} confidence, {self.scores.size} canaries, {self.mode})"),
             "guesses": self.guess.guesses, "correct": self.guess.correct, "guesses_in": self.guess.guesses_in,

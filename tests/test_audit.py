@@ -190,6 +190,8 @@ def test_no_noise_gives_a_large_lower_bound(data_root) -> None:
     result = audit_central(central_config(data_root, noise_multiplier=0.0)).to_dict()
     assert result["canaries"] == DEFAULT_CANARIES and result["epsilon"] is None  # σ = 0: ε = ∞
     assert result["epsilon_lower"] >= 2.0 and not result["violation"]
+    # the lower bound is stated like the claim: guarantee, δ, unit and adjacency
+    assert f"per {result['protection_unit']}, add/remove-one-{result['protection_unit']} adjacency" in result["epsilon_lower_text"]
 
 
 def test_seeded_noise_reused_by_a_second_run_fires(data_root) -> None:

@@ -367,6 +367,8 @@ def test_cli_allocate_json(capsys):
     assert main(["ldp", "allocate", "--epsilon", "58", "--json"]) == 0
     payload = json.loads(capsys.readouterr().out)
     assert payload["epsilon_total"] == 58.0
+    assert (payload["guarantee"], payload["delta"], payload["unit"], payload["accountant"]) == ("LDP", 0.0, "pixel", "pure composition")
+    assert payload["adjacency"] == "any-two-values-of-one-pixel (local) adjacency"
     assert set(payload["budgets"]) == {"Y", "Cb", "Cr"}
     assert sum(sum(v) for v in payload["budgets"].values()) == pytest.approx(58.0)
     assert payload["budgets"]["Y"][7] > payload["budgets"]["Y"][0]  # LSB first

@@ -257,9 +257,11 @@ def _federation(coordinator_dir: Path) -> tuple[Any, dict[str, Any]]:
         "site_id": s["site_id"], "guarantee": s.get("guarantee"), "epsilon": s.get("epsilon"), "delta": s.get("delta"),
         "accountant": s.get("accountant") or "rdp", "rounds_joined": s.get("rounds_joined"),
         "protection_unit": s.get("unit") or "record",  # summaries from before units: record-level
-        "neighbouring_relation": GUARANTEES[s["guarantee"]].relation if s.get("guarantee") in set(GUARANTEES) - {"none"} else None,
+        # the relation the site reported its ε under (a ledger from before it: the guarantee's own)
+        "neighbouring_relation": s.get("adjacency") or (GUARANTEES[s["guarantee"]].relation
+                                                        if s.get("guarantee") in set(GUARANTEES) - {"none"} else None),
         "epsilon_text": epsilon_text(s.get("epsilon"), s.get("delta"), s.get("guarantee"), s.get("accountant") or "rdp",
-                                     s.get("unit")),
+                                     s.get("unit"), s.get("adjacency")),
         **_protected_part(s.get("guarantee"), s.get("unit") or "record"),
         # the accountant's inputs per round (declared σ, q, steps: public values), so ε can be recomputed
         **({"spends": [{"round": r, "noise_multiplier": sigma, "sample_rate": q, "steps": steps}

@@ -56,12 +56,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _allocate(args: argparse.Namespace) -> int:
     from fedpose.privacy.ldp_slicing import allocate_budget, budgets_as_dict
+    from fedpose.privacy.report import LDP_ADJACENCY
 
     budgets = budgets_as_dict(allocate_budget(args.epsilon, args.allocation))
-    if args.json:
-        print_json({"epsilon_total": args.epsilon, "budgets": budgets})
+    adjacency = LDP_ADJACENCY.format(cell="pixel")
+    if args.json:  # ε_total with its qualifiers, as everywhere an ε is printed
+        print_json({"epsilon_total": args.epsilon, "guarantee": "LDP", "delta": 0.0, "unit": "pixel",
+                    "accountant": "pure composition", "adjacency": adjacency, "budgets": budgets})
         return 0
-    print(f"LDP-Slicing budgets, ε_total = {args.epsilon:g} per pixel (pure ε-LDP, δ = 0), allocation {args.allocation}")
+    print(f"LDP-Slicing budgets, ε_total = {args.epsilon:g} (LDP, δ = 0, pure composition) per pixel, {adjacency}; "
+          f"allocation {args.allocation}")
     print("bit:    " + " ".join(f"{b:>7}" for b in range(1, 9)) + "   (1 = least significant)")
     for channel, values in budgets.items():
         print(f"{channel:<7} " + " ".join(f"{v:7.4f}" for v in values))
@@ -119,7 +123,7 @@ def _slice(args: argparse.Namespace) -> int:
     written = len(images) - len(failed)
     print(f"wrote {written} {'image' if written == 1 else 'images'} to {out_dir} ({args.format})")
     print(f"  guarantee: {guarantee['guarantee_statement']}; δ = 0")
-    print(f"  unit: {guarantee['block_note']}")
+    print(f"  unit: {guarantee['block_note']}; {guarantee['adjacency']}")
     print(f"  kept: {what_is_kept(args.ll_prune, args.ll_offset)}")
     print(f"  randomness: {guarantee['randomness']}")
     if failed:

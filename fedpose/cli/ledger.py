@@ -59,11 +59,13 @@ def _show(args: argparse.Namespace) -> int:
             eps = format_epsilon(math.inf, 0.0, "none")
         else:
             eps = "ε not reported" if s.epsilon is None else format_epsilon(s.epsilon, s.delta or 0.0, s.guarantee or "?",
-                                                                             s.accountant or "rdp", s.unit)
+                                                                             s.accountant or "rdp", s.unit, s.adjacency)
         if s.unconfirmed_rounds:  # sent, never answered, after its last report: it may have spent (ledger docstring)
             eps += f"; {s.unconfirmed_rounds} round(s) sent since without a reply"
             if s.epsilon_possible is not None:
-                eps += (f" — possibly {format_epsilon(s.epsilon_possible, s.delta or 0.0, s.guarantee or '?', s.accountant or 'rdp', s.unit)}"
+                possible = format_epsilon(s.epsilon_possible, s.delta or 0.0, s.guarantee or "?", s.accountant or "rdp", s.unit,
+                                          s.adjacency)
+                eps += (f" — possibly {possible}"
                         " if each was spent at its last per-round cost (its next reply reconciles)")
         flag = "  EXHAUSTED" if s.site_id in exhausted else ""
         if s.eps_max is not None:  # the site's own budget, as it reported it

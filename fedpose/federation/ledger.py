@@ -87,7 +87,7 @@ CREATE TABLE IF NOT EXISTS site_spends (
 """
 #: columns added after schema version 1 shipped (added in place to older ledgers, NULL in old rows)
 _ADDED_COLUMNS = (("unit", "TEXT"), ("eps_max", "REAL"), ("next_round_affordable", "INTEGER"), ("update_sha256", "TEXT"),
-                  ("input_ldp_epsilon", "REAL"), ("input_ldp_ll_prune", "INTEGER"))
+                  ("input_ldp_epsilon", "REAL"), ("input_ldp_ll_prune", "INTEGER"), ("adjacency", "TEXT"))
 
 
 class LedgerError(Exception):
@@ -124,6 +124,9 @@ class LedgerEntry:
     #: images are not locally privatized, or no report), and whether LL pruning makes it per 2×2 block
     input_ldp_epsilon: float | None = None
     input_ldp_ll_prune: bool | None = None
+    #: the neighbouring relation the site's ε is under, as it reported it (None: no report, or a row
+    #: from before this column — the guarantee's own relation then)
+    adjacency: str | None = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
@@ -149,6 +152,7 @@ class LedgerEntry:
             delta=privacy.delta if privacy is not None and privacy.accountant != "none" else None,
             guarantee=privacy.guarantee if privacy is not None else None,
             unit=privacy.protection_unit if privacy is not None and privacy.accountant != "none" else None,
+            adjacency=privacy.adjacency if privacy is not None and privacy.accountant != "none" else None,
             accountant=privacy.accountant if privacy is not None else None,
             eps_max=privacy.eps_max if privacy is not None else None,
             next_round_affordable=privacy.next_round_affordable if privacy is not None else None,
@@ -187,6 +191,7 @@ class SiteSummary:
     #: the site's LDP-Slicing settings on its inputs from its latest report (None: not privatized / no report)
     input_ldp_epsilon: float | None = None
     input_ldp_ll_prune: bool | None = None
+    adjacency: str | None = None  #: neighbouring relation of the latest reported ε (None: the guarantee's)
 
     @property
     def exhausted(self) -> bool:
@@ -258,7 +263,7 @@ class BudgetLedger:
                 json.dumps(list(e.orders)) if e.orders is not None else None,
                 e.reason, e.recorded_at or now, e.eps_max,
                 None if e.next_round_affordable is None else int(e.next_round_affordable), e.update_sha256,
-                e.input_ldp_epsilon, None if e.input_ldp_ll_prune is None else int(e.input_ldp_ll_prune),
+                e.input_ldp_epsilon, None if e.input_ldp_ll_prune is None else int(e.input_ldp_ll_prune), e.adjacency,
             )
             for e in entries
         ]
@@ -266,7 +271,7 @@ class BudgetLedger:
             self._db.executemany(
                 "INSERT OR REPLACE INTO site_rounds (site_id, round, status, epsilon, delta, guarantee, unit, accountant, "
                 "steps, rdp_json, orders_json, reason, recorded_at, eps_max, next_round_affordable, update_sha256, "
-                "input_ldp_epsilon, input_ldp_ll_prune) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "input_ldp_epsilon, input_ldp_ll_prune, adjacency) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 rows,
             )
 
@@ -285,7 +290,7 @@ class BudgetLedger:
                 steps=r[7], rdp=tuple(json.loads(r[8])) if r[8] else None, orders=tuple(json.loads(r[9])) if r[9] else None,
                 reason=r[10], recorded_at=r[11], unit=r[12], eps_max=r[13],
                 next_round_affordable=None if r[14] is None else bool(r[14]), update_sha256=r[15],
-                input_ldp_epsilon=r[16], input_ldp_ll_prune=None if r[17] is None else bool(r[17]),
+                input_ldp_epsilon=r[16], input_ldp_ll_prune=None if r[17] is None else bool(r[17]), adjacency=r[18],
             )
             for r in rows
         ]
@@ -318,6 +323,7 @@ class BudgetLedger:
                     last_round=last.round,
                     last_status=last.status,
                     unit=(latest.unit or "record") if latest else None,  # NULL: a row from before units
+                    adjacency=latest.adjacency if latest else None,
                     eps_max=reporting[-1].eps_max if reporting else None,
                     next_round_affordable=reporting[-1].next_round_affordable if reporting else None,
                     unconfirmed_rounds=unconfirmed, epsilon_possible=possible,

@@ -158,6 +158,28 @@ def test_an_entry_from_a_reply_carries_the_sites_unit():
     assert LedgerEntry.from_reply(1, reply, "ok").unit == "patient"
 
 
+def test_rows_and_summaries_carry_the_adjacency_the_site_reported(tmp_path):
+    """Every ε the ledger keeps names its neighbouring relation as the site reported it (an FDP budget
+    kept under the older replace_public_membership relation is not restated under replace_one), in
+    the rows, the summaries and the JSON / CSV exports; rows from before the column say none."""
+    from fedpose.federation.protocol import PrivacyReport, SiteReply
+
+    privacy = PrivacyReport(guarantee="FDP", unit="one patient", protection_unit="patient",
+                            adjacency="replace_public_membership", accountant="rdp", epsilon=0.3, delta=1e-5, eps_max=1.0,
+                            steps=5, rounds_spent=1, orders=[2.0], rdp=[0.1], next_round_affordable=True)
+    reply = SiteReply(site_id="s", run_id="r", round=1, status="ok", privacy=privacy, local_steps=5)
+    with BudgetLedger(tmp_path / "ledger.sqlite") as ledger:
+        ledger.record_many([LedgerEntry.from_reply(1, reply, "ok"), _ok("old", 1, 0.5)])
+        (row,) = ledger.entries("s")
+        summaries = {s.site_id: s for s in ledger.site_summaries()}
+        exported = json.loads(ledger.export("json"))
+        table = ledger.export("csv")
+    assert row.adjacency == "replace_public_membership" and summaries["s"].adjacency == "replace_public_membership"
+    assert summaries["old"].adjacency is None
+    assert {e["site_id"]: e["adjacency"] for e in exported["entries"]} == {"old": None, "s": "replace_public_membership"}
+    assert "adjacency" in table.splitlines()[0].split(",")
+
+
 def test_exhaustion_is_judged_by_the_sites_own_report(tmp_path):
     """The ledger keeps each site's reported ε_max and next-round answer; a site is exhausted when
     its reported ε reaches its own ε_max or it refused — a "next round would not fit" answer alone

@@ -273,7 +273,8 @@ def test_a_site_s_ldp_slicing_on_its_inputs_reaches_the_ledger_and_the_export(tm
         (summary,) = ledger.site_summaries()
     assert (summary.input_ldp_epsilon, summary.input_ldp_ll_prune) == (2.0, True)
     stated = ("ε = 8 (LDP, δ = 0, pure composition) per 2×2 block of an original image (ε_total = 2 per privatized pixel, "
-              "LL pruning); LDP-Slicing, each training image privatized once per copy the site keeps")
+              "LL pruning), any-two-values-of-one-2×2-block (local) adjacency; LDP-Slicing, each training image privatized "
+              "once per copy the site keeps")
     assert main(["export", str(tmp_path / "coordinator"), "--out", str(tmp_path / "release")]) == 0
     report = json.loads((tmp_path / "release" / "privacy_report.json").read_text())
     assert report["sites"][0]["input_privacy"]["epsilon_per_original_pixel"] == 8.0
