@@ -56,10 +56,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _allocate(args: argparse.Namespace) -> int:
     from fedpose.privacy.ldp_slicing import allocate_budget, budgets_as_dict
-    from fedpose.privacy.report import LDP_ADJACENCY
+    from fedpose.privacy.report import ldp_adjacency
 
     budgets = budgets_as_dict(allocate_budget(args.epsilon, args.allocation))
-    adjacency = LDP_ADJACENCY.format(cell="pixel")
+    adjacency = ldp_adjacency(per_block=False)  # the budgets are per privatized pixel
     if args.json:  # ε_total with its qualifiers, as everywhere an ε is printed
         print_json({"epsilon_total": args.epsilon, "guarantee": "LDP", "delta": 0.0, "unit": "pixel",
                     "accountant": "pure composition", "adjacency": adjacency, "budgets": budgets})

@@ -146,11 +146,11 @@ def epsilon_text(epsilon: float | None, delta: float | None, guarantee: str | No
 
 def _adjacency_of(site: Any) -> str:
     """A round record's neighbouring relation in words (its own, or its guarantee's)."""
-    from fedpose.privacy.report import GUARANTEES, adjacency_words
+    from fedpose.privacy.report import adjacency_words, relation_of
 
-    if site.adjacency is None and site.guarantee not in GUARANTEES:  # "none": no neighbouring relation to name
-        return "no privacy guarantee"
-    return adjacency_words(site.adjacency or GUARANTEES[site.guarantee].relation, site.unit or "record")
+    if site.adjacency is None and site.guarantee is None:  # a record that names neither
+        return "adjacency not reported"
+    return adjacency_words(site.adjacency or relation_of(site.guarantee), site.unit or "record")
 
 
 #: per-site round statuses that mean the site failed the round (ok / refused / replayed are not failures)

@@ -550,7 +550,7 @@ class LdpSlicer:
 
     def guarantee(self) -> dict[str, object]:
         """The formal statement, for privacy reports. δ = 0: this is pure LDP."""
-        from fedpose.privacy.report import LDP_ADJACENCY
+        from fedpose.privacy.report import ldp_adjacency
 
         realized = realized_budgets(self.thresholds)
         per_original_pixel = 4 * self.epsilon_total if self.ll_prune else self.epsilon_total
@@ -574,7 +574,7 @@ class LdpSlicer:
             "epsilon_realized": float(realized.sum()),
             "delta": 0.0,
             "accountant": "pure composition",
-            "adjacency": LDP_ADJACENCY.format(cell="2×2-block" if self.ll_prune else "pixel"),
+            "adjacency": ldp_adjacency(self.ll_prune),
             "unit_protected": unit,
             "epsilon_per_original_pixel": per_original_pixel,
             "block_note": (

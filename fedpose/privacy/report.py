@@ -139,14 +139,16 @@ def input_privacy_text(epsilon_total: float, ll_prune: bool) -> str:
     """A site's LDP-Slicing guarantee on its inputs, as reports print it: the ε per original pixel (per
     2×2 block under LL pruning, 4 · ε_total), pure (δ = 0), and what privatized once means."""
     per_original = 4 * epsilon_total if ll_prune else epsilon_total
-    where = (f"per 2×2 block of an original image (ε_total = {epsilon_digits(epsilon_total)} per privatized pixel, LL pruning), "
-             f"{LDP_ADJACENCY.format(cell='2×2-block')}" if ll_prune else f"per pixel of an original image, {LDP_ADJACENCY.format(cell='pixel')}")
+    where = (f"per 2×2 block of an original image (ε_total = {epsilon_digits(epsilon_total)} per privatized pixel, LL pruning)"
+             if ll_prune else "per pixel of an original image") + f", {ldp_adjacency(ll_prune)}"
     return (f"ε = {epsilon_digits(per_original)} (LDP, δ = 0, pure composition) {where}; LDP-Slicing, each training "
             "image privatized once per copy the site keeps (docs/input-privacy.md)")
 
 
-#: local DP's neighbouring relation, in words: any two values of one cell (a pixel, or a 2×2 block)
-LDP_ADJACENCY = "any-two-values-of-one-{cell} (local) adjacency"
+def ldp_adjacency(per_block: bool) -> str:
+    """Local DP's neighbouring relation in words: any two values of one pixel, or of one 2×2 block
+    (LL pruning makes every masked pixel depend on its whole block)."""
+    return f"any-two-values-of-one-{'2×2-block' if per_block else 'pixel'} (local) adjacency"
 
 
 #: what of one unit each guarantee protects (the rest is public under that guarantee)

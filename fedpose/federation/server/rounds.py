@@ -649,10 +649,11 @@ class RoundRunner:
             except Exception as exc:  # noqa: BLE001 - one node's undecodable arrays must not end the round
                 unattributed[node_reply.node] = f"malformed update ({type(exc).__name__}: {str(exc)[:200]})"
                 continue
-            problem = reply_signature.attribution_problem(reply, digest, self.cfg.site_identities)
-            if (reply.run_id, reply.round) != (self.run.run_id, round_id):  # what the signature binds it to
+            if (reply.run_id, reply.round) != (self.run.run_id, round_id):  # both are in what a site signs
                 problem = (f"the reply answers run '{reply.run_id}' round {reply.round}, not this one "
                            f"(run '{self.run.run_id}' round {round_id})")
+            else:
+                problem = reply_signature.attribution_problem(reply, digest, self.cfg.site_identities)
             if problem is None:
                 claims.setdefault(reply.site_id, []).append((node_reply, digest))
             else:
