@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import signal
 import subprocess
 import sys
@@ -71,27 +70,27 @@ def epsilon_after_rounds(rounds: int) -> float:
 
 
 def free_base_port() -> int:
-    """A base port with base..base+30 free on 127.0.0.1. Under pytest-xdist each worker draws from
-    bases of its own (base / 50 ≡ worker index, modulo the worker count), so two workers' federations
-    never pick one range (a check here and the bind later could otherwise race)."""
+    """A base port with base..base+30 free on 127.0.0.1, below the range Linux draws outgoing
+    connections' ports from (the suite's many gRPC connections once took a SuperNode's port between
+    this check and its bind). Under pytest-xdist each worker draws from bases of its own (base / 50 ≡
+    worker index, modulo the worker count), so two workers' federations never pick one range."""
+    from fedpose.cli.deploy import port_free
+
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     for _ in range(200):
-        base = random.randrange(20000 + 50 * worker, 60000, 50 * workers)
-        if all(_free(base + i) for i in range(31)):
+        base = random.randrange(20000 + 50 * worker, _ephemeral_ports_start() - 31, 50 * workers)
+        if all(port_free(base + i) for i in range(31)):
             return base
     raise RuntimeError("no free port range")
 
 
-def _free(port: int) -> bool:
-    # bind, not connect: a port held by an outgoing connection (the ephemeral range overlaps ours)
-    # or in TIME_WAIT has no listener to answer a connect, yet a server cannot bind it
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
+def _ephemeral_ports_start() -> int:
+    try:
+        start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        start = 32768  # Linux's default
+    return start if start > 25000 else 60000  # a range that leaves too few ports below it: draw anywhere
 
 
 def flower_env(**extra: str) -> dict[str, str]:

@@ -66,6 +66,7 @@ ENDING_POLL_S = 2.0
 #: a ServerApp that raised reports its own failure, with its reason, well within this
 CRASH_GRACE_S = 10.0
 FINISHED = "finished"
+SITE_START_TIMEOUT_S = 180.0  #: a site's SuperNode and exporter open their ports within this (imports on a loaded machine)
 SUPERLINK_TIMEOUT_S = 60.0  #: default --superlink-timeout: a SuperLink restart or a loaded machine's slow `flwr ls` fits
 FLWR_CLI_TIMEOUT_S = 30.0  #: at least this long for one `flwr ls` (a Python process: slow to start on a loaded machine)
 COORDINATOR_DIR = "coordinator"  #: the coordinator's checkpoint_dir (and ledger) inside the run dir
@@ -223,9 +224,18 @@ def _wait_port(port: int, proc: subprocess.Popen, name: str, log: Path, timeout:
     raise RuntimeError(f"{name} did not open port {port} within {timeout:.0f} s; see {log}")
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
+    """Whether a server could bind ``port`` on 127.0.0.1 now. Bind, not connect: a port held by an
+    outgoing connection (Linux draws those from 32768–60999) has no listener to answer a connect,
+    yet a server cannot bind it. With SO_REUSEADDR, as the servers bind: a port left in TIME_WAIT by
+    the last deployment is free to them."""
     with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) != 0
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 class SuperLinkLost(Exception):
@@ -299,7 +309,7 @@ def _deploy(args: argparse.Namespace, repo: Path, run_dir: Path, lock_fd: int) -
     fleet, control, health, metrics = args.base_port, args.base_port + 1, args.base_port + 3, args.base_port + 5
     node_ports = [args.base_port + 10 + i for i in range(args.sites)]
     site_metric_ports = [args.base_port + 20 + i for i in range(args.sites)]
-    busy = [p for p in (fleet, control, health, metrics, *node_ports, *site_metric_ports) if not _port_free(p)]
+    busy = [p for p in (fleet, control, health, metrics, *node_ports, *site_metric_ports) if not port_free(p)]
     if busy:
         raise UserError(f"ports already in use on 127.0.0.1: {busy} (choose another --base-port)")
 
@@ -352,6 +362,11 @@ def _deploy(args: argparse.Namespace, repo: Path, run_dir: Path, lock_fd: int) -
         for site_id, site_toml, port in zip(site_ids, site_tomls, site_metric_ports):
             group.start(f"metrics-{site_id}", [sys.executable, "-m", "sites.metrics", "--site-config", str(site_toml),
                                                 "--port", str(port)])
+        # A site whose SuperNode cannot start (its port taken since the check above) would otherwise
+        # be missing from every round, said only after round 1 waited out its timeout for it.
+        for name, port in [*((f"supernode-{s}", p) for s, p in zip(site_ids, node_ports)),
+                           *((f"metrics-{s}", p) for s, p in zip(site_ids, site_metric_ports))]:
+            _wait_port(port, group.procs[name], name, run_dir / "logs" / f"{name}.log", timeout=SITE_START_TIMEOUT_S)
         run_config = f'coordinator-config="{coordinator_toml}" resume={"true" if args.resume else "false"}'
         out = group.run("flwr-run", [_bin("flwr"), "run", str(repo), CONNECTION, "--run-config", run_config, "--format", "json"],
                         timeout=120).stdout

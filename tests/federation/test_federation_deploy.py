@@ -117,12 +117,14 @@ def test_deployment_grpc_tls_auth_results_ledgers_and_budget_stop(tmp_path: Path
 
         # Prometheus over HTTP: coordinator (ServerApp) and each site's exporter
         coordinator_text = wait_for(lambda: _try_scrape(base + 5, "fedpose_round 1.0"), 400, "coordinator metrics after round 1", proc)
-        assert 'fedpose_site_epsilon{accountant="pld",adjacency="add_remove",guarantee="DP",site="site-1",unit="patient"}' in coordinator_text
         site_text = _scrape(base + 20)
-        assert 'fedpose_site_epsilon_spent{accountant="pld",adjacency="add_remove",guarantee="DP",site="site-1",unit="patient"}' in site_text
     finally:
         output = _finish(proc)
+    # checked once the deployment has ended, so that a failure shows its console and logs
     assert proc.returncode == 0, output + deploy_logs_tail(run_dir)
+    assert 'fedpose_site_epsilon{accountant="pld",adjacency="add_remove",guarantee="DP",site="site-1",unit="patient"}' in coordinator_text, \
+        coordinator_text + output + deploy_logs_tail(run_dir)
+    assert 'fedpose_site_epsilon_spent{accountant="pld",adjacency="add_remove",guarantee="DP",site="site-1",unit="patient"}' in site_text
     assert "round   2" in output and "(DP, δ = 1e-05, PLD)" in output
     # round 0 (the initial model's score, which the ServerApp prints to its log) also reaches this console, first
     assert output.index("round   0 | PCKh@0.5 = ") < output.index("round   1 |"), output

@@ -112,3 +112,22 @@ def test_one_deploy_per_run_dir_a_lost_superlink_stops_everything_and_resume_spe
     for site_id in ("site-1", "site-2"):
         assert_budget_ledger_and_true_spend_agree(run_dir, site_id, [1, 2])
     assert not no_leftover_processes(run_dir)
+
+
+def test_a_site_whose_supernode_cannot_start_stops_the_deployment_before_any_run(tmp_path: Path, data_dir: Path) -> None:
+    """A SuperNode that exits at start (here: its authentication key is unreadable; in CI once: its
+    port taken by another process between deploy's check and its bind) used to leave the run going
+    without that site, said only after round 1 had waited out its timeout for it."""
+    from fedpose.cli.certs import write_dev_certificates
+
+    config = tiny_federation(tmp_path, data_dir, sites=2, rounds=1, timeout=600.0)
+    run_dir, base = tmp_path / "run", free_base_port()
+    write_dev_certificates(run_dir / "certs", ["site-1", "site-2"])  # deploy local keeps existing certificates
+    (run_dir / "certs" / "sites" / "site-1").write_text("not a private key\n")
+    proc = start_deploy(config, run_dir, base, 2)
+    output = _finish(proc, timeout=400)
+    assert proc.returncode == 1, output + deploy_logs_tail(run_dir)
+    assert "supernode-site-1 exited with code" in output and str(run_dir / "logs" / "supernode-site-1.log") in output, output
+    assert "everything this run started is stopped" in output
+    assert not (run_dir / "run_id").exists()  # no run was submitted
+    assert not no_leftover_processes(run_dir), "deploy local left processes running"
