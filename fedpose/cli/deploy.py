@@ -137,6 +137,7 @@ def write_deployment_configs(args: argparse.Namespace, run_dir: Path) -> Deploym
         coordinator["rounds"] = args.rounds
     coordinator["min_sites"] = min(int(coordinator.get("min_sites", 1)), args.sites)
     coordinator["expected_sites"] = args.sites  # round 1 waits for every site this command starts
+    _sign_replies(sites, coordinator, run_dir / "certs" / "identities")
     federation = validate(FederationConfig, {**raw, "sites": sites, "coordinator": coordinator}, str(args.config))
 
     config_dir = run_dir / "configs"
@@ -151,6 +152,30 @@ def write_deployment_configs(args: argparse.Namespace, run_dir: Path) -> Deploym
 
 
 # -- processes -------------------------------------------------------------------------------------
+def _sign_replies(sites: list[dict[str, Any]], coordinator: dict[str, Any], identities: Path) -> None:
+    """Give each site an identity, as every site of a real federation should have (docs/deployment.md,
+    *Signed replies*): it signs its train replies and secure-aggregation keys, and the coordinator
+    uses a reply only when the site it names signed it. Kept in the run dir, made once (a resumed
+    run's sites keep theirs). Left alone where the config names identities itself, and for a single
+    site (a secure sum, whose peer list the identity carries, needs two)."""
+    from fedpose.federation.secagg import crypto
+    from fedpose.io import atomic_write
+
+    if (len(sites) < 2 or coordinator.get("site_identities") or any("identity" in site for site in sites)
+            or not all(isinstance(site.get("site_id"), str) for site in sites)):  # (validation names a missing id)
+        return
+    public_keys = {}
+    for site in sites:
+        key_path = identities / f"{site['site_id']}.pem"
+        if not key_path.exists():
+            pem = crypto.new_identity()
+            atomic_write(key_path, lambda fh, pem=pem: fh.write(pem))  # owner-only (0600) from the start
+        public_keys[site["site_id"]] = crypto.identity_public_key(crypto.load_identity(key_path))
+    for site in sites:
+        site["identity"] = {"key": str(identities / f"{site['site_id']}.pem"), "peers": public_keys}
+    coordinator["site_identities"] = public_keys
+
+
 class ProcessGroup:
     """Processes this command started. Each runs in its own session with the run's token in its
     environment (inherited by whatever Flower starts from it): stopping sweeps the token, so

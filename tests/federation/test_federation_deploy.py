@@ -183,6 +183,7 @@ def test_deployment_grpc_tls_auth_results_ledgers_and_budget_stop(tmp_path: Path
         records = message["records"]
         reply = protocol.decode_reply(records["reply"]["values"])  # exactly the typed schema, nothing else
         assert reply.privacy is not None and reply.privacy.guarantee == "DP"
+        assert reply.signature, "deploy local gives each site an identity: every reply is signed"
         if reply.status == "refused":  # site-2, round 2: no update leaves the site
             assert not (records.get("update") or {}).get("arrays"), records.keys()
             continue

@@ -146,3 +146,33 @@ def test_a_run_flower_ended_says_flowers_reason(tmp_path: Path, capsys: pytest.C
     report_failed_run("finished:failed", f"{COORDINATOR_ERROR_PREFIX}LedgerError: x\n", tmp_path / "logs",
                       "ServerApp failed with exception: x")
     assert capsys.readouterr().err.splitlines()[-1] == f"fedpose: error: the run did not complete (finished:failed); see {tmp_path / 'logs'}"
+
+
+def test_deploy_gives_each_site_an_identity_whose_signature_the_coordinator_requires(tmp_path: Path, three_sites: Path) -> None:
+    """Without identities any node the SuperLink admits could answer in a site's name (docs/deployment.md,
+    *Signed replies*): deploy local makes one per site, once, and lists them for the coordinator."""
+    from fedpose.federation.secagg import crypto
+
+    config = tiny_federation(tmp_path, three_sites, sites=3)
+    run_dir = tmp_path / "run"
+    assert _deploy_until_ports(config, run_dir, 3) == 2  # configs written, nothing started
+    coordinator = tomllib.loads((run_dir / "configs" / "coordinator.toml").read_text())["coordinator"]
+    keys = {}
+    for k in (1, 2, 3):
+        identity = tomllib.loads((run_dir / "configs" / f"site-{k}.toml").read_text())["identity"]
+        key_path = Path(identity["key"])
+        assert key_path.parent == run_dir / "certs" / "identities" and key_path.stat().st_mode & 0o077 == 0  # owner-only
+        assert identity["peers"] == coordinator["site_identities"]
+        keys[f"site-{k}"] = key_path.read_bytes()
+        assert coordinator["site_identities"][f"site-{k}"] == crypto.identity_public_key(crypto.load_identity(key_path))
+    assert len(set(keys.values())) == 3
+
+    # a resumed run's sites keep theirs (made once)
+    assert _deploy_until_ports(config, run_dir, 3) == 2
+    assert {f"site-{k}": (run_dir / "certs" / "identities" / f"site-{k}.pem").read_bytes() for k in (1, 2, 3)} == keys
+
+    # one site: no secure sum, whose peer list an identity carries, so none is made
+    single = tmp_path / "single"
+    assert _deploy_until_ports(config, single, 1) == 2
+    assert "identity" not in tomllib.loads((single / "configs" / "site-1.toml").read_text())
+    assert "site_identities" not in tomllib.loads((single / "configs" / "coordinator.toml").read_text())["coordinator"]
