@@ -224,23 +224,22 @@ def resolve_noise_multiplier(privacy: PrivacyConfig, sample_rate: float, planned
         raise ValueError(f"privacy: mechanism '{privacy.mechanism}' needs privacy.noise_multiplier or privacy.target_epsilon")
     relation = relation if relation is not None else get_mechanism(privacy.mechanism).guarantee.relation
     accountant = resolve_accountant(privacy)
-    if spent is not None and spent.steps > 0:
-        already = spent.get_epsilon(privacy.delta)[0]
-        remaining = max(1, planned_steps - spent.steps)
-        spent_text = format_epsilon(already, privacy.delta, get_mechanism(privacy.mechanism).guarantee, spent.accountant,
-                                    unit=unit, relation=relation)
-        where = (f" for the {remaining} steps left after the {spent.steps} the resumed run spent ({spent_text}); "
-                 "raise privacy.target_epsilon or train fewer steps")
-        if already >= privacy.target_epsilon:
-            raise ValueError(f"target ε = {privacy.target_epsilon} is unreachable{where}")
     whole_run = noise_multiplier_for(privacy.target_epsilon, sample_rate, planned_steps, privacy.delta, relation=relation,
                                      accountant=accountant)
-    if spent is not None and spent.steps > 0:
-        if spent.epsilon_if(whole_run, sample_rate, remaining, privacy.delta) <= privacy.target_epsilon:
-            return whole_run  # an interrupted run resumed as planned keeps its σ
-        return smallest_noise_multiplier(lambda sigma: spent.epsilon_if(sigma, sample_rate, remaining, privacy.delta),
-                                         privacy.target_epsilon, low=whole_run, high=2 * whole_run, where=where)
-    return whole_run
+    if spent is None or spent.steps == 0:
+        return whole_run
+    already = spent.get_epsilon(privacy.delta)[0]
+    remaining = max(1, planned_steps - spent.steps)
+    spent_text = format_epsilon(already, privacy.delta, get_mechanism(privacy.mechanism).guarantee, spent.accountant,
+                                unit=unit, relation=relation)
+    where = (f" for the {remaining} steps left after the {spent.steps} the resumed run spent ({spent_text}); "
+             "raise privacy.target_epsilon or train fewer steps")
+    if already >= privacy.target_epsilon:
+        raise ValueError(f"target ε = {privacy.target_epsilon} is unreachable{where}")
+    if spent.epsilon_if(whole_run, sample_rate, remaining, privacy.delta) <= privacy.target_epsilon:
+        return whole_run  # an interrupted run resumed as planned keeps its σ
+    return smallest_noise_multiplier(lambda sigma: spent.epsilon_if(sigma, sample_rate, remaining, privacy.delta),
+                                     privacy.target_epsilon, low=whole_run, high=2 * whole_run, where=where)
 
 
 class GradientEngine:
