@@ -2,8 +2,9 @@
 
 Only what the round protocol allows may leave (:mod:`fedpose.federation.protocol`): a ``reply``
 record holding one valid :class:`~fedpose.federation.protocol.SiteReply`, and — with status "ok"
-only — an ``update`` ArrayRecord whose arrays are named like the global model's parameters with
-the same shapes and dtypes. Under secure aggregation, a train reply carries the ``masked``
+only — an ``update`` ArrayRecord whose arrays are named like the trainable parameters of the model
+the instruction names (the ones the DP engine clips and noises), with the global arrays' shapes and
+dtypes. Under secure aggregation, a train reply carries the ``masked``
 ArrayRecord (one 1-D uint32/uint64 vector no longer than the global model) instead of ``update``, and a
 stage reply exactly one ``secagg`` record holding the stage's answer to what was asked (public
 keys to a setup, encrypted shares to a key directory, the asked shares to an unmask request —
@@ -140,13 +141,32 @@ def violations(incoming: Message, reply: Message) -> list[str]:
     allowed_arrays = {}
     if incoming.has_content() and protocol.GLOBAL_RECORD in incoming.content:
         allowed_arrays = {k: (tuple(a.shape), a.dtype) for k, a in incoming.content[protocol.GLOBAL_RECORD].items()}
+    trainable = _trainable_of(incoming)
+    if trainable is None:
+        return problems + ["the instruction names no model whose trainable parameters can be listed: no update may leave"]
     for key, array in update.items():
         expected = allowed_arrays.get(key)
         if expected is None:
             problems.append(f"array '{key}' is not a parameter of the global model")
+        elif key not in trainable:
+            problems.append(f"array '{key}' is not a trainable parameter of the model the instruction names")
         elif (tuple(array.shape), array.dtype) != expected:
             problems.append(f"array '{key}' has shape {tuple(array.shape)}/{array.dtype}, global has {expected}")
     return problems
+
+
+def _trainable_of(incoming: Message) -> frozenset[str] | None:
+    """Names of the parameters the instruction's model trains — the only ones the DP engine clips and
+    noises, so the only ones whose Δ may leave (a frozen weight, or a BatchNorm statistic, is among the
+    global arrays too: a Δ of a statistic computed on the site's images would be released without
+    noise). None when the instruction or its model spec cannot be read."""
+    from fedpose.model import trainable_parameter_names  # here: a stage answer or a refusal needs no model (timm's import is slow)
+
+    try:
+        return trainable_parameter_names(protocol.decode_instruction(dict(incoming.content[protocol.CONFIG_RECORD])).model_spec)
+    except Exception:  # noqa: BLE001 - whatever cannot be read lets no update through
+        log.error("egress guard: the instruction's model spec could not be built:\n%s", traceback.format_exc())
+        return None
 
 
 BlockedHook = Callable[[Message, Context, list[str]], None]

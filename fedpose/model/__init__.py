@@ -64,7 +64,22 @@ def build_model_from_spec(spec: ModelSpec | Mapping[str, Any]) -> PoseModel:
         **adapters,  # type: ignore[arg-type]
     )
     model.train_mode()
+    _TRAINABLE_NAMES.setdefault(spec.model_dump_json(), frozenset(model.trainable_parameters()))
     return model
+
+
+#: spec (JSON) → names of the parameters a freshly built model of it trains (for trainable_parameter_names)
+_TRAINABLE_NAMES: dict[str, frozenset[str]] = {}
+
+
+def trainable_parameter_names(spec: ModelSpec | Mapping[str, Any]) -> frozenset[str]:
+    """Names of the parameters the model ``spec`` describes trains, as built (the ones a DP engine
+    clips and noises). Remembered per spec from any build in this process: the site's egress guard
+    asks after its round built the model, and rebuilding the product's backbone takes seconds."""
+    key = ModelSpec.model_validate(spec).model_dump_json()
+    if key not in _TRAINABLE_NAMES:
+        build_model_from_spec(spec)
+    return _TRAINABLE_NAMES[key]
 
 
 def model_from_checkpoint(path: str | Path) -> tuple[PoseModel, dict[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 
@@ -9,19 +10,42 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
+from fedpose.config import ModelSpec
 from fedpose.federation import protocol
 from sites.egress import egress_guard, violations
-from site_round_helpers import PLACEHOLDER_SPEC
+
+
+#: a real model, so that the guard can list what it trains: only its norms and head
+SPEC = ModelSpec(backbone="tiny_vit_test", scenario="norms_head", input_size=(64, 64), split_factor=2, label_sigma=6.0, head_hidden=0)
+
+
+@functools.cache
+def _model_arrays() -> tuple[dict[str, np.ndarray], list[str]]:
+    """(the global arrays of SPEC's model — parameters and buffers —, its trainable parameters' names)."""
+    from fedpose.model import build_model_from_spec
+
+    model = build_model_from_spec(SPEC)
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}, list(model.trainable_parameters())
+
+
+TRAINED, OTHER_TRAINED = _model_arrays()[1][:2]
+FROZEN = next(k for k in _model_arrays()[0] if k.endswith(".weight") and k not in _model_arrays()[1])
+STATISTIC = next(k for k in _model_arrays()[0] if k.endswith("running_var"))
 
 
 def _train_message() -> Message:
+    arrays = _model_arrays()[0]
     content = RecordDict({
-        protocol.GLOBAL_RECORD: ArrayRecord({"head.w": Array(np.zeros((4, 3), np.float32)), "head.b": Array(np.zeros(3, np.float32))}),
-        protocol.CONFIG_RECORD: ConfigRecord(protocol.encode_instruction(protocol.TrainInstruction(run_id="run", round=1, local_steps=2, model_spec=PLACEHOLDER_SPEC))),
+        protocol.GLOBAL_RECORD: ArrayRecord({k: Array(v) for k, v in arrays.items()}),
+        protocol.CONFIG_RECORD: ConfigRecord(protocol.encode_instruction(protocol.TrainInstruction(run_id="run", round=1, local_steps=2, model_spec=SPEC))),
     })
     msg = Message(content, dst_node_id=1, message_type=protocol.MESSAGE_TYPE_TRAIN)
     msg.metadata.__dict__["_message_id"] = "m1"  # a pushed message has an id; replies refer to it
     return msg
+
+
+def _global(name: str) -> np.ndarray:
+    return _model_arrays()[0][name]
 
 
 def _reply(msg: Message, records: dict) -> Message:
@@ -38,7 +62,7 @@ def _site_reply(**changes) -> protocol.SiteReply:
 
 def _ok_records() -> dict:
     return {
-        protocol.UPDATE_RECORD: ArrayRecord({"head.w": Array(np.ones((4, 3), np.float32))}),
+        protocol.UPDATE_RECORD: ArrayRecord({TRAINED: Array(np.ones_like(_global(TRAINED)))}),
         protocol.REPLY_RECORD: ConfigRecord(protocol.encode_reply(_site_reply())),
     }
 
@@ -61,8 +85,11 @@ def test_egress_guard_lets_the_protocol_through(flower_task_identity) -> None:
     [
         (lambda r: r.update(images=ArrayRecord({"x": Array(np.zeros((2, 3, 8, 8), np.float32))})), "record 'images'"),
         (lambda r: r[protocol.UPDATE_RECORD].__setitem__("per_sample_grad", Array(np.zeros((16, 4, 3), np.float32))), "per_sample_grad"),
-        (lambda r: r[protocol.UPDATE_RECORD].__setitem__("head.w", Array(np.zeros((16, 4, 3), np.float32))), "shape"),
-        (lambda r: r[protocol.UPDATE_RECORD].__setitem__("head.b", Array(np.zeros(3, np.float64))), "head.b"),
+        (lambda r: r[protocol.UPDATE_RECORD].__setitem__(TRAINED, Array(np.zeros((16, 4, 3), np.float32))), "shape"),
+        (lambda r: r[protocol.UPDATE_RECORD].__setitem__(OTHER_TRAINED, Array(_global(OTHER_TRAINED).astype(np.float64))), OTHER_TRAINED),
+        # in the global model, but not trained: a frozen weight's or a BatchNorm statistic's "Δ" was never noised
+        (lambda r: r[protocol.UPDATE_RECORD].__setitem__(FROZEN, Array(np.zeros_like(_global(FROZEN)))), "not a trainable parameter"),
+        (lambda r: r[protocol.UPDATE_RECORD].__setitem__(STATISTIC, Array(np.ones_like(_global(STATISTIC)))), "not a trainable parameter"),
         (lambda r: r.update(metrics=MetricRecord({"train-loss": 2.5})), "record 'metrics'"),
         (lambda r: _tamper_reply(r, train_loss=2.5), "train_loss"),
         (lambda r: _tamper_reply(r, num_examples=160), "num_examples"),
@@ -235,3 +262,18 @@ def test_what_rays_driver_threads_print_goes_to_the_simulation_log(tmp_path, cap
     assert "round   2 | PCKh@0.5" in console.out and "after" in console.out
     assert "raylet" not in console.out + console.err
     assert "(raylet) A worker died or was killed. Worker PID: 6879\n" in log.read_text()  # without colour codes
+
+
+@pytest.mark.parametrize("scenario", ["full", "biases_norms", "grey_early_biases_norms", "lora"])
+def test_the_guard_lets_out_what_a_fresh_model_of_the_spec_trains(scenario: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The names the guard allows are the trainable parameters of the model the spec builds (the set the
+    DP engine clips and noises), remembered from the round's own build instead of a second one."""
+    import fedpose.model as model_module
+
+    spec = SPEC.model_copy(update={"scenario": scenario, "lora_rank": 2 if scenario == "lora" else None,
+                                   "lora_alpha": 4.0 if scenario == "lora" else None})
+    model = model_module.build_model_from_spec(spec)
+    trained = frozenset(model.trainable_parameters())
+    monkeypatch.setattr(model_module, "build_model_from_spec", lambda *_: pytest.fail("built again"))
+    assert model_module.trainable_parameter_names(spec) == trained
+    assert trained < frozenset(name for name, _ in model.named_parameters()) or scenario == "full"
