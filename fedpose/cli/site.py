@@ -102,7 +102,7 @@ def _identity(args: argparse.Namespace) -> int:
 #: CSV columns, in order (nested fields flattened)
 CSV_COLUMNS = ("seq", "at_utc", "site_id", "run_id", "round", "asked_local_steps", "asked_basis_version", "asked_backbone",
                "asked_input_size", "global_sha256", "ledger_record_rounds", "status", "reason", "error_class", "local_steps",
-               "guarantee", "protection_unit", "delta", "accountant", "epsilon", "eps_max", "epsilon_text", "rounds_spent",
+               "guarantee", "protection_unit", "delta", "accountant", "epsilon", "adjacency", "eps_max", "epsilon_text", "rounds_spent",
                "noise_multiplier", "sample_rate", "steps", "update_bytes", "update_sha256", "blocked_seq", "secagg_request",
                "secagg_answer", "seed_share_nodes", "key_share_nodes", "prev", "hash")
 
@@ -116,7 +116,7 @@ def _epsilon_text(entry: Any) -> str:
 
     if entry.guarantee is None:
         return "not stated (the site could not read its own state)"
-    return epsilon_text(entry.epsilon, entry.delta, entry.guarantee, entry.accountant, entry.protection_unit)
+    return epsilon_text(entry.epsilon, entry.delta, entry.guarantee, entry.accountant, entry.protection_unit, entry.adjacency)
 
 
 def _answer(entry: Any) -> str:
@@ -139,7 +139,8 @@ def _row(entry: Any) -> dict[str, Any]:
         "status": entry.status, "reason": entry.reason or "", "error_class": entry.error_class or "",
         "local_steps": entry.local_steps, "guarantee": entry.guarantee or "", "protection_unit": entry.protection_unit or "",
         "delta": "" if entry.delta is None else entry.delta, "accountant": entry.accountant or "",
-        "epsilon": "" if entry.epsilon is None else entry.epsilon, "eps_max": "" if entry.eps_max is None else entry.eps_max,
+        "epsilon": "" if entry.epsilon is None else entry.epsilon, "adjacency": entry.adjacency or "",
+        "eps_max": "" if entry.eps_max is None else entry.eps_max,
         "epsilon_text": _epsilon_text(entry), "rounds_spent": "" if entry.rounds_spent is None else entry.rounds_spent,
         "noise_multiplier": spend.noise_multiplier if spend else "", "sample_rate": spend.sample_rate if spend else "",
         "steps": spend.steps if spend else "", "update_bytes": entry.update_bytes, "update_sha256": entry.update_sha256 or "",

@@ -103,6 +103,9 @@ class AuditEntry(_Entry):
     delta: float | None
     accountant: str | None
     epsilon: float | None  #: cumulative ε after the round (None: no guarantee, or state unreadable)
+    #: the neighbouring relation the ε is under (None: an entry written before this field, or no ε;
+    #: its guarantee's default relation then — the same words for every guarantee kept today)
+    adjacency: str | None = None
     eps_max: float | None
     rounds_spent: int | None
     spend: SpendEvent | None  #: this round's (σ, q, steps) when the site's budget holds it as spent
@@ -159,7 +162,8 @@ def record_reply(state_dir: str | Path, reply: SiteReply, update: Mapping[str, n
         reason=reply.reason, error_class=reply.error_class, local_steps=reply.local_steps,
         guarantee=privacy.guarantee if privacy else None, protection_unit=privacy.protection_unit if privacy else None,
         delta=privacy.delta if privacy else None, accountant=privacy.accountant if privacy else None,
-        epsilon=privacy.epsilon if privacy else None, eps_max=privacy.eps_max if privacy else None,
+        epsilon=privacy.epsilon if privacy else None, adjacency=privacy.adjacency if privacy else None,
+        eps_max=privacy.eps_max if privacy else None,
         rounds_spent=privacy.rounds_spent if privacy else None, spend=spend,
         update_bytes=int(sum(np.asarray(a).nbytes for a in released.values())),
         update_sha256=arrays_sha256(released) if released else None,
@@ -179,8 +183,8 @@ def record_blocked(state_dir: str | Path, site_id: str, run_id: str, round_id: i
         if blocked is None:
             return None
         kept = blocked.model_dump(include={"site_id", "run_id", "round", "asked", "local_steps", "guarantee",
-                                           "protection_unit", "delta", "accountant", "epsilon", "eps_max",
-                                           "rounds_spent", "spend", "secagg_stage"})
+                                           "protection_unit", "delta", "accountant", "epsilon", "adjacency",
+                                           "eps_max", "rounds_spent", "spend", "secagg_stage"})
         return dict(kept, status="error", reason=None, error_class=BLOCKED_ERROR_CLASS, update_bytes=0,
                     update_sha256=None, blocked_seq=blocked.seq)
 
@@ -228,7 +232,7 @@ def _append(state_dir: Path, fields_of: Callable[[Sequence[AuditEntry]], dict[st
             new_fields = {**new_fields, "restarted_after_loss": True}
         fields = AuditEntry(seq=(last.seq + 1) if last else 1, prev=last.hash if last else GENESIS, at=time.time(),
                             **new_fields).model_dump(mode="json", exclude_none=False)
-        for added in ("blocked_seq", "restarted_after_loss", "secagg_stage"):
+        for added in ("adjacency", "blocked_seq", "restarted_after_loss", "secagg_stage"):
             if fields[added] is None:
                 del fields[added]  # entries that need neither are written as before these fields existed
         fields["hash"] = _entry_hash(fields)

@@ -56,8 +56,8 @@ def test_every_reply_is_logged_with_its_public_values_and_the_chain_verifies(sit
     for entry, result in zip(entries, results):
         reply = result.reply
         assert entry.epsilon == (reply.privacy.epsilon if reply.privacy else None)
-        assert (entry.guarantee, entry.protection_unit, entry.delta, entry.accountant) == (
-            "DP", "patient", 1e-5, reply.privacy.accountant)
+        assert (entry.guarantee, entry.protection_unit, entry.delta, entry.accountant, entry.adjacency) == (
+            "DP", "patient", 1e-5, reply.privacy.accountant, "add_remove")  # the relation as reported, not inferred
         if reply.carries_update:  # what was released, by size and digest
             assert entry.update_sha256 == arrays_sha256(result.update)
             assert entry.update_bytes == sum(a.nbytes for a in result.update.values()) > 0
@@ -104,7 +104,33 @@ def test_the_report_shows_public_values_only(site_rounds, tmp_path: Path, capsys
     assert doc["entries"][0]["update_sha256"] == read_log(state)[0].update_sha256
     rows = list(csv.DictReader(io.StringIO(outputs[("--csv",)])))
     assert [r["status"] for r in rows] == ["ok", "ok", "ok", "error"] and rows[0]["noise_multiplier"] == "1.0"
+    assert rows[0]["adjacency"] == "add_remove"
     assert "4 entries, hash chain intact; its 3 spends agree" in outputs[("--verify",)]
+
+
+def test_an_entry_written_before_the_adjacency_field_still_verifies_and_reads_with_its_guarantees_relation(
+        site_rounds, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fedpose.federation.site_audit import _entry_hash
+
+    state = _copy(site_rounds[0], tmp_path)
+    lines = _lines(state)
+    old = json.loads(lines[0])
+    del old["adjacency"]  # as a site wrote it before the field existed: hashed without it
+    old["hash"] = _entry_hash(old)
+    follower = json.loads(lines[1])
+    follower["prev"] = old["hash"]
+    follower["hash"] = _entry_hash(follower)
+    rest = [json.loads(line) for line in lines[2:]]
+    for before, entry in zip([follower, *rest], rest):
+        entry["prev"] = before["hash"]
+        entry["hash"] = _entry_hash(entry)
+    (state / AUDIT_FILE).write_text("".join(json.dumps(e) + "\n" for e in [old, follower, *rest]))
+    assert read_log(state)[0].adjacency is None and read_log(state)[1].adjacency == "add_remove"
+    assert main(["site", "report", "--state-dir", str(state), "--verify"]) == 0
+    capsys.readouterr()
+    assert main(["site", "report", "--state-dir", str(state), "--json"]) == 0
+    texts = [e["epsilon_text"] for e in json.loads(capsys.readouterr().out)["entries"]]
+    assert texts[0].endswith("add/remove-one-patient adjacency") and texts[0].split(" (")[1] == texts[1].split(" (")[1]
 
 
 def _lines(state: Path) -> list[str]:
