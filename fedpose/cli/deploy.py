@@ -461,6 +461,7 @@ def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float,
     print_rounds = _round_printer(history_dir)
     status, lost_since, asked = RunStatus(""), None, -math.inf
     coordinator = _Coordinator(history_dir)
+    exited: set[str] = set()
     while True:
         time.sleep(HISTORY_POLL_S)
         try:
@@ -469,6 +470,7 @@ def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float,
             rounds = []
         print_rounds(rounds[printed:])
         printed = max(printed, len(rounds))
+        _say_which_site_processes_exited(group, exited)
         if superlink.poll() is not None:
             raise SuperLinkLost(f"it exited with code {superlink.returncode} (pid {superlink.pid})")
         if timeout is not None and time.monotonic() - started > timeout:
@@ -492,6 +494,23 @@ def _follow(group: ProcessGroup, run_id: str, history_dir: Path, started: float,
         if status.status.startswith(FINISHED):
             print_rounds(load_history(history_dir)[printed:])
             return status
+
+
+#: what a site loses when one of its processes is gone (deploy local's process names: "<kind>-<site id>")
+SITE_PROCESS_LOSS = {"supernode": "it takes no part in the rounds that follow (reported missing)",
+                     "superexec": "it takes no part in the rounds that follow (reported missing)",
+                     "metrics": "its metrics are no longer served"}
+
+
+def _say_which_site_processes_exited(group: ProcessGroup, said: set[str]) -> None:
+    """Tell the operator, once each, that a site's process is gone (a site may leave a federation: the
+    run goes on; but only its rounds' lines would say so, and only as "missing")."""
+    for name, proc in group.procs.items():
+        kind, _, site_id = name.partition("-")
+        if kind in SITE_PROCESS_LOSS and name not in said and proc.poll() is not None:
+            said.add(name)
+            print(f"fedpose: warning: {name} exited with code {proc.returncode} (see {group.run_dir / 'logs' / f'{name}.log'}): "
+                  f"{site_id} goes on without it; {SITE_PROCESS_LOSS[kind]}", file=sys.stderr, flush=True)
 
 
 class _Coordinator:

@@ -278,6 +278,11 @@ def test_a_site_killed_while_its_clientapp_runs_goes_missing_then_killed_coordin
         if proc.poll() is None:
             proc.kill()
     assert not no_leftover_processes(run_dir), "Ctrl-C left processes running"
+    # the operator is told, once, which of the site's processes went (not only through round 2's line)
+    first = deploy_output(proc)
+    for name in ("supernode-site-2", "superexec-site-2"):
+        assert first.count(f"fedpose: warning: {name} exited with code -9") == 1, first
+    assert "site-1" not in "".join(line for line in first.splitlines() if "exited with code" in line)
 
     rounds = history(run_dir)
     assert rounds[1]["sites"]["site-1"]["status"] == "ok" and rounds[1]["aggregated"]
