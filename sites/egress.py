@@ -5,7 +5,7 @@ record holding one valid :class:`~fedpose.federation.protocol.SiteReply`, and �
 only — an ``update`` ArrayRecord whose arrays are named like the trainable parameters of the model
 the instruction names (the ones the DP engine clips and noises), with the global arrays' shapes and
 dtypes. Under secure aggregation, a train reply carries the ``masked``
-ArrayRecord (one 1-D uint32/uint64 vector no longer than the global model) instead of ``update``, and a
+ArrayRecord (one 1-D uint32/uint64 vector, one value per trainable parameter) instead of ``update``, and a
 stage reply exactly one ``secagg`` record holding the stage's answer to what was asked (public
 keys to a setup, encrypted shares to a key directory, the asked shares to an unmask request —
 never both shares of one node — or a refusal code). Anything else (an image, a per-sample gradient, an extra array or
@@ -101,9 +101,14 @@ def _masked_violations(incoming: Message, reply: Message, site_reply: protocol.S
     if not isinstance(masked, ArrayRecord) or set(masked) != {protocol.MASKED_KEY}:
         return problems + [f"record '{protocol.MASKED_RECORD}' must be an ArrayRecord of one array '{protocol.MASKED_KEY}'"]
     vector = masked[protocol.MASKED_KEY]
-    limit = sum(int(np.prod(a.shape)) for a in incoming.content[protocol.GLOBAL_RECORD].values())
-    if len(vector.shape) != 1 or np.dtype(vector.dtype) not in (np.uint32, np.uint64) or vector.shape[0] > limit:
-        problems.append(f"the masked vector has shape {tuple(vector.shape)}/{vector.dtype}, expected 1-D uint32/uint64 of at most {limit}")
+    trainable = _trainable_of(incoming)
+    if trainable is None:
+        return problems + ["the instruction names no model whose trainable parameters can be listed: no update may leave"]
+    # one value per trainable parameter (the site checked the setup's vector_length against the same count)
+    length = sum(int(np.prod(a.shape)) for k, a in incoming.content[protocol.GLOBAL_RECORD].items() if k in trainable)
+    if len(vector.shape) != 1 or np.dtype(vector.dtype) not in (np.uint32, np.uint64) or vector.shape[0] != length:
+        problems.append(f"the masked vector has shape {tuple(vector.shape)}/{vector.dtype}, expected 1-D uint32/uint64 of {length} "
+                        "(the trainable parameters)")
     return problems
 
 

@@ -3,6 +3,7 @@ the small TinyViT, DP-SGD with a declared sampling rate."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -13,8 +14,20 @@ from fedpose.config import ModelSpec
 PER_SITE = 16
 BATCH_SIZE = 4
 INPUT_SIZE = (64, 64)
-#: a well-formed model spec for messages whose model is never built (protocol and egress tests)
+#: a well-formed model spec for messages whose model is never built (protocol tests)
 PLACEHOLDER_SPEC = ModelSpec(backbone="x", scenario="scratch", input_size=INPUT_SIZE, split_factor=2, label_sigma=6.0, head_hidden=0)
+#: a real, small model for messages the egress guard checks (it lists what the model trains: here the
+#: grey copies of the early biases and norms, 1 296 values; frozen weights and BatchNorm statistics too)
+SMALL_SPEC = PLACEHOLDER_SPEC.model_copy(update={"backbone": "tiny_vit_test", "scenario": "grey_early_biases_norms"})
+
+
+@functools.cache
+def small_model_arrays() -> tuple[dict[str, np.ndarray], list[str]]:
+    """(SMALL_SPEC's global arrays — parameters and buffers —, the names of the parameters it trains)."""
+    from fedpose.model import build_model_from_spec
+
+    model = build_model_from_spec(SMALL_SPEC)
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}, list(model.trainable_parameters())
 
 
 def make_site_data(root: Path) -> Path:

@@ -170,3 +170,19 @@ def test_accountant_import_skips_opacus_package_init():  # RDP and PLD come from
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert float(out.stdout.split()[0]) > 0
+
+
+def test_a_resumed_run_whose_spend_already_passed_its_target_is_refused_before_any_calibration(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refusal names what the resumed run spent, and comes before the whole run's σ is calibrated
+    (which, for a target far below the spend, would fail first with a message that does not say why)."""
+    import fedpose.privacy.engine as engine
+    from fedpose.config import PrivacyConfig
+    from fedpose.privacy.accountant import PrivacyLedger
+
+    spent = PrivacyLedger(accountant="rdp")
+    spent.step(1.0, 0.25, 10)
+    monkeypatch.setattr(engine, "noise_multiplier_for", lambda *a, **k: pytest.fail("calibrated before the refusal"))
+    privacy = PrivacyConfig(mechanism="dpsgd", target_epsilon=1e-3, accountant="rdp", sample_rate=0.25)
+    with pytest.raises(ValueError, match=r"target ε = 0.001 is unreachable for the 99990 steps left after the 10 the resumed run spent"):
+        engine.resolve_noise_multiplier(privacy, 0.25, 100_000, spent=spent, unit="record")

@@ -33,6 +33,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import socket
@@ -158,11 +159,13 @@ def _sign_replies(sites: list[dict[str, Any]], coordinator: dict[str, Any], iden
     uses a reply only when the site it names signed it. Kept in the run dir, made once (a resumed
     run's sites keep theirs). Left alone where the config names identities itself, and for a single
     site (a secure sum, whose peer list the identity carries, needs two)."""
+    from fedpose.federation.config import SITE_ID_PATTERN
     from fedpose.federation.secagg import crypto
     from fedpose.io import atomic_write
 
     if (len(sites) < 2 or coordinator.get("site_identities") or any("identity" in site for site in sites)
-            or not all(isinstance(site.get("site_id"), str) for site in sites)):  # (validation names a missing id)
+            # an id validation will refuse (missing, or a path such as ../x): no key file is named after it
+            or not all(isinstance(site.get("site_id"), str) and re.fullmatch(SITE_ID_PATTERN, site["site_id"]) for site in sites)):
         return
     public_keys = {}
     for site in sites:

@@ -224,10 +224,13 @@ def resolve_noise_multiplier(privacy: PrivacyConfig, sample_rate: float, planned
         raise ValueError(f"privacy: mechanism '{privacy.mechanism}' needs privacy.noise_multiplier or privacy.target_epsilon")
     relation = relation if relation is not None else get_mechanism(privacy.mechanism).guarantee.relation
     accountant = resolve_accountant(privacy)
-    whole_run = noise_multiplier_for(privacy.target_epsilon, sample_rate, planned_steps, privacy.delta, relation=relation,
-                                     accountant=accountant)
+    def calibrated() -> float:
+        return noise_multiplier_for(privacy.target_epsilon, sample_rate, planned_steps, privacy.delta, relation=relation,
+                                    accountant=accountant)
+
     if spent is None or spent.steps == 0:
-        return whole_run
+        return calibrated()
+    # before the whole run's calibration: a target the resumed run already spent is refused at once, saying so
     already = spent.get_epsilon(privacy.delta)[0]
     remaining = max(1, planned_steps - spent.steps)
     spent_text = format_epsilon(already, privacy.delta, get_mechanism(privacy.mechanism).guarantee, spent.accountant,
@@ -236,6 +239,7 @@ def resolve_noise_multiplier(privacy: PrivacyConfig, sample_rate: float, planned
              "raise privacy.target_epsilon or train fewer steps")
     if already >= privacy.target_epsilon:
         raise ValueError(f"target ε = {privacy.target_epsilon} is unreachable{where}")
+    whole_run = calibrated()
     if spent.epsilon_if(whole_run, sample_rate, remaining, privacy.delta) <= privacy.target_epsilon:
         return whole_run  # an interrupted run resumed as planned keeps its σ
     return smallest_noise_multiplier(lambda sigma: spent.epsilon_if(sigma, sample_rate, remaining, privacy.delta),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 
@@ -10,34 +9,21 @@ import numpy as np
 import pytest
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 
-from fedpose.config import ModelSpec
 from fedpose.federation import protocol
 from sites.egress import egress_guard, violations
+from site_round_helpers import SMALL_SPEC, small_model_arrays
 
 
-#: a real model, so that the guard can list what it trains: only its norms and head
-SPEC = ModelSpec(backbone="tiny_vit_test", scenario="norms_head", input_size=(64, 64), split_factor=2, label_sigma=6.0, head_hidden=0)
-
-
-@functools.cache
-def _model_arrays() -> tuple[dict[str, np.ndarray], list[str]]:
-    """(the global arrays of SPEC's model — parameters and buffers —, its trainable parameters' names)."""
-    from fedpose.model import build_model_from_spec
-
-    model = build_model_from_spec(SPEC)
-    return {k: v.detach().numpy() for k, v in model.state_dict().items()}, list(model.trainable_parameters())
-
-
-TRAINED, OTHER_TRAINED = _model_arrays()[1][:2]
-FROZEN = next(k for k in _model_arrays()[0] if k.endswith(".weight") and k not in _model_arrays()[1])
-STATISTIC = next(k for k in _model_arrays()[0] if k.endswith("running_var"))
+TRAINED, OTHER_TRAINED = small_model_arrays()[1][:2]
+FROZEN = next(k for k in small_model_arrays()[0] if k.endswith(".weight") and k not in small_model_arrays()[1])
+STATISTIC = next(k for k in small_model_arrays()[0] if k.endswith("running_var"))
 
 
 def _train_message() -> Message:
-    arrays = _model_arrays()[0]
+    arrays = small_model_arrays()[0]
     content = RecordDict({
         protocol.GLOBAL_RECORD: ArrayRecord({k: Array(v) for k, v in arrays.items()}),
-        protocol.CONFIG_RECORD: ConfigRecord(protocol.encode_instruction(protocol.TrainInstruction(run_id="run", round=1, local_steps=2, model_spec=SPEC))),
+        protocol.CONFIG_RECORD: ConfigRecord(protocol.encode_instruction(protocol.TrainInstruction(run_id="run", round=1, local_steps=2, model_spec=SMALL_SPEC))),
     })
     msg = Message(content, dst_node_id=1, message_type=protocol.MESSAGE_TYPE_TRAIN)
     msg.metadata.__dict__["_message_id"] = "m1"  # a pushed message has an id; replies refer to it
@@ -45,7 +31,7 @@ def _train_message() -> Message:
 
 
 def _global(name: str) -> np.ndarray:
-    return _model_arrays()[0][name]
+    return small_model_arrays()[0][name]
 
 
 def _reply(msg: Message, records: dict) -> Message:
@@ -270,7 +256,7 @@ def test_the_guard_lets_out_what_a_fresh_model_of_the_spec_trains(scenario: str,
     DP engine clips and noises), remembered from the round's own build instead of a second one."""
     import fedpose.model as model_module
 
-    spec = SPEC.model_copy(update={"scenario": scenario, "lora_rank": 2 if scenario == "lora" else None,
+    spec = SMALL_SPEC.model_copy(update={"scenario": scenario, "lora_rank": 2 if scenario == "lora" else None,
                                    "lora_alpha": 4.0 if scenario == "lora" else None})
     model = model_module.build_model_from_spec(spec)
     trained = frozenset(model.trainable_parameters())

@@ -176,3 +176,16 @@ def test_deploy_gives_each_site_an_identity_whose_signature_the_coordinator_requ
     assert _deploy_until_ports(config, single, 1) == 2
     assert "identity" not in tomllib.loads((single / "configs" / "site-1.toml").read_text())
     assert "site_identities" not in tomllib.loads((single / "configs" / "coordinator.toml").read_text())["coordinator"]
+
+
+def test_no_identity_file_is_named_after_a_site_id_validation_refuses(tmp_path: Path, three_sites: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """An id such as ../x would have put a key file outside the run dir before validation refused it."""
+    config = tiny_federation(tmp_path, three_sites, sites=2)
+    raw = tomllib.loads(config.read_text())
+    raw["sites"][1]["site_id"] = "../../escaped"
+    config.write_text(tomli_w.dumps(raw))
+    run_dir = tmp_path / "deep" / "run"
+    assert _deploy_until_ports(config, run_dir, 2) == 2
+    assert "site_id" in capsys.readouterr().err  # validation names the bad id
+    assert not list(tmp_path.rglob("*.pem"))  # no key anywhere, inside or outside the run dir

@@ -24,7 +24,10 @@ from fedpose.federation.config import SecureAggregationConfig
 from fedpose.federation.server.rounds import RoundRunner
 from fedpose.train.central import to_toml
 from sites.egress import egress_guard, violations
-from site_round_helpers import PLACEHOLDER_SPEC, make_site_data, site_config
+from site_round_helpers import PLACEHOLDER_SPEC, SMALL_SPEC, make_site_data, site_config, small_model_arrays
+
+#: the masked vector's length: one value per parameter SMALL_SPEC's model trains
+VECTOR_LENGTH = sum(small_model_arrays()[0][name].size for name in small_model_arrays()[1])
 
 
 @pytest.fixture(autouse=True)
@@ -140,10 +143,10 @@ def _recording(reply: Message, into: list[Message]) -> Message:
 # -- the egress guard --------------------------------------------------------------------------------------
 def _stage_messages() -> tuple[CoordinatorSecAggRound, dict[int, secagg_site.SiteSecAggSession]]:
     settings = SecureAggregationConfig(enabled=True, clip_range=1.0, bits=16, modulus_bits=32, max_sites=8)
-    coordinator = CoordinatorSecAggRound(settings, "run", 1, [1, 2, 3], 15)
+    coordinator = CoordinatorSecAggRound(settings, "run", 1, [1, 2, 3], VECTOR_LENGTH)
     sessions, keys = {}, {}
     for node in (1, 2, 3):
-        sessions[node], keys[node] = secagg_site.start(f"site-{node}", coordinator.setup(node), 15)
+        sessions[node], keys[node] = secagg_site.start(f"site-{node}", coordinator.setup(node), VECTOR_LENGTH)
     coordinator.receive_public_keys(keys)
     directory = coordinator.key_directory()
     coordinator.receive_shares({n: secagg_site.answer(s, s.site_id, directory) for n, s in sessions.items()})
@@ -162,9 +165,9 @@ def _answer(msg: Message, message: object, **extra: object) -> Message:
 
 
 def _secure_train_message(inbox: protocol.SecAggShareInbox) -> Message:
-    instruction = protocol.TrainInstruction(run_id="run", round=1, local_steps=2, model_spec=PLACEHOLDER_SPEC, secure_aggregation=True)
+    instruction = protocol.TrainInstruction(run_id="run", round=1, local_steps=2, model_spec=SMALL_SPEC, secure_aggregation=True)
     msg = Message(RecordDict({
-        protocol.GLOBAL_RECORD: ArrayRecord({"head.w": Array(np.zeros((4, 3), np.float32)), "head.b": Array(np.zeros(3, np.float32))}),
+        protocol.GLOBAL_RECORD: ArrayRecord({k: Array(v) for k, v in small_model_arrays()[0].items()}),
         protocol.CONFIG_RECORD: ConfigRecord(protocol.encode_instruction(instruction)),
         protocol.SECAGG_RECORD: ConfigRecord(protocol.encode_secagg(inbox))}), dst_node_id=1, message_type=protocol.MESSAGE_TYPE_TRAIN)
     msg.metadata.__dict__["_message_id"] = "t1"
@@ -187,7 +190,7 @@ def test_the_egress_guard_lets_every_secagg_stage_answer_out() -> None:
     assert violations(setup, _answer(setup, refusal)) == []
     sessions[1].receive_shares(coordinator.inbox(1))
     train = _secure_train_message(coordinator.inbox(1))
-    vector = sessions[1].mask(np.zeros(15))
+    vector = sessions[1].mask(np.zeros(VECTOR_LENGTH))
     masked = Message(RecordDict({protocol.REPLY_RECORD: _ok_reply(),
                                  protocol.MASKED_RECORD: ArrayRecord({protocol.MASKED_KEY: Array(vector)})}), reply_to=train)
     assert violations(train, masked) == []
@@ -239,20 +242,23 @@ def test_the_egress_guard_blocks_anything_else_in_a_stage(case: str, expected: s
 @pytest.mark.parametrize("case, expected", [
     ("the update in the clear", "record 'update'"),
     ("a float vector", "expected 1-D uint32/uint64"),
-    ("a longer vector", "of at most 15"),
+    ("a longer vector", f"of {VECTOR_LENGTH} (the trainable parameters)"),
+    ("a shorter vector", f"of {VECTOR_LENGTH} (the trainable parameters)"),
     ("no vector with ok", "needs a masked record"),
 ])
 def test_the_egress_guard_blocks_anything_but_the_masked_vector_in_a_secure_round(case: str, expected: str) -> None:
     coordinator, _ = _stage_messages()
     train = _secure_train_message(coordinator.inbox(1))
     records: dict = {protocol.REPLY_RECORD: _ok_reply(),
-                     protocol.MASKED_RECORD: ArrayRecord({protocol.MASKED_KEY: Array(np.zeros(15, np.uint64))})}
+                     protocol.MASKED_RECORD: ArrayRecord({protocol.MASKED_KEY: Array(np.zeros(VECTOR_LENGTH, np.uint64))})}
     if case == "the update in the clear":
         records[protocol.UPDATE_RECORD] = ArrayRecord({"head.w": Array(np.ones((4, 3), np.float32))})
     elif case == "a float vector":
-        records[protocol.MASKED_RECORD] = ArrayRecord({protocol.MASKED_KEY: Array(np.zeros(15, np.float32))})
-    elif case == "a longer vector":
-        records[protocol.MASKED_RECORD] = ArrayRecord({protocol.MASKED_KEY: Array(np.zeros(16, np.uint64))})
+        records[protocol.MASKED_RECORD] = ArrayRecord({protocol.MASKED_KEY: Array(np.zeros(VECTOR_LENGTH, np.float32))})
+    elif case in ("a longer vector", "a shorter vector"):
+        # a longer vector (or one of every global value) would carry values the engine never noised
+        length = VECTOR_LENGTH + 1 if case == "a longer vector" else VECTOR_LENGTH - 1
+        records[protocol.MASKED_RECORD] = ArrayRecord({protocol.MASKED_KEY: Array(np.zeros(length, np.uint64))})
     else:
         del records[protocol.MASKED_RECORD]
     problems = violations(train, Message(RecordDict(records), reply_to=train))
