@@ -303,7 +303,7 @@ def train_site_round(
     """
     import torch
 
-    from fedpose.model import build_model_from_spec
+    from fedpose.model import build_model_from_spec, trainable_parameter_names
     from fedpose.model.grey_copies import records_with_gradient
     from fedpose.privacy.engine import build_engine
     from fedpose.privacy.noise import check_release_size
@@ -458,8 +458,12 @@ def train_site_round(
             # The round was already spent (a duplicated message, or a coordinator that resumed after
             # the site had trained). A fresh noisy update would be a second release of the round:
             # re-send the update released then (no new privacy cost), or nothing if there is none.
-            released = _load_released(site, run_id, round_id)
-            _log_round(site, run_id, round_id, "resent" if released is not None else "replayed", started)
+            released, note = _load_released(site, run_id, round_id), ""
+            if released is not None and set(released) != trainable_parameter_names(model_spec):
+                # asked again for another trainable set: that release is not an update of the model asked
+                # for (the egress guard would block it), and a fresh one would be a second release
+                released, note = None, f"the release kept is of another trainable set than scenario {model_spec.scenario!r}'s"
+            _log_round(site, run_id, round_id, "resent" if released is not None else "replayed", started, note=note)
             if released is not None:
                 return SiteRoundResult(reply("ok", "resent-earlier-release", affordable), released)
             return SiteRoundResult(reply("replayed", "no-earlier-release", affordable))

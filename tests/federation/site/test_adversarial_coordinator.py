@@ -54,6 +54,10 @@ def test_replaying_a_round_gets_the_same_release_never_a_fresh_one(data_root, we
         assert again.reply.reason == "resent-earlier-release"
         assert all(np.array_equal(again.update[k], first.update[k]) for k in first.update)  # nothing new to average
     assert _spent(state) == spent
+    # asked again for another trainable set: no re-send of an update of other parameters, no fresh release
+    other = run_site_round(site, "run", 1, global_state, spec.model_copy(update={"scenario": "biases_norms"}), STEPS)
+    assert (other.reply.status, other.reply.reason, other.update) == ("replayed", "no-earlier-release", {})
+    assert _spent(state) == spent
     # the same round with other parameters is refused outright, nothing released or spent
     conflict = run_site_round(site_config(data_root, state, local_steps=1), "run", 1, global_state, spec, 1)
     assert conflict.reply.status == "error" and not conflict.update
