@@ -35,6 +35,8 @@ from fedpose.federation import protocol
 
 log = logging.getLogger("fedpose.site.egress")
 
+#: why nothing trained may leave when the instruction's model cannot be built (its trainable parameters unknown)
+UNLISTED_MODEL = "the instruction names no model whose trainable parameters can be listed: no update may leave"
 EGRESS_ERROR_CODE = 451  #: the reply broke the protocol and was blocked
 SITE_ERROR_CODE = 500  #: the ClientApp raised; only the class name leaves
 
@@ -103,7 +105,7 @@ def _masked_violations(incoming: Message, reply: Message, site_reply: protocol.S
     vector = masked[protocol.MASKED_KEY]
     trainable = _trainable_of(incoming)
     if trainable is None:
-        return problems + ["the instruction names no model whose trainable parameters can be listed: no update may leave"]
+        return problems + [UNLISTED_MODEL]
     # one value per trainable parameter (the site checked the setup's vector_length against the same count)
     length = sum(int(np.prod(a.shape)) for k, a in incoming.content[protocol.GLOBAL_RECORD].items() if k in trainable)
     if len(vector.shape) != 1 or np.dtype(vector.dtype) not in (np.uint32, np.uint64) or vector.shape[0] != length:
@@ -148,7 +150,7 @@ def violations(incoming: Message, reply: Message) -> list[str]:
         allowed_arrays = {k: (tuple(a.shape), a.dtype) for k, a in incoming.content[protocol.GLOBAL_RECORD].items()}
     trainable = _trainable_of(incoming)
     if trainable is None:
-        return problems + ["the instruction names no model whose trainable parameters can be listed: no update may leave"]
+        return problems + [UNLISTED_MODEL]
     for key, array in update.items():
         expected = allowed_arrays.get(key)
         if expected is None:

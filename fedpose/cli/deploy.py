@@ -167,15 +167,14 @@ def _sign_replies(sites: list[dict[str, Any]], coordinator: dict[str, Any], iden
             # an id validation will refuse (missing, or a path such as ../x): no key file is named after it
             or not all(isinstance(site.get("site_id"), str) and re.fullmatch(SITE_ID_PATTERN, site["site_id"]) for site in sites)):
         return
-    public_keys = {}
-    for site in sites:
-        key_path = identities / f"{site['site_id']}.pem"
+    key_paths = {site["site_id"]: identities / f"{site['site_id']}.pem" for site in sites}
+    for key_path in key_paths.values():
         if not key_path.exists():
             pem = crypto.new_identity()
             atomic_write(key_path, lambda fh, pem=pem: fh.write(pem))  # owner-only (0600) from the start
-        public_keys[site["site_id"]] = crypto.identity_public_key(crypto.load_identity(key_path))
+    public_keys = {site_id: crypto.identity_public_key(crypto.load_identity(path)) for site_id, path in key_paths.items()}
     for site in sites:
-        site["identity"] = {"key": str(identities / f"{site['site_id']}.pem"), "peers": public_keys}
+        site["identity"] = {"key": str(key_paths[site["site_id"]]), "peers": public_keys}
     coordinator["site_identities"] = public_keys
 
 
