@@ -2,7 +2,9 @@
 site, the coordinator submitted with ``flwr run`` — over gRPC with TLS and SuperNode
 authentication, exactly as it would run across hospitals (separate processes, own ports).
 
-Everything goes into ``--run-dir``: ``certs/`` (``fedpose certs``), ``configs/`` (the coordinator
+Everything goes into ``--run-dir``: ``certs/`` (``fedpose certs``; with two or more sites also
+``identities/``, each site's signing key, made once: its replies and secure-aggregation keys are
+signed, and the coordinator's ``site_identities`` requires it), ``configs/`` (the coordinator
 TOML and one site TOML per site), ``flwr-home/`` (the SuperLink connection for ``flwr``),
 ``logs/`` (one log per process), ``sites/<id>/`` (each site's persisted budget), ``coordinator/``
 (global model, server-optimizer state, ledger, history, report) and ``commands.sh`` (every
@@ -16,7 +18,9 @@ data the configs point to is absent, into a directory without data: nothing is d
 
 Everything it started is stopped on exit, on error, on Ctrl-C and SIGTERM — and when it is
 killed (SIGKILL), by a watchdog process (``fedpose.cli.process_sweep``). A run in which a site
-failed ends with a failure summary and exit code 3 unless ``--allow-site-failures``.
+failed ends with a failure summary and exit code 3 unless ``--allow-site-failures``. A site's
+SuperNode or exporter that cannot start stops everything before the run is submitted (exit 1, its
+log named); one that exits during the run is named in a warning, once.
 
 One ``deploy local`` per run directory: it holds an exclusive lock on ``--run-dir`` while it
 lives (the coordinator holds another on ``coordinator/``); a second one is refused naming the
